@@ -1,0 +1,148 @@
+"""Chapter 01: train an MNIST CNN with DistributedDataParallel (DDP).
+
+Every process (rank) holds a full copy of the model and trains on its own slice of each epoch
+(DistributedSampler). During backward, DDP all-reduces the gradients so every rank applies the same
+averaged update and the copies never drift apart. Evaluation is sharded too, and per-rank counts are
+all-reduced into one global test accuracy.
+
+    torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py          # 4 CPU processes or 4 GPUs
+    torchrun --nproc_per_node=2 01-ddp-basics/ddp_mnist.py --epochs 1
+    python 01-ddp-basics/ddp_mnist.py                                # a world of one
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.checkpoint import atomic_save
+from distkit.data import prepare_mnist
+from distkit.harness import Harness
+from distkit.logs import progress, setup_logging
+from distkit.models import MnistCNN
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Train a CNN on MNIST with DistributedDataParallel. Launch with torchrun; "
+                    "each process is one rank. Runs on CPU (gloo) or one GPU per rank (NCCL).",
+        epilog="example: torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py --epochs 3")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set (default: 3)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="samples per rank per step; the global batch is this x world size (default: 64)")
+    parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate (default: 1.0)")
+    parser.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch (default: 0.7)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop each epoch after this many steps (quick runs and tests; default: full epoch)")
+    parser.add_argument("--data-dir", default="data", help="where MNIST is stored or downloaded (default: data)")
+    parser.add_argument("--offline", action="store_true",
+                        help="do not try to download; use the files in --data-dir or the 5k offline sample")
+    parser.add_argument("--checkpoint", default="checkpoints/ddp_mnist.pt",
+                        help="rank 0 saves the trained model here (default: checkpoints/ddp_mnist.pt)")
+    parser.add_argument("--results", default="runs/results.jsonl",
+                        help="the harness appends one JSON record of this run here (default: runs/results.jsonl)")
+    parser.add_argument("--log-file", default="runs/ddp_mnist.log", help="rank 0's log file (default: runs/ddp_mnist.log)")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be at least 1")
+    return args
+
+
+def train_one_epoch(model, loader, optimizer, harness, ctx, epoch, max_steps):
+    """One pass over this rank's shard; returns this rank's (loss sum, correct, samples)."""
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64)
+    steps = len(loader) if max_steps is None else min(len(loader), max_steps)
+    bar = progress(loader, ctx.rank, total=steps, desc=f"epoch {epoch}")
+    for step, (images, labels) in enumerate(bar):
+        if step >= steps:
+            break
+        images, labels = images.to(ctx.device), labels.to(ctx.device)
+        with harness.step(samples=len(images) * ctx.world_size):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+            loss.backward()  # DDP all-reduces (averages) gradients across ranks here, bucket by bucket
+            optimizer.step()
+        totals += torch.tensor([loss.item() * len(labels),
+                                (logits.argmax(1) == labels).sum().item(), len(labels)], dtype=torch.float64)
+        if ctx.rank == 0 and hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, test_set, ctx, batch_size):
+    """Global test (loss, accuracy): each rank scores every world_size-th sample, then all-reduce."""
+    # Not DistributedSampler: it pads the last shard with repeated samples, which would count some
+    # test digits twice. A strided Subset scores every sample exactly once.
+    shard = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    for images, labels in DataLoader(shard, batch_size=4 * batch_size):
+        images, labels = images.to(ctx.device), labels.to(ctx.device)
+        logits = model(images)
+        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
+                               (logits.argmax(1) == labels).sum().double(),
+                               torch.tensor(len(labels), dtype=torch.float64, device=ctx.device)])
+    dist.all_reduce(totals)  # sum of per-rank counts = counts over the whole test set
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+def main():
+    args = parse_args()
+    wall_start = time.perf_counter()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank, args.log_file)
+        log.info(f"world size {ctx.world_size} | backend {ctx.backend} | device {ctx.device.type} "
+                 f"| per-rank batch {args.batch_size} -> global batch {args.batch_size * ctx.world_size}")
+        train_set, test_set, source = prepare_mnist(args.data_dir, ctx, offline=args.offline)
+
+        # Each rank sees a different 1/world_size of the shuffled training set every epoch.
+        sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
+                                     shuffle=True, seed=args.seed)
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+        # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's weights.
+        model = MnistCNN().to(ctx.device)
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+        harness = Harness(ctx, "ddp", model=model, optimizer=optimizer,
+                          config={"script": "ddp_mnist", "batch_size_per_rank": args.batch_size,
+                                  "epochs": args.epochs, "data": source})
+
+        test_acc = 0.0
+        for epoch in range(1, args.epochs + 1):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on every rank
+            start = time.perf_counter()
+            totals = train_one_epoch(model, loader, optimizer, harness, ctx, epoch, args.max_steps)
+            dist.all_reduce(totals)  # per-rank sums -> global sums
+            train_loss, train_acc = totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
+            test_loss, test_acc = evaluate(model, test_set, ctx, args.batch_size)
+            scheduler.step()
+            log.info(f"epoch {epoch}/{args.epochs} | train loss {train_loss:.4f} acc {train_acc:.2%} "
+                     f"| test loss {test_loss:.4f} acc {test_acc:.2%} | {time.perf_counter() - start:.1f} s")
+
+        if ctx.is_main:  # one copy is enough: every rank holds identical weights
+            atomic_save({"model": model.module.state_dict(), "test_accuracy": test_acc,
+                         "world_size": ctx.world_size}, args.checkpoint)
+        record = harness.finish(args.results, extra={"test_accuracy": test_acc, "data": source})
+        if ctx.is_main:
+            wall = time.perf_counter() - wall_start
+            rate = record["metrics"]["samples_per_s"] or 0.0
+            log.info(f"saved {args.checkpoint} | record appended to {args.results}")
+            log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate:.0f} samples/s "
+                     f"| world size {ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")
+
+
+if __name__ == "__main__":
+    run_main(main)

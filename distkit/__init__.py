@@ -1,0 +1,15 @@
+"""distkit: the shared, non-lesson parts of the distributed-training chapters.
+
+* :mod:`distkit.runtime`: backend/device choice, process group set-up and tear-down, seeding,
+  one-line errors (``run_main``, ``UsageError``).
+* :mod:`distkit.logs`: ``[rank N]`` logging and a rank-0 progress bar.
+* :mod:`distkit.harness`: step timing, memory per rank, communication bytes per collective, and
+  the JSON records that ``benchmarks/`` reads.
+* :mod:`distkit.data`: MNIST with an offline fallback; :mod:`distkit.models`: the MNIST CNN, the
+  small GPT and its synthetic token task; :mod:`distkit.checkpoint`: atomic, safe checkpoints.
+"""
+from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,  # noqa: F401
+                      choose_backend_and_device, distributed, init_distributed, run_main,
+                      seed_everything, shutdown_distributed)
+
+__version__ = "0.1.0"

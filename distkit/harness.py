@@ -1,0 +1,398 @@
+"""The benchmark harness every chapter shares, so every strategy is measured the same way.
+
+Three measurements, one JSON record per run:
+
+* **time**: a step timer that skips warm-up steps; on GPU it synchronises the device so a step's
+  time includes its kernels, on CPU it reads ``time.perf_counter``. Throughput follows from it.
+* **memory per rank**: on GPU ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS.
+  On both, the bytes of parameters, gradients and optimizer state this rank *holds* (sharded
+  tensors count only their local shard), which is what the ZeRO/FSDP formulas predict.
+* **communication per step by collective**, counted from the collectives that really ran: a
+  ``TorchDispatchMode`` sees every ``c10d`` operation (DDP's C++ bucket all-reduce, FSDP's
+  all-gather and reduce-scatter, DTensor's functional collectives, DeepSpeed's calls) with its
+  tensors and process group, and adds up their sizes. Counting runs on its own step(s) after the
+  warm-up and never on a timed step, so it adds nothing to the measured step time.
+
+For every collective the record keeps the payload (``bytes``: the tensor handed to the collective,
+the *total* buffer for gathers/scatters as nccl-tests counts it) and ``bus_bytes``: the bytes each
+rank sends on the wire in a ring/bandwidth-optimal algorithm, i.e. payload x the nccl-tests bus factor
+(all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, broadcast / reduce /
+send / recv 1). Bus bytes are what to compare between strategies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .runtime import DistContext
+
+# op name (as the dispatcher names it) -> (collective, how to find payload tensors)
+# "in": the payload is the input tensor(s); "out": the output (gathers: the full gathered buffer);
+# "in_total": for reduce-scatter the payload is the full input buffer.
+_C10D_OPS = {
+    "c10d::allreduce_": ("all_reduce", "arg0"),
+    "c10d::allreduce_coalesced_": ("all_reduce", "arg0"),
+    "c10d::broadcast_": ("broadcast", "arg0"),
+    "c10d::reduce_": ("reduce", "arg0"),
+    "c10d::allgather_": ("all_gather", "arg0"),  # output lists: sum of the gathered list
+    "c10d::_allgather_base_": ("all_gather", "arg0"),
+    "c10d::allgather_coalesced_": ("all_gather", "arg0"),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", "arg0"),
+    "c10d::reduce_scatter_": ("reduce_scatter", "arg1"),  # input lists
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", "arg1"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", "arg1"),
+    "c10d::alltoall_": ("all_to_all", "arg1"),
+    "c10d::alltoall_base_": ("all_to_all", "arg1"),
+    "c10d::gather_": ("gather", "arg1"),
+    "c10d::scatter_": ("scatter", "arg0"),
+    "c10d::send": ("send", "arg0"),
+    "c10d::recv_": ("recv", "arg0"),
+    "c10d::recv_any_source_": ("recv", "arg0"),
+    "c10d::barrier": ("barrier", None),
+}
+# DTensor / functional collectives (same convention)
+_FUNCTIONAL_OPS = {
+    "_c10d_functional::all_reduce": ("all_reduce", "arg0"),
+    "_c10d_functional::all_reduce_": ("all_reduce", "arg0"),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce", "arg0"),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", "out"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "out"),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather", "out"),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", "arg0"),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", "arg0"),
+    "_c10d_functional::all_to_all_single": ("all_to_all", "arg0"),
+    "_c10d_functional::broadcast": ("broadcast", "arg0"),
+    "_c10d_functional::broadcast_": ("broadcast", "arg0"),
+}
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: wire bytes per rank = payload bytes x this factor."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    return 0.0
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    """Size of the process group a dispatched collective runs on.
+
+    c10d ops carry the group as a boxed ``ProcessGroup``; functional collectives carry its name as
+    their last string argument.
+    """
+    values = (*args, *kwargs.values())
+    for obj in values:
+        if isinstance(obj, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(obj).size()
+    names = [obj for obj in values if isinstance(obj, str)]
+    if names:
+        return dist.distributed_c10d._resolve_process_group(names[-1]).size()
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class CollectiveStats:
+    """Calls and bytes of one kind of collective."""
+
+    calls: int = 0
+    bytes: int = 0
+    bus_bytes: float = 0.0
+
+    def as_dict(self, steps: int = 1) -> dict:
+        return {"calls": self.calls / steps, "bytes": self.bytes / steps,
+                "bus_bytes": self.bus_bytes / steps}
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts every collective dispatched while active (``with CommCounter() as comm: ...``).
+
+    ``comm.stats`` maps a collective name (``all_reduce``, ``all_gather`` ...) to
+    :class:`CollectiveStats`. Tensor bytes are exact (numel x element size), so padding of flat
+    shards or a bucketed gradient buffer shows up as it really is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, CollectiveStats] = defaultdict(CollectiveStats)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        entry = _C10D_OPS.get(name) or _FUNCTIONAL_OPS.get(name)
+        if entry is not None:
+            collective, where = entry
+            if where is None:
+                payload = 0
+            elif where == "out":
+                payload = _tensor_bytes(out)
+            else:
+                payload = _tensor_bytes(args[int(where[3:])])
+            size = _group_size(args, kwargs)
+            stat = self.stats[collective]
+            stat.calls += 1
+            stat.bytes += payload
+            stat.bus_bytes += payload * bus_factor(collective, size)
+        return out
+
+    def summary(self, steps: int = 1) -> dict[str, dict]:
+        """Per-step averages: ``{collective: {"calls", "bytes", "bus_bytes"}}``."""
+        return {name: stat.as_dict(steps) for name, stat in sorted(self.stats.items())}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        t = _local(t)
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module | None = None,
+                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that *this rank* holds.
+
+    DTensor parameters (FSDP2, tensor parallel) count their local shard only; tensors sharing one
+    storage (tied weights) count once.
+    """
+    params = list(model.parameters()) if model is not None else []
+    grads = [p.grad for p in params if p.grad is not None]
+    states = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
+            "optimizer": _unique_bytes(states)}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports it in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on: device name, cores, host OS."""
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"cpu": cpu_name, "cpu_cores": cores, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+    else:
+        info["device_name"] = f"{cores}-core CPU"
+    return info
+
+
+class StepTimer:
+    """Times steps after ``warmup_steps`` have passed; synchronises CUDA so GPU work is included."""
+
+    def __init__(self, device: torch.device, warmup_steps: int = 2):
+        self.device = device
+        self.warmup_steps = warmup_steps
+        self.seen = 0
+        self.times: list[float] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def time(self, record: bool = True) -> Iterator[None]:
+        """Time the enclosed step (recorded only when ``record`` and past the warm-up)."""
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        if record and self.seen >= self.warmup_steps:
+            self.times.append(time.perf_counter() - start)
+        self.seen += 1
+
+
+@dataclass
+class Harness:
+    """Measures a training loop: ``with harness.step(samples=...): <one optimizer step>``.
+
+    Step order: ``warmup_steps`` untimed steps, then ``comm_steps`` steps with communication counted
+    (untimed: counting intercepts every op), then timed steps. ``samples`` / ``tokens`` are the
+    number processed by the whole job in that step (the global batch), the same value on every rank.
+    Call :meth:`finish` on every rank at the end; it gathers all ranks' numbers and, on rank 0,
+    appends the record to ``results_file``.
+    """
+
+    ctx: DistContext
+    strategy: str
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    warmup_steps: int = 2
+    comm_steps: int = 1
+    config: dict[str, Any] = field(default_factory=dict)
+    _timer: StepTimer = field(init=False)
+    _comm: CommCounter = field(init=False)
+    _comm_done: int = field(init=False, default=0)
+    _steps: int = field(init=False, default=0)
+    _timed_samples: float = field(init=False, default=0.0)
+    _timed_tokens: float = field(init=False, default=0.0)
+    _state_bytes: dict[str, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._timer = StepTimer(self.ctx.device, warmup_steps=0)
+        self._comm = CommCounter()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+
+    @contextmanager
+    def step(self, samples: float = 0, tokens: float = 0) -> Iterator[None]:
+        """Wrap one training step (forward, backward, optimizer step)."""
+        index = self._steps
+        self._steps += 1
+        if index < self.warmup_steps:
+            yield
+        elif index < self.warmup_steps + self.comm_steps:
+            with self._comm:
+                yield
+            self._comm_done += 1
+        else:
+            with self._timer.time():
+                yield
+            self._timed_samples += samples
+            self._timed_tokens += tokens
+        # Gradients and optimizer state exist after the first step; keep the largest sample.
+        current = self.state_bytes()
+        if sum(current.values()) >= sum(self._state_bytes.values()):
+            self._state_bytes = current
+
+    def state_bytes(self) -> dict[str, int]:
+        """Model-state bytes on this rank now (override by subclassing for exotic engines)."""
+        return model_state_bytes(self.model, self.optimizer)
+
+    @property
+    def step_times(self) -> list[float]:
+        return list(self._timer.times)
+
+    def local_metrics(self) -> dict[str, Any]:
+        """This rank's numbers (no communication)."""
+        times = self._timer.times
+        peak = (torch.cuda.max_memory_allocated(self.ctx.device) if self.ctx.device.type == "cuda"
+                else peak_rss_bytes())
+        return {
+            "timed_steps": len(times),
+            "time_s": sum(times),
+            "step_time_s_median": statistics.median(times) if times else None,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": "cuda_max_allocated" if self.ctx.device.type == "cuda" else "cpu_peak_rss",
+            "peak_rss_bytes": peak_rss_bytes(),
+            "model_state_bytes": self._state_bytes or self.state_bytes(),
+            "comm_per_step": self._comm.summary(max(self._comm_done, 1)) if self._comm_done else {},
+        }
+
+    def finish(self, results_file: str | os.PathLike | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Gather every rank's metrics; on rank 0 build the record, append it, and return it."""
+        local = self.local_metrics()
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            per_rank: list[dict] = [None] * self.ctx.world_size  # type: ignore[list-item]
+            dist.all_gather_object(per_rank, local)
+        else:
+            per_rank = [local]
+        if not self.ctx.is_main:
+            return None
+        slowest = max(m["time_s"] for m in per_rank)
+        timed = per_rank[0]["timed_steps"]
+        medians = [m["step_time_s_median"] for m in per_rank if m["step_time_s_median"] is not None]
+        record = {
+            "strategy": self.strategy,
+            "world_size": self.ctx.world_size,
+            "backend": self.ctx.backend,
+            "device": self.ctx.device.type,
+            "machine": machine_info(self.ctx.device),
+            "torch_version": torch.__version__,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "param_count": _param_count(self.model),
+            "config": self.config,
+            "metrics": {
+                "timed_steps": timed,
+                "step_time_s_median": max(medians) if medians else None,
+                "step_time_s_mean": slowest / timed if timed else None,
+                "samples_per_s": self._timed_samples / slowest if slowest > 0 else None,
+                "tokens_per_s": self._timed_tokens / slowest if slowest > 0 and self._timed_tokens else None,
+                "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
+                "peak_memory_kind": per_rank[0]["peak_memory_kind"],
+                "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
+                "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
+                "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],
+                "comm_per_step": per_rank[0]["comm_per_step"],
+            },
+        }
+        if extra:
+            record.update(extra)
+        if results_file is not None:
+            append_record(results_file, record)
+        return record
+
+
+def _param_count(model: torch.nn.Module | None) -> int | None:
+    """The model's full parameter count (a DTensor counts its global shape)."""
+    if model is None:
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON record as a line to ``path`` (JSON Lines), creating folders as needed."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a results file (JSON Lines), oldest first."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

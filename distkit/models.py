@@ -1,0 +1,187 @@
+"""The two models the chapters train: a small MNIST CNN and a GPT-style transformer you can read in
+one sitting, plus a learnable synthetic token task for the transformer.
+
+The transformer is written so every parallelism in the repository can cut it without rewriting it:
+separate ``q_proj``/``k_proj``/``v_proj`` (tensor parallel shards heads column-wise), the number of
+heads derived from the projected width at run time (a TP shard simply has fewer heads), blocks in an
+``nn.ModuleList`` of identical ``Block`` modules (FSDP wraps each; pipeline stages take a slice),
+and no weight tying (so stages and shards own disjoint parameters).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MnistCNN(nn.Module):
+    """Two conv layers and two linear layers (about 1.2M parameters), the classic MNIST net."""
+
+    def __init__(self, dropout: float = 0.25):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(2 * dropout)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)  # logits
+
+
+@dataclass
+class GPTConfig:
+    """Shape of :class:`TinyGPT`. ``n_embd`` must divide by ``n_head``."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Sizes used across chapters and benchmarks. "tiny" keeps 4-rank CPU tests to seconds.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_embd=64, n_head=4),
+    "small": GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_embd=128, n_head=4),
+    "medium": GPTConfig(vocab_size=512, seq_len=128, n_layer=6, n_embd=256, n_head=8),
+    "large": GPTConfig(vocab_size=1024, seq_len=256, n_layer=12, n_embd=512, n_head=8),
+}
+
+
+def gpt_config(preset: str = "small", **overrides) -> GPTConfig:
+    """A preset from :data:`GPT_PRESETS` with fields overridden (``None`` values are ignored)."""
+    if preset not in GPT_PRESETS:
+        raise ValueError(f"unknown model size {preset!r}; choose from {sorted(GPT_PRESETS)}")
+    base = asdict(GPT_PRESETS[preset])
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return GPTConfig(**base)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank's projections are narrower, so it holds fewer heads.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.out_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+        self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(F.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only transformer: embeddings, ``n_layer`` blocks, final norm, LM head.
+
+    ``forward(tokens)`` returns logits of shape ``(batch, seq, vocab)``. Pipeline stages can be made
+    by deleting blocks (and ``tok_emb``/``pos_emb`` or ``ln_f``/``lm_head``): missing parts are
+    skipped, so a stage's forward takes hidden states instead of tokens.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)
+        for block in self.blocks:
+            if block is not None:
+                x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """A learnable token task: sequences from a fixed random Markov chain with two successors.
+
+    Every token ``t`` is followed by one of two tokens fixed for ``t`` (chosen once from ``seed``),
+    with probability 1/2 each. A model that learns the table reaches the loss floor ln 2 ~= 0.693
+    from ln(vocab_size) at the start, a drop that is clearly visible within a few hundred steps.
+    Returns ``(num_sequences, seq_len + 1)`` int64 tokens: inputs are ``[:, :-1]``, targets ``[:, 1:]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    successors = torch.stack([torch.randperm(vocab_size, generator=gen) for _ in range(2)], dim=1)
+    tokens = torch.empty(num_sequences, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (num_sequences,), generator=gen)
+    choices = torch.randint(2, (num_sequences, seq_len), generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
+    return tokens
+
+
+LOSS_FLOOR = math.log(2)

@@ -1,0 +1,261 @@
+"""Process set-up that every chapter shares: backend and device choice, the process group, seeding,
+and one-line errors.
+
+What is *not* here is the distributed lesson itself: chapter scripts still call
+``init_process_group``-level concepts (ranks, barriers, collectives, DDP/FSDP wrapping) in the open.
+This module only removes the boilerplate around them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import socket
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300
+
+
+class UsageError(Exception):
+    """A problem with the reader's input or machine, reported as one line and a non-zero exit.
+
+    Raise it for bad flags, missing data, unusable devices or incompatible checkpoints;
+    :func:`run_main` turns it into ``error: ...``. ``every_rank=True`` (the default) means all ranks
+    raise the same error, so only rank 0 prints it; pass ``False`` when one rank alone found it.
+    """
+
+    def __init__(self, message: str, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (as torchrun sets RANK, LOCAL_RANK, WORLD_SIZE ...)."""
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def launched_rank() -> int:
+    """This process's global rank as the launcher set it, before any process group exists."""
+    return env_int("RANK", 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag once (from rank 0), not once per rank, and exits 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        if launched_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every chapter script accepts: backend/device override, timeout, seed."""
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                       help="communication backend; auto = nccl when every local rank gets its own GPU, "
+                            "else gloo (default: auto)")
+    group.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                       help="where tensors live; auto follows the backend (default: auto)")
+    group.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="process-group timeout in seconds: a collective that waits longer "
+                            f"(a dead or missing rank) ends the job (default: {DEFAULT_TIMEOUT_S})")
+    group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+
+
+def choose_backend_and_device(backend: str = "auto", device: str = "auto",
+                              local_world_size: int | None = None) -> tuple[str, str]:
+    """Pick ``(backend, device_type)``.
+
+    ``auto`` means NCCL on CUDA when CUDA is available and this node has at least one GPU per local
+    rank, else gloo on CPU. Forcing NCCL without enough GPUs raises :class:`UsageError`.
+    """
+    if local_world_size is None:
+        local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus_fit = gpus >= local_world_size
+
+    if backend == "auto":
+        if device == "cuda":
+            backend = "nccl" if dist.is_nccl_available() else "gloo"
+        elif device == "cpu":
+            backend = "gloo"
+        else:
+            backend = "nccl" if (gpus_fit and gpus > 0 and dist.is_nccl_available()) else "gloo"
+    if device == "auto":
+        device = "cuda" if backend == "nccl" else "cpu"
+
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise UsageError("--backend nccl: this PyTorch build has no NCCL (CPU-only build); "
+                             "use --backend gloo")
+        if device != "cuda":
+            raise UsageError("--backend nccl needs --device cuda (NCCL only moves GPU tensors)")
+    if device == "cuda" and not gpus_fit:
+        raise UsageError(f"{local_world_size} local ranks need {local_world_size} GPUs but this machine "
+                         f"has {gpus}; start fewer processes (--nproc_per_node={max(gpus, 1)}) "
+                         "or use --backend gloo --device cpu")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise UsageError("this PyTorch build has no gloo backend")
+    return backend, device
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is in the job, and what it computes on."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints summaries and writes files."""
+        return self.rank == 0
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(args: argparse.Namespace) -> DistContext:
+    """Create the default process group from torchrun's environment variables.
+
+    Run without torchrun (``python script.py``), the script becomes a world of one process that
+    rendezvouses on loopback. Each rank binds GPU ``LOCAL_RANK`` when the device is CUDA.
+    """
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
+    world_size, local_world_size = env_int("WORLD_SIZE", 1), env_int("LOCAL_WORLD_SIZE", 1)
+
+    backend, device_type = choose_backend_and_device(
+        getattr(args, "backend", "auto"), getattr(args, "device", "auto"), local_world_size)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before init, so NCCL binds this rank's GPU
+    else:
+        device = torch.device("cpu")
+
+    timeout_s = float(getattr(args, "timeout_s", DEFAULT_TIMEOUT_S))
+    init_kwargs = dict(backend=backend, rank=rank, world_size=world_size,
+                       timeout=datetime.timedelta(seconds=timeout_s))
+    if device_type == "cuda":
+        init_kwargs["device_id"] = device
+    try:
+        dist.init_process_group(**init_kwargs)
+    except RuntimeError as exc:  # rendezvous problems: a busy port, an unreachable master
+        message = str(exc).splitlines()[0]
+        if "address already in use" in message.lower() or "EADDRINUSE" in message:
+            raise UsageError(f"rendezvous port {os.environ.get('MASTER_PORT')} is already in use; "
+                             "pick another --master_port (or use --standalone)") from None
+        raise UsageError(f"could not join the process group: {message}") from None
+    seed_everything(getattr(args, "seed", 0))
+    return DistContext(rank, local_rank, world_size, local_world_size, backend, device, timeout_s)
+
+
+def shutdown_distributed(success: bool = True) -> None:
+    """Tear the process group down.
+
+    After a clean run every rank meets at a barrier first: without it, gloo ranks that exit while a
+    peer is still sending sometimes abort with ``terminate called without an active exception``.
+    After a failure no barrier is attempted (the peers may be gone); the group is just destroyed.
+    """
+    if not dist.is_initialized():
+        return
+    if success:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(args: argparse.Namespace) -> Iterator[DistContext]:
+    """``with distributed(args) as ctx:`` -- init the process group, always tear it down."""
+    ctx = init_distributed(args)
+    ok = False
+    try:
+        yield ctx
+        ok = True
+    finally:
+        shutdown_distributed(success=ok)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) alike on every rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        pass
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, dist.DistError) and ("timeout" in text or "timed out" in text)
+
+
+def _is_peer_gone(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) and any(
+        key in text for key in ("connection closed by peer", "connection reset", "broken pipe"))
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run a script's ``main`` and turn expected failures into one line and a non-zero exit.
+
+    * :class:`UsageError` -> ``error: <message>`` (printed once, by rank 0 when the error is
+      everyone's, or by the rank that raised it), exit code 2;
+    * a collective that timed out or lost its peer -> one line naming the rank and the timeout,
+      exit code 1;
+    * anything else is a bug: its traceback is kept.
+    """
+    try:
+        main()
+    except UsageError as exc:
+        if not exc.every_rank:
+            print(f"error: [rank {launched_rank()}] {exc}", file=sys.stderr, flush=True)
+        elif launched_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        _abandon_process_group()
+        sys.exit(2)
+    except dist.DistError as exc:
+        rank = launched_rank()
+        if _is_timeout(exc):
+            print(f"error: [rank {rank}] a collective timed out: a peer rank died, hung or never "
+                  f"arrived ({str(exc).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+        elif _is_peer_gone(exc):
+            print(f"error: [rank {rank}] lost the connection to a peer rank (it probably crashed)",
+                  file=sys.stderr, flush=True)
+        else:
+            raise
+        _abandon_process_group()
+        sys.exit(1)
+    except KeyboardInterrupt:
+        _abandon_process_group()
+        sys.exit(130)
+
+
+def _abandon_process_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass

@@ -1,0 +1,106 @@
+"""Helpers the tests use to launch real multi-process jobs (torchrun subprocesses, never mocks)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def job_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a launched job: one thread per rank (4 ranks share 2 cores), no progress
+    bars, torchrun's scratch folders inside the test's temp dir."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
+    if tmp_path is not None:
+        scratch = Path(tmp_path) / "tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(scratch)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout kill the whole group (no stray ranks).
+
+    Returns the CompletedProcess with stdout and stderr merged into ``.stdout``. With ``check``, a
+    non-zero exit fails the test and shows the output's tail.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {shlex.join(cmd)}\n{out[-4000:]}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{out[-6000:]}")
+    return result
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 4, tmp_path: Path | None = None,
+             timeout: float = 300, check: bool = True, env: dict | None = None,
+             launcher_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=N script args`` with this interpreter.
+
+    ``--standalone`` rendezvouses on a free loopback port, so tests never collide on a port.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher_args, str(script), *map(str, args)]
+    return run(cmd, timeout=timeout, env=env or job_env(tmp_path), check=check)
+
+
+def python(script: str | Path, *args: str, tmp_path: Path | None = None, timeout: float = 300,
+           check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python script args`` (a world of one process, or a script that launches its own)."""
+    return run([sys.executable, str(script), *map(str, args)], timeout=timeout,
+               env=env or job_env(tmp_path), check=check)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
+    """A bad input ended with a non-zero exit, one ``error:`` line containing ``expected``, and no
+    traceback from the repository's own code (torchrun's own failure summary may follow)."""
+    assert result.returncode != 0, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors, f"no 'error:' line in output:\n{result.stdout[-3000:]}"
+    assert any(expected in line for line in errors), errors
+    assert len(set(errors)) == 1, f"expected one distinct error line, got {errors}"
+    own_frames = [line for line in result.stdout.splitlines()
+                  if line.strip().startswith("File ") and str(REPO) in line]
+    assert not own_frames, "traceback from repository code:\n" + "\n".join(own_frames)
+
+
+_COMMAND_START = re.compile(r"^(torchrun|python|deepspeed|bash)\s")
+
+
+def readme_commands(readme: Path) -> list[str]:
+    """Shell commands a reader is told to run: lines in ```bash blocks that start with torchrun,
+    python, deepspeed or bash (continuation backslashes joined, comments dropped)."""
+    commands, in_block, pending = [], False, ""
+    for raw in readme.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("```"):
+            in_block = line in ("```bash", "```sh", "```shell", "```console")
+            pending = ""
+            continue
+        if not in_block or line.startswith("#"):
+            continue
+        line = line.split(" #")[0].rstrip()
+        if pending:
+            line = pending + " " + line
+            pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1].strip()
+            continue
+        if _COMMAND_START.match(line):
+            commands.append(line)
+    return commands
