@@ -124,8 +124,8 @@ class TinyGPT(nn.Module):
     """A decoder-only transformer: embeddings, ``n_layer`` blocks, final norm, LM head.
 
     ``forward(tokens)`` returns logits of shape ``(batch, seq, vocab)``. Pipeline stages can be made
-    by deleting blocks (and ``tok_emb``/``pos_emb`` or ``ln_f``/``lm_head``): missing parts are
-    skipped, so a stage's forward takes hidden states instead of tokens.
+    by setting blocks (and ``tok_emb``/``pos_emb`` or ``ln_f``/``lm_head``) to ``None``: missing
+    parts are skipped, so a stage's forward takes hidden states instead of tokens.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -173,7 +173,7 @@ def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: in
     with probability 1/2 each. A model that learns the table reaches the loss floor ln 2 ~= 0.693
     from ln(vocab_size) at the start, a drop that is clearly visible within a few hundred steps.
     Returns ``(num_sequences, seq_len + 1)`` int64 tokens: inputs are ``[:, :-1]``, targets ``[:, 1:]``.
-    """
+    """  # noqa: E501
     gen = torch.Generator().manual_seed(seed)
     successors = torch.stack([torch.randperm(vocab_size, generator=gen) for _ in range(2)], dim=1)
     tokens = torch.empty(num_sequences, seq_len + 1, dtype=torch.long)
@@ -185,3 +185,48 @@ def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: in
 
 
 LOSS_FLOOR = math.log(2)
+
+
+class TokenTask:
+    """The synthetic token task as a deterministic stream of global batches.
+
+    ``global_batch(step, batch_size)`` returns the same ``(inputs, targets)`` in every process, so a
+    data-parallel rank takes its slice with :func:`rank_slice`, and a test can rebuild exactly the
+    global batch a distributed job trained on to compare against single-process training.
+    """
+
+    def __init__(self, cfg: GPTConfig, num_sequences: int = 4096, seed: int = 0):
+        self.cfg = cfg
+        self.tokens = synthetic_tokens(num_sequences, cfg.seq_len, cfg.vocab_size, seed)
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of step ``step``: ``batch_size`` sequences, wrapping around the data."""
+        index = (step * batch_size + torch.arange(batch_size)) % len(self.tokens)
+        seqs = self.tokens[index]
+        return seqs[:, :-1], seqs[:, 1:]
+
+
+def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous share of a global batch (its size must divide by ``world_size``)."""
+    if len(batch) % world_size:
+        raise ValueError(f"global batch {len(batch)} is not divisible by {world_size} ranks")
+    per_rank = len(batch) // world_size
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+def add_gpt_args(parser) -> None:
+    """Model flags shared by the transformer chapters: a size preset plus optional overrides."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model-size", choices=sorted(GPT_PRESETS), default="small",
+                       help="transformer size preset (default: small)")
+    group.add_argument("--n-layer", type=int, default=None, help="override the preset's layer count")
+    group.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
+    group.add_argument("--n-head", type=int, default=None, help="override the preset's head count")
+    group.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+    group.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+
+
+def gpt_config_from_args(args) -> GPTConfig:
+    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe."""
+    return gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                      seq_len=args.seq_len, vocab_size=args.vocab_size)
