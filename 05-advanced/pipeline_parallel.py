@@ -1,0 +1,243 @@
+"""Chapter 05: pipeline parallelism (PP) with ``torch.distributed.pipelining``.
+
+The transformer is cut into consecutive *stages* (rank 0: embeddings + first blocks, ..., last rank:
+last blocks + final norm + LM head). A global batch is split into m micro-batches that flow through
+the stages; activations travel forward and their gradients backward by point-to-point send/recv.
+Nobody holds the whole model, and only a stage boundary's activations cross the network.
+
+The price is the *bubble*: at the start and end of every step some stages wait for work.
+
+    GPipe (all forwards, then all backwards), p = 4 stages, m = 4 micro-batches, F/B = fwd/bwd
+    rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
+    rank 1 |    F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0
+    rank 2 |       F0 F1 F2 F3 .  .  B3 B2 B1 B0
+    rank 3 |          F0 F1 F2 F3 B3 B2 B1 B0           idle fraction = (p-1) / (m+p-1)
+
+1F1B has the same bubble but starts backwards early, so a stage keeps at most p micro-batches of
+activations alive instead of m. Interleaved 1F1B gives each rank v smaller stages (rank r holds
+stages r, r+p, ...), which shrinks the bubble to (p-1) / (v*m + p-1) at the cost of v times more
+sends. This script builds each stage by hand (``PipelineStage`` around a TinyGPT with the other
+ranks' parts set to None); ``torch.distributed.pipelining.pipeline()`` can instead trace a model and
+split it at marked points, which is handy for models you cannot edit.
+
+    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe 1f1b --microbatches 4 8
+    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule interleaved_1f1b --n-layer 8
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
+from distkit.checkpoint import atomic_save
+from distkit.harness import Harness, model_state_bytes
+from distkit.logs import progress, setup_logging
+from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved_1f1b"}
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Train the small GPT split into pipeline stages, one (or, interleaved, several) "
+                    "per rank. Several schedules / micro-batch counts run one after another, each from "
+                    "the same initial weights, so their bubbles can be compared.",
+        epilog="example: torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe 1f1b")
+    add_gpt_args(parser)
+    parser.add_argument("--schedule", nargs="+", choices=sorted(SCHEDULES), default=["1f1b"],
+                        help="pipeline schedule(s) to run (default: 1f1b)")
+    parser.add_argument("--microbatches", nargs="+", type=int, default=[8],
+                        help="micro-batches per step; several values are run in turn (default: 8)")
+    parser.add_argument("--stages-per-rank", type=int, default=2,
+                        help="interleaved_1f1b only: stages (model chunks) per rank (default: 2)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: 20)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="sequences per optimizer step, split into micro-batches (default: 32)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                        help="adamw (default) or plain sgd (update proportional to the gradient; used by "
+                             "the equivalence tests)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--results", default="runs/results.jsonl",
+                        help="one harness record per run appended here (default: runs/results.jsonl)")
+    parser.add_argument("--checkpoint", default="checkpoints/pipeline_{schedule}_m{microbatches}.pt",
+                        help="rank 0 saves the trained model of each run, gathered from all stages, here "
+                             "(default: checkpoints/pipeline_{schedule}_m{microbatches}.pt)")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if args.steps < 1 or args.global_batch_size < 1 or min(args.microbatches) < 1 or args.stages_per_rank < 1:
+        parser.error("--steps, --global-batch-size, --microbatches and --stages-per-rank must be at least 1")
+    return args
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds up the time it spends computing (forward and backward chunks).
+
+    The schedule calls these two methods for the compute only (sends and receives happen around
+    them), so ``step time - busy time`` is the time this rank waited: its share of the bubble.
+    """
+
+    busy_s = 0.0
+
+    def forward_one_chunk(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+
+def make_stage_module(full: TinyGPT, stage: int, num_stages: int) -> TinyGPT:
+    """A copy of the model with everything outside stage ``stage`` set to None.
+
+    Blocks are spread as evenly as possible; stage 0 also keeps the embeddings and the last stage
+    the final norm and LM head. Parameter names keep their full-model index, so the stages' state
+    dicts merge back into the full model's.
+    """
+    module = copy.deepcopy(full)
+    n_layer = len(full.blocks)
+    first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
+    for index in range(n_layer):
+        if not first <= index < last:
+            module.blocks[index] = None
+    if stage != 0:
+        module.tok_emb = module.pos_emb = None
+    if stage != num_stages - 1:
+        module.ln_f = module.lm_head = None
+    return module
+
+
+def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
+    """Train from fresh initial weights with one schedule; return (record, gathered state dict)."""
+    pp = ctx.world_size
+    per_rank = args.stages_per_rank if schedule_name == "interleaved_1f1b" else 1
+    num_stages = pp * per_rank
+    if cfg.n_layer < num_stages:
+        raise UsageError(f"{num_stages} pipeline stages need at least {num_stages} blocks, the model has "
+                         f"{cfg.n_layer}; pass --n-layer {num_stages} (or fewer ranks / --stages-per-rank)")
+    if args.global_batch_size % microbatches:
+        raise UsageError(f"--global-batch-size {args.global_batch_size} does not split into "
+                         f"{microbatches} equal micro-batches")
+
+    seed_everything(args.seed)  # every run starts from the same weights
+    full = TinyGPT(cfg)
+    param_count = sum(p.numel() for p in full.parameters())
+    # Looped placement: rank r holds stages r, r + pp, r + 2 pp ... (what interleaving expects).
+    my_stages = [index for index in range(num_stages) if index % pp == ctx.rank]
+    stages = [TimedStage(make_stage_module(full, index, num_stages).to(ctx.device), index, num_stages, ctx.device)
+              for index in my_stages]
+    del full
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](params, lr=args.lr)
+
+    # The loss is computed on the last stage for every micro-batch; with the default
+    # scale_grads=True the schedule divides gradients by m, i.e. the step's loss is the MEAN of the
+    # micro-batch losses, exactly the full-batch mean loss of single-process training.
+    if schedule_name == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    else:
+        schedule = SCHEDULES[schedule_name](stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    holds_first, holds_last = 0 in my_stages, num_stages - 1 in my_stages
+    last_rank = (num_stages - 1) % pp
+
+    strategy = STRATEGY[schedule_name]
+    harness = PipelineHarness(ctx, strategy, model=None, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                      config={"script": "pipeline_parallel", "model_size": args.model_size,
+                              "global_batch_size": args.global_batch_size, "precision": "fp32",
+                              "param_count": param_count, "pp": pp, "stages_per_rank": per_rank,
+                              "microbatches": microbatches, "schedule": schedule_name, "lr": args.lr,
+                              "optimizer": args.optimizer, "n_layer": cfg.n_layer})
+    harness.local_stages = torch.nn.ModuleList(stage.submod for stage in stages)
+    task = TokenTask(cfg, seed=args.seed)
+    losses, bubbles = [], []
+    for step in progress(range(args.steps), ctx.rank, desc=f"{schedule_name} m={microbatches}"):
+        inputs, targets = task.global_batch(step, args.global_batch_size)
+        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+        busy_before = sum(stage.busy_s for stage in stages)
+        start = time.perf_counter()
+        with harness.step(samples=args.global_batch_size, tokens=inputs.numel()):
+            optimizer.zero_grad(set_to_none=True)
+            micro_losses = [] if holds_last else None
+            # Only the first stage gets the batch and only the last stage the targets; the schedule
+            # splits them into micro-batches and runs its forward/backward order.
+            schedule.step(*([inputs] if holds_first else []),
+                          target=targets if holds_last else None, losses=micro_losses)
+            optimizer.step()
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup_steps + harness.comm_steps:  # timed steps only
+            bubbles.append(1 - (sum(stage.busy_s for stage in stages) - busy_before) / elapsed)
+        # The loss exists on the last stage only: send its mean to everyone so rank 0 can print it.
+        loss = torch.stack(micro_losses).mean().detach() if holds_last else torch.zeros((), device=ctx.device)
+        dist.broadcast(loss, src=last_rank)
+        losses.append(loss.item())
+
+    # Each rank's measured idle fraction; the schedule's theory for equal stages.
+    my_bubble = sum(bubbles) / len(bubbles) if bubbles else None
+    all_bubbles = [None] * pp
+    dist.all_gather_object(all_bubbles, my_bubble)
+    measured = [b for b in all_bubbles if b is not None]
+    theory = (pp - 1) / (per_rank * microbatches + pp - 1)
+    bubble = {"measured_per_rank": all_bubbles,
+              "measured": sum(measured) / len(measured) if measured else None, "theory": theory}
+
+    pieces = [None] * pp
+    dist.all_gather_object(pieces, {k: v.detach().cpu() for stage in stages
+                                    for k, v in stage.submod.state_dict().items()})
+    state = {k: v for piece in pieces for k, v in piece.items()}
+    record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
+    return record, state
+
+
+class PipelineHarness(Harness):
+    """The harness, counting only this rank's stages as its model state (record param_count stays
+    the full model's, in config)."""
+
+    local_stages: torch.nn.ModuleList | None = None
+
+    def state_bytes(self) -> dict[str, int]:
+        return model_state_bytes(self.local_stages, self.optimizer)
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        cfg = gpt_config_from_args(args)
+        log.info(f"{ctx.world_size} pipeline ranks | {cfg.n_layer} blocks | global batch "
+                 f"{args.global_batch_size} | backend {ctx.backend}")
+        summary = []
+        for schedule_name in args.schedule:
+            for microbatches in args.microbatches:
+                record, state = train_one_run(args, ctx, cfg, schedule_name, microbatches, log)
+                if not ctx.is_main:
+                    continue
+                path = args.checkpoint.format(schedule=schedule_name, microbatches=microbatches)
+                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": record["strategy"]}, path)
+                bubble, losses = record["bubble"], record["losses"]
+                per_rank_mb = [s["params"] / 2**20 for s in record["metrics"]["model_state_bytes_per_rank"]]
+                sendrecv = record["metrics"]["comm_per_step"].get("send", {"calls": 0, "bytes": 0})
+                measured = f"{bubble['measured']:.2f}" if bubble["measured"] is not None else "n/a"
+                log.info(f"{record['strategy']:<20} m={microbatches:<3} loss {losses[0]:.4f} -> {losses[-1]:.4f} | "
+                         f"bubble measured {measured} vs theory {bubble['theory']:.2f} | "
+                         f"rank 0 sends {sendrecv['calls']:.0f} x/step ({sendrecv['bytes'] / 2**20:.2f} MiB) | "
+                         f"params per rank (MiB) " + " ".join(f"{mb:.2f}" for mb in per_rank_mb))
+                summary.append(path)
+        if ctx.is_main:
+            log.info(f"saved {', '.join(summary)} | records appended to {args.results}")
+
+
+if __name__ == "__main__":
+    run_main(main)

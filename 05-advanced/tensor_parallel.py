@@ -1,0 +1,194 @@
+"""Chapter 05: Megatron-style tensor parallelism (TP) of the transformer, optionally with sequence
+parallelism (SP) for the norms, built from DTensor and ``torch.distributed.tensor.parallel``.
+
+Every rank sees the *whole* global batch; what is split is each layer's weight matrices. In a block,
+the first linear of the MLP (``fc_in``) and the attention projections (``q/k/v_proj``) are split by
+output columns, so each rank computes some of the hidden units / some of the heads with no
+communication; the second linear (``fc_out`` / ``out_proj``) is split by input rows, so each rank
+produces a partial sum of the full output, and one all-reduce adds the partial sums:
+
+    x ──► [ W_in  = (W_in_0 | W_in_1 | ...) ]  column-parallel: rank r computes h_r = gelu(x W_in_r)
+          [ W_out = (W_out_0 ; W_out_1 ; ...) ] row-parallel:    rank r computes h_r W_out_r (partial)
+          all-reduce(sum over r)  ──► y       forward: 1 all-reduce per MLP, 1 per attention
+                                              backward: 1 all-reduce per MLP input, 1 per attention input
+
+With ``--sequence-parallel`` the parts *between* those matmuls (LayerNorms, residual adds, dropout)
+stop being computed redundantly: activations stay split along the sequence, and each all-reduce
+becomes a reduce-scatter (leaving the block) plus an all-gather (entering the next matmul) -- the
+same bus bytes, but the replicated activations and norm work shrink by the TP degree.
+
+    torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py
+    torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.checkpoint import atomic_save
+from distkit.harness import Harness
+from distkit.logs import progress, setup_logging
+from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Train the small GPT with tensor parallelism over all ranks (every rank holds "
+                    "1/world_size of each block's weights and sees the whole batch).",
+        epilog="example: torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel")
+    add_gpt_args(parser)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--global-batch-size", type=int, default=16,
+                        help="sequences per optimizer step; every TP rank sees all of them (default: 16)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                        help="adamw (default) or plain sgd, whose update is proportional to the gradient, "
+                             "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="also split norms, residuals and embeddings along the sequence (SP)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--results", default="runs/results.jsonl",
+                        help="harness record appended here (default: runs/results.jsonl)")
+    parser.add_argument("--checkpoint", default="checkpoints/tensor_parallel.pt",
+                        help="rank 0 saves the trained, gathered (unsharded) model here "
+                             "(default: checkpoints/tensor_parallel.pt)")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if args.steps < 1 or args.global_batch_size < 1:
+        parser.error("--steps and --global-batch-size must be at least 1")
+    return args
+
+
+def check_divisible(cfg, tp: int, sequence_parallel: bool) -> None:
+    """Every split dimension must divide by the TP degree, or ranks would hold unequal shards."""
+    needs = {"--n-head": cfg.n_head, "the MLP width (4 x --n-embd)": cfg.mlp_ratio * cfg.n_embd}
+    if sequence_parallel:
+        needs.update({"--seq-len": cfg.seq_len, "--vocab-size": cfg.vocab_size})
+    for name, value in needs.items():
+        if value % tp:
+            raise UsageError(f"{name} = {value} is not divisible by the tensor-parallel degree {tp}")
+
+
+def apply_tensor_parallel(model: TinyGPT, tp_mesh, sequence_parallel: bool) -> None:
+    """Shard every block Megatron-style; with SP, also the norms, embeddings and LM head."""
+    # Inside a block: column-parallel in, row-parallel out. PrepareModuleInput turns the block's
+    # input into ONE replicated DTensor that q/k/v all read, so backward sums their input gradients
+    # locally and all-reduces once per attention (Megatron's "f" operator), not once per projection.
+    # With SP the block's input arrives split along the sequence (Shard(1)): the same
+    # PrepareModuleInput all-gathers it, and the row-parallel outputs are reduce-scattered back to
+    # Shard(1) instead of all-reduced.
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+    for block in model.blocks:
+        plan = {
+            "attn": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.out_proj": RowwiseParallel(output_layouts=seq_layout),
+            "mlp": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
+            "mlp.fc_in": ColwiseParallel(),
+            "mlp.fc_out": RowwiseParallel(output_layouts=seq_layout),
+        }
+        if sequence_parallel:  # the norms compute on their sequence shard only
+            plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        # Embeddings leave already split along the sequence; ln_f works on the shard; the LM head
+        # gathers the sequence and returns full logits, so the loss is the usual one.
+        parallelize_module(model, tp_mesh, {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+
+
+def expected_collectives(cfg, batch: int, tp: int, sequence_parallel: bool) -> dict[str, dict]:
+    """Per optimizer step, from the Megatron formulas (fp32 activations of batch x seq x n_embd)."""
+    act = batch * cfg.seq_len * cfg.n_embd * 4
+    layers = cfg.n_layer
+    if not sequence_parallel:  # 2 all-reduces forward + 2 backward per block
+        return {"all_reduce": {"calls": 4 * layers, "bytes": 4 * layers * act}}
+    # SP: each forward all-reduce -> reduce-scatter + all-gather, and backward mirrors forward
+    # (the gradient of an all-gather is a reduce-scatter and vice versa): 4 of each per block.
+    return {"all_gather": {"calls": 4 * layers, "bytes": 4 * layers * act},
+            "reduce_scatter": {"calls": 4 * layers, "bytes": 4 * layers * act}}
+
+
+def gathered_state_dict(model) -> dict[str, torch.Tensor]:
+    """The unsharded weights (every rank must call it: full_tensor() all-gathers DTensor shards)."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        cfg = gpt_config_from_args(args)
+        tp = ctx.world_size
+        check_divisible(cfg, tp, args.sequence_parallel)
+        strategy = "tp_sp" if args.sequence_parallel else "tp"
+
+        # A 1-D mesh named "tp": every rank is one tensor-parallel shard.
+        tp_mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
+        model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank -> the same dense weights
+        param_count = sum(p.numel() for p in model.parameters())
+        apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
+        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+
+        shapes = {name: (tuple(p.to_local().shape), tuple(p.shape)) for name, p in model.named_parameters()
+                  if name.startswith("blocks.0.") and isinstance(p, DTensor)}
+        all_shapes = [None] * ctx.world_size
+        dist.all_gather_object(all_shapes, shapes)
+        log.info(f"{strategy}: {tp} ranks | {param_count:,} parameters | global batch {args.global_batch_size}")
+        for name, (local, full) in shapes.items():
+            log.info(f"  {name:<28} full {str(full):<12} local per rank: "
+                     + ", ".join(f"r{r} {all_shapes[r][name][0]}" for r in range(ctx.world_size)))
+
+        harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                          config={"script": "tensor_parallel", "model_size": args.model_size,
+                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
+                                  "param_count": param_count, "tp": tp,
+                                  "sequence_parallel": args.sequence_parallel, "lr": args.lr,
+                                  "optimizer": args.optimizer})
+        task = TokenTask(cfg, seed=args.seed)
+        losses = []
+        for step in progress(range(args.steps), ctx.rank, desc=strategy):
+            inputs, targets = task.global_batch(step, args.global_batch_size)  # the same batch on every rank
+            inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+            with harness.step(samples=args.global_batch_size, tokens=inputs.numel()):
+                optimizer.zero_grad(set_to_none=True)
+                loss = lm_loss(model(inputs), targets)
+                loss.backward()  # DTensor inserts the TP collectives of the backward pass
+                optimizer.step()
+            losses.append(loss.item())
+
+        state = gathered_state_dict(model)
+        record = harness.finish(args.results, extra={"losses": losses})
+        if ctx.is_main:
+            atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, args.checkpoint)
+            log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
+            measured = record["metrics"]["comm_per_step"]
+            log.info("collectives per step (harness)   vs   formula (blocks only)")
+            for name, want in expected_collectives(cfg, args.global_batch_size, tp, args.sequence_parallel).items():
+                got = measured.get(name, {"calls": 0, "bytes": 0})
+                log.info(f"  {name:<15} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.2f} MiB   vs   "
+                         f"{want['calls']:>4} calls {want['bytes'] / 2**20:8.2f} MiB")
+            others = {k: v for k, v in measured.items()
+                      if k not in expected_collectives(cfg, 1, tp, args.sequence_parallel)}
+            for name, got in others.items():
+                log.info(f"  {name:<15} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.2f} MiB   "
+                         "(embeddings, LM head and norm gradients)")
+            step_time = record["metrics"]["step_time_s_median"]
+            log.info(f"saved {args.checkpoint} | record appended to {args.results}"
+                     + (f" | median step {step_time * 1000:.0f} ms" if step_time else ""))
+
+
+if __name__ == "__main__":
+    run_main(main)
