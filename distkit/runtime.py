@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -234,6 +235,10 @@ def run_main(main: Callable[[], object]) -> None:
             print(f"error: [rank {launched_rank()}] {exc}", file=sys.stderr, flush=True)
         elif launched_rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the whole group as soon as one rank exits: give rank 0 a moment to
+            # print the line before this rank's exit gets it killed.
+            time.sleep(1.0)
         _abandon_process_group()
         sys.exit(2)
     except dist.DistError as exc:

@@ -1,0 +1,59 @@
+"""Bad input ends with one clear `error:` line and a non-zero exit: no hang, no traceback wall."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distkit.runtime import UsageError, choose_backend_and_device
+from launch import REPO, assert_one_line_error, job_env, torchrun
+
+SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
+
+
+def _fake_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+
+
+def test_backend_choice_follows_the_gpu_count(monkeypatch):
+    _fake_gpus(monkeypatch, 0)
+    assert choose_backend_and_device("auto", "auto", 4) == ("gloo", "cpu")
+    _fake_gpus(monkeypatch, 4)
+    assert choose_backend_and_device("auto", "auto", 4) == ("nccl", "cuda")
+    assert choose_backend_and_device("gloo", "auto", 4) == ("gloo", "cpu")  # forced by flag
+    assert choose_backend_and_device("auto", "cpu", 4) == ("gloo", "cpu")
+    _fake_gpus(monkeypatch, 2)
+    assert choose_backend_and_device("auto", "auto", 4) == ("gloo", "cpu")  # does not fit: fall back
+    with pytest.raises(UsageError, match="4 local ranks need 4 GPUs but this machine has 2"):
+        choose_backend_and_device("nccl", "auto", 4)
+    with pytest.raises(UsageError, match="needs --device cuda"):
+        choose_backend_and_device("nccl", "cpu", 1)
+
+
+def test_nccl_on_this_machine_is_one_line(tmp_path):
+    # CPU build: no NCCL at all. On a GPU box with fewer GPUs than ranks the line names the counts.
+    result = torchrun(SCRIPT, "--backend", "nccl", nproc=2, tmp_path=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "nccl")
+
+
+def test_unknown_flag_is_one_line(tmp_path):
+    result = torchrun(SCRIPT, "--no-such-flag", nproc=2, tmp_path=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "unrecognized arguments: --no-such-flag")
+
+
+@pytest.mark.parametrize("make_dir, expected", [
+    (lambda tmp: tmp.joinpath("a-file").write_text("x") and tmp / "a-file", "is not a directory"),
+    (lambda tmp: "/proc/no-such-dir/mnist", "cannot be created"),
+])
+def test_wrong_data_dir_is_one_line(tmp_path, make_dir, expected):
+    data_dir = make_dir(tmp_path)
+    result = torchrun(SCRIPT, "--data-dir", data_dir, "--offline", nproc=2, tmp_path=tmp_path,
+                      check=False, timeout=120)
+    assert_one_line_error(result, expected)
+
+
+def test_no_network_and_no_offline_sample_is_one_line(tmp_path):
+    env = job_env(tmp_path, DISTKIT_MNIST_SAMPLE=str(tmp_path / "missing.csv.gz"))
+    result = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", nproc=2, env=env,
+                      check=False, timeout=120)
+    assert_one_line_error(result, "offline sample is missing")

