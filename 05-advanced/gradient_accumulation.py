@@ -1,0 +1,138 @@
+"""Chapter 05: gradient accumulation with DDP, and what ``no_sync()`` saves.
+
+When the batch you want does not fit in memory, run it as k micro-batches and add up their
+gradients before one optimizer step:
+
+    effective batch = micro-batch per rank x accumulation steps k x world size
+
+Each micro-batch's loss is divided by k, so the summed gradient is the gradient of the mean loss
+over the whole effective batch -- the same update as one k-times larger batch. DDP would all-reduce
+the gradients after *every* backward; inside ``model.no_sync()`` it only accumulates locally, so
+with ``no_sync()`` on the first k-1 micro-batches there is one all-reduce per optimizer step
+instead of k:
+
+    micro-batch      1         2         3         4 (last)
+    sync every     bwd+AR    bwd+AR    bwd+AR    bwd+AR    step      k all-reduces of all gradients
+    no_sync        bwd       bwd       bwd       bwd+AR    step      1 all-reduce
+
+By default the script trains twice from the same initial weights -- with ``no_sync`` and with an
+all-reduce every micro-batch -- and prints the bytes per optimizer step the harness counted for each,
+and how far apart the two trained models are (they should be equal up to rounding).
+
+    torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --accumulation-steps 4
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
+from distkit.checkpoint import atomic_save
+from distkit.harness import Harness
+from distkit.logs import progress, setup_logging
+from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Train the small GPT with DDP and gradient accumulation, with and without "
+                    "no_sync(), and compare the communication per optimizer step.",
+        epilog="example: torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --accumulation-steps 8")
+    add_gpt_args(parser)
+    parser.add_argument("--accumulation-steps", type=int, default=4,
+                        help="micro-batches whose gradients are summed per optimizer step (default: 4)")
+    parser.add_argument("--micro-batch-size", type=int, default=4,
+                        help="sequences per rank per micro-batch (default: 4)")
+    parser.add_argument("--sync", choices=["no_sync", "every_micro_batch", "both"], default="both",
+                        help="no_sync: all-reduce on the last micro-batch only; every_micro_batch: after "
+                             "each backward; both: train once each and compare (default: both)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                        help="adamw (default) or plain sgd (update proportional to the gradient, so a "
+                             "forgotten 1/k shows; used by the tests)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--results", default="runs/results.jsonl",
+                        help="one harness record per mode appended here (default: runs/results.jsonl)")
+    parser.add_argument("--checkpoint", default="checkpoints/gradient_accumulation_{sync}.pt",
+                        help="rank 0 saves each mode's trained model here "
+                             "(default: checkpoints/gradient_accumulation_{sync}.pt)")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if min(args.accumulation_steps, args.micro_batch_size, args.steps) < 1:
+        parser.error("--accumulation-steps, --micro-batch-size and --steps must be at least 1")
+    return args
+
+
+def train(args, ctx, cfg, use_no_sync: bool):
+    """Train from fresh weights; return (harness record on rank 0, trained state dict)."""
+    k = args.accumulation_steps
+    effective_batch = args.micro_batch_size * k * ctx.world_size
+    seed_everything(args.seed)  # both modes start from the same weights
+    model = DDP(TinyGPT(cfg).to(ctx.device),
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+    sync_name = "no_sync" if use_no_sync else "every_micro_batch"
+    harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                      config={"script": "gradient_accumulation", "model_size": args.model_size,
+                              "global_batch_size": effective_batch, "precision": "fp32",
+                              "param_count": sum(p.numel() for p in model.parameters()),
+                              "accumulation_steps": k, "micro_batch_size": args.micro_batch_size,
+                              "sync": sync_name, "lr": args.lr, "optimizer": args.optimizer})
+    task = TokenTask(cfg, seed=args.seed)
+    for step in progress(range(args.steps), ctx.rank, desc=sync_name):
+        inputs, targets = task.global_batch(step, effective_batch)
+        inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)    # this rank's k micro-batches
+        targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        with harness.step(samples=effective_batch, tokens=effective_batch * cfg.seq_len):
+            optimizer.zero_grad(set_to_none=True)
+            for micro, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
+                last = micro == k - 1
+                # Skip DDP's all-reduce on all but the last micro-batch: gradients just accumulate
+                # in .grad; the last backward all-reduces the accumulated sum once.
+                with model.no_sync() if use_no_sync and not last else contextlib.nullcontext():
+                    loss = lm_loss(model(x), y) / k  # 1/k: the sum of k grads = grad of the mean
+                    loss.backward()
+            optimizer.step()
+    record = harness.finish(args.results, extra={"sync": sync_name})
+    return record, {name: t.detach().cpu() for name, t in model.module.state_dict().items()}
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        cfg = gpt_config_from_args(args)
+        k = args.accumulation_steps
+        log.info(f"effective batch = micro-batch {args.micro_batch_size} x accumulation {k} x world size "
+                 f"{ctx.world_size} = {args.micro_batch_size * k * ctx.world_size} sequences per optimizer step")
+        modes = {"no_sync": [True], "every_micro_batch": [False], "both": [True, False]}[args.sync]
+        results = {}
+        for use_no_sync in modes:
+            record, state = train(args, ctx, cfg, use_no_sync)
+            if ctx.is_main:
+                name = record["config"]["sync"]
+                path = args.checkpoint.format(sync=name)
+                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": "ddp"}, path)
+                results[name] = (record, state, path)
+        if not ctx.is_main:
+            return
+        log.info(f"{'mode':<18} {'all-reduce calls':>16} {'MiB / step':>11} {'median step':>12}")
+        for name, (record, _, _) in results.items():
+            reduce = record["metrics"]["comm_per_step"].get("all_reduce", {"calls": 0, "bytes": 0})
+            median = record["metrics"]["step_time_s_median"]
+            log.info(f"{name:<18} {reduce['calls']:>16.0f} {reduce['bytes'] / 2**20:>11.2f} "
+                     f"{(f'{median * 1000:.0f} ms' if median else 'n/a'):>12}")
+        if len(results) == 2:
+            a, b = results["no_sync"][1], results["every_micro_batch"][1]
+            diff = max((a[n] - b[n]).abs().max().item() for n in a)
+            saved = [results[n][0]["metrics"]["comm_per_step"]["all_reduce"]["bytes"] for n in results]
+            log.info(f"no_sync moves {saved[1] / saved[0]:.1f}x fewer bytes (k = {k}); "
+                     f"max |weight difference| between the two modes: {diff:.1e}")
+        log.info(f"saved {', '.join(r[2] for r in results.values())} | records appended to {args.results}")
+
+
+if __name__ == "__main__":
+    run_main(main)
