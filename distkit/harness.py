@@ -292,21 +292,23 @@ class Harness:
         """Wrap one training step (forward, backward, optimizer step)."""
         index = self._steps
         self._steps += 1
-        if index < self.warmup_steps:
-            yield
-        elif index < self.warmup_steps + self.comm_steps:
-            with self._comm:
+        if index < self.warmup_steps + self.comm_steps:
+            if index < self.warmup_steps:
                 yield
-            self._comm_done += 1
+            else:
+                with self._comm:
+                    yield
+                self._comm_done += 1
+            # Gradients and optimizer state exist after a step; keep the largest sample. Only on
+            # untimed steps: walking every tensor must not add to a measured step.
+            current = self.state_bytes()
+            if sum(current.values()) >= sum(self._state_bytes.values()):
+                self._state_bytes = current
         else:
             with self._timer.time():
                 yield
             self._timed_samples += samples
             self._timed_tokens += tokens
-        # Gradients and optimizer state exist after the first step; keep the largest sample.
-        current = self.state_bytes()
-        if sum(current.values()) >= sum(self._state_bytes.values()):
-            self._state_bytes = current
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes on this rank now (override by subclassing for exotic engines)."""
