@@ -1,0 +1,195 @@
+"""What the chapter-03 scripts share that is not the DeepSpeed lesson itself: reading and checking a
+DeepSpeed JSON config, importing DeepSpeed for the device the runtime chose, and counting the
+model-state bytes a ZeRO engine keeps (which live inside DeepSpeed, not in ``model.parameters()``).
+
+The scripts import it as a sibling module (``python 03-deepspeed/x.py`` puts this folder on the path).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from distkit import UsageError
+from distkit.harness import Harness
+
+STAGES = (0, 1, 2, 3)
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def load_ds_config(path: str | os.PathLike, global_batch_size: int | None = None) -> dict:
+    """Read a DeepSpeed JSON config and check what this chapter relies on.
+
+    Every problem is one :class:`UsageError` line that names the file. ``global_batch_size``
+    (``--global-batch-size``) overrides ``train_batch_size``; the per-rank micro-batch is left for
+    DeepSpeed to derive (train_batch_size / (world size x gradient_accumulation_steps)).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"DeepSpeed config {path} does not exist") from None
+    except OSError as exc:
+        raise UsageError(f"DeepSpeed config {path} is unreadable ({exc.strerror})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"DeepSpeed config {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                         f"column {exc.colno}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"DeepSpeed config {path} must be a JSON object, not {type(config).__name__}")
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise UsageError(f"DeepSpeed config {path}: zero_optimization must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in STAGES:
+        raise UsageError(f"DeepSpeed config {path}: unknown ZeRO stage {stage!r} "
+                         f"(zero_optimization.stage must be one of {', '.join(map(str, STAGES))})")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise UsageError(f"DeepSpeed config {path}: {key}.device must be none, cpu or nvme, "
+                             f"not {device!r}")
+        if key == "offload_param" and device != "none" and stage != 3:
+            raise UsageError(f"DeepSpeed config {path}: offload_param needs stage 3 (got stage {stage})")
+    if "optimizer" in config:
+        raise UsageError(f"DeepSpeed config {path} has an \"optimizer\" section; these scripts pass "
+                         "torch.optim.AdamW as the client optimizer (no JIT-compiled optimizer), so "
+                         "remove it and use --lr")
+    if global_batch_size is not None:
+        config["train_batch_size"] = global_batch_size
+    config.setdefault("train_batch_size", 32)
+    config.pop("train_micro_batch_size_per_gpu", None)
+    config.setdefault("gradient_accumulation_steps", 1)
+    return config
+
+
+def check_batch(config: dict, world_size: int, path: str | os.PathLike) -> int:
+    """Per-rank micro-batch size, or a one-line error when the global batch does not split evenly."""
+    batch, accumulation = config["train_batch_size"], config["gradient_accumulation_steps"]
+    if batch % (world_size * accumulation):
+        raise UsageError(f"{path}: train_batch_size {batch} does not divide by {world_size} ranks x "
+                         f"{accumulation} accumulation steps; pass --global-batch-size")
+    return batch // (world_size * accumulation)
+
+
+def zero_stage(config: dict) -> int:
+    return config.get("zero_optimization", {}).get("stage", 0)
+
+
+def offload_devices(config: dict) -> dict[str, str]:
+    """Where ZeRO-Offload puts the optimizer and the parameters: ``none``, ``cpu`` or ``nvme``."""
+    zero = config.get("zero_optimization", {})
+    return {key: (zero.get(key) or {}).get("device", "none") for key in ("offload_optimizer", "offload_param")}
+
+
+def strategy_name(config: dict) -> str:
+    """The canonical strategy name of a config: zero0 ... zero3, or zero3_offload."""
+    stage = zero_stage(config)
+    offloaded = any(device != "none" for device in offload_devices(config).values())
+    return f"zero{stage}_offload" if offloaded else f"zero{stage}"
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for ``device`` and keep it from JIT-compiling ops these scripts do not use.
+
+    * ``DS_ACCELERATOR=cpu`` is set for CPU runs (unless already set) *before* the import: DeepSpeed
+      picks its accelerator once, at import, and would pick CUDA on a GPU machine run with
+      ``--device cpu``.
+    * On the CPU accelerator, DeepSpeed's communication backend compiles a shared-memory all-reduce
+      op with gcc (about 30 s, and minutes on a busy machine) the first time it wraps the process
+      group, even when torch.distributed is already initialised and ``dist_init_required=False``.
+      Training never uses it (it serves CPU inference all-reduce), so it is marked unavailable and
+      DeepSpeed falls back to plain torch.distributed (gloo).
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.utils import logger as ds_logger
+
+    if deepspeed.get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ds_logger.setLevel(logging.WARNING)  # DeepSpeed logs its whole config at INFO on every rank
+    return deepspeed
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    return (t.untyped_storage().data_ptr(), t.storage_offset())
+
+
+def _bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or t.numel() == 0 or _storage_key(t) in seen:
+            continue
+        seen.add(_storage_key(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+class ZeroHarness(Harness):
+    """The shared harness, counting the model state a DeepSpeed engine holds on this rank.
+
+    The numbers are taken right after the inner (client) optimizer's step, the moment when ZeRO
+    holds everything at once:
+
+    * ``params``: the working weights the model computes with: every full parameter at stages
+      0-2, only this rank's partition (``param.ds_tensor``) at stage 3;
+    * ``grads``: gradients alive at the optimizer step: the fp32 gradient partition DeepSpeed hands
+      the optimizer (stages 1-3) or the full ``.grad`` tensors (stage 0), plus any full ``.grad``
+      still attached to the model;
+    * ``optimizer``: the fp32 master copy of this rank's partition (stages 1-3 keep one even in fp32
+      training) plus AdamW's ``exp_avg`` and ``exp_avg_sq``.
+
+    Flat partitions are padded to divide by the world size: the padding is counted, as it is held.
+    """
+
+    def attach(self, engine, client_optimizer: torch.optim.Optimizer) -> None:
+        self._engine = engine
+        self._snapshot: dict[str, int] = {}
+        client_optimizer.register_step_post_hook(lambda opt, args, kwargs: self._take_snapshot(opt))
+
+    def _take_snapshot(self, optimizer: torch.optim.Optimizer) -> None:
+        module = self._engine.module
+        weights = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # stage 3: the partition
+        seen: set = set()
+        params = _bytes(weights, seen)
+        inner = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = _bytes([p.grad for p in inner] + [p.grad for p in module.parameters()], set())
+        states = [v for state in optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        optimizer_bytes = _bytes(inner, seen) + _bytes(states, seen)  # inner params not seen = master copy
+        snapshot = {"params": params, "grads": grads, "optimizer": optimizer_bytes}
+        if sum(snapshot.values()) >= sum(self._snapshot.values()):
+            self._snapshot = snapshot
+
+    def state_bytes(self) -> dict[str, int]:
+        return dict(getattr(self, "_snapshot", {}) or {"params": 0, "grads": 0, "optimizer": 0})
+
+
+def predicted_state_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
+    """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it.
+
+    The ZeRO paper counts mixed precision: 2 bytes of fp16 weights, 2 of fp16 gradients and K = 12
+    bytes of optimizer state (fp32 master weights 4 + Adam momentum 4 + variance 4) per parameter.
+    In fp32 the weights and gradients take 4 bytes each; DeepSpeed's ZeRO optimizer (stages 1-3)
+    still keeps a separate fp32 master partition, so K stays 12. Stage 0 wraps nothing: AdamW
+    updates the weights in place, K = 8.
+    """
+    if stage == 0:
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    if stage == 1:
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 12 * psi / n}
+    if stage == 2:
+        return {"params": 4 * psi, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
+    return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
+
+
+def paper_state_bytes(stage: int, psi: int, n: int, k: int = 12) -> float:
+    """The ZeRO paper's mixed-precision total per rank: 2Ψ + 2Ψ + KΨ, partitioned by stage."""
+    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+            3: (4 + k) * psi / n}[stage]

@@ -1,0 +1,250 @@
+"""Chapter 03: ZeRO stages 0-3 (and 3 with CPU offload) on the same model and ranks, in one job.
+
+For each config the script builds a fresh copy of the transformer (same seed), trains it a few steps
+with DeepSpeed, and records with the shared harness the bytes of parameters, gradients and optimizer
+state each rank holds. Rank 0 then writes a table (Markdown + JSON) and a plot that set those
+measurements next to
+
+* the formula for fp32 training with AdamW as DeepSpeed runs it (see ``ds_common.predicted_state_bytes``),
+* the ZeRO paper's mixed-precision formula (2Ψ + 2Ψ + KΨ, K = 12), and
+* DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+  ``estimate_zero3_model_states_mem_needs``),
+
+and checks that every stage ends with the same weights (max |difference| against the first config).
+
+    torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.checkpoint import atomic_save
+from distkit.logs import setup_logging
+from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+
+from ds_common import (CONFIG_DIR, ZeroHarness, check_batch, import_deepspeed, load_ds_config,
+                       offload_devices, paper_state_bytes, predicted_state_bytes, strategy_name,
+                       zero_stage)
+
+DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Run ZeRO stages 0-3 and ZeRO-3 + CPU offload on the same model in one job; "
+                    "measure per-rank model-state bytes and compare with the formulas and "
+                    "DeepSpeed's estimators. Writes a Markdown table, JSON and a PNG plot.",
+        epilog="example: torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                        help="config names in 03-deepspeed/configs (<name>_config.json) or JSON paths "
+                             f"(default: {' '.join(DEFAULT_CONFIGS)})")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per config (default: 8)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="sequences per optimizer step across all ranks (default: 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--out-dir", default="03-deepspeed",
+                        help="where zero_memory.md / .json / .png are written (default: 03-deepspeed)")
+    parser.add_argument("--params-dir", default=None,
+                        help="also save each config's final full fp32 weights here as <strategy>.pt")
+    parser.add_argument("--results", default="runs/ch03_results.jsonl",
+                        help="harness records are appended here (default: runs/ch03_results.jsonl)")
+    add_gpt_args(parser)
+    add_runtime_args(parser)
+    parser.set_defaults(model_size="small")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return args
+
+
+def config_path(name: str) -> Path:
+    path = Path(name)
+    return path if path.suffix == ".json" else CONFIG_DIR / f"{name}_config.json"
+
+
+def full_weights(deepspeed, engine) -> dict[str, torch.Tensor]:
+    """Every rank's copy of the full weights (ZeRO-3: all-gather the partitions for a moment)."""
+    params = dict(engine.module.named_parameters())
+    if zero_stage(engine.config) == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().clone() for name, p in params.items()}
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
+    """Train a fresh model under one config; return (harness record on rank 0, final weights)."""
+    ds_config = load_ds_config(path, args.global_batch_size)
+    check_batch(ds_config, ctx.world_size, path)
+    torch.manual_seed(args.seed)  # identical initial weights for every config
+    model = TinyGPT(cfg)
+    param_count = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           dist_init_required=False)
+    strategy = strategy_name(ds_config)
+    harness = ZeroHarness(ctx, strategy, model=engine.module, warmup_steps=args.warmup_steps,
+                          config={"model_size": args.model_size, "global_batch_size": args.global_batch_size,
+                                  "precision": "fp32", "param_count": param_count,
+                                  "zero_stage": zero_stage(ds_config), "offload": offload_devices(ds_config),
+                                  "deepspeed_config": path.name, "lr": args.lr})
+    harness.attach(engine, optimizer)
+    batch = args.global_batch_size
+    for step in range(args.steps):
+        inputs, targets = task.global_batch(step, batch)
+        inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(engine.device)
+        targets = rank_slice(targets, ctx.rank, ctx.world_size).to(engine.device)
+        with harness.step(samples=batch, tokens=batch * cfg.seq_len):
+            loss = lm_loss(engine(inputs), targets)
+            engine.backward(loss)
+            engine.step()
+    weights = full_weights(deepspeed, engine)
+    record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
+                                                 "script": "zero_memory"})
+    engine.destroy()
+    return record, weights
+
+
+def largest_layer_params(model: torch.nn.Module) -> int:
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def build_rows(records, weights_by_strategy, cfg, world_size):
+    """Table rows: measured bytes next to the formulas and DeepSpeed's estimators."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    psi = records[0]["param_count"]
+    largest = largest_layer_params(TinyGPT(cfg))
+    reference_name = records[0]["strategy"]
+    reference = weights_by_strategy[reference_name]
+    rows = []
+    for record in records:
+        stage = record["config"]["zero_stage"]
+        offloaded = record["strategy"].endswith("offload")
+        per_rank = record["metrics"]["model_state_bytes_per_rank"]
+        measured = {key: max(r[key] for r in per_rank) for key in ("params", "grads", "optimizer")}
+        predicted = predicted_state_bytes(stage, psi, world_size)
+        estimator = None
+        if stage == 2:
+            estimator = estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=False)[1]
+        elif stage == 3:
+            # With offload the estimator's device figure is only the largest layer: the rest is in CPU RAM.
+            estimator = estimate_zero3_model_states_mem_needs(
+                psi, largest, world_size, 1, cpu_offload=offloaded, cpu_offload_params=offloaded,
+                zero_init=False)[1]
+        weights = weights_by_strategy[record["strategy"]]
+        rows.append({
+            "strategy": record["strategy"], "stage": stage, "offload": record["config"]["offload"],
+            "measured": measured, "measured_total": sum(measured.values()),
+            "predicted": predicted, "predicted_total": sum(predicted.values()),
+            "ratio": sum(measured.values()) / sum(predicted.values()),
+            "paper_mixed_precision_total": paper_state_bytes(stage, psi, world_size),
+            "deepspeed_estimator_device_bytes": estimator,
+            "peak_rss_bytes_max": max(record["metrics"]["peak_rss_bytes_per_rank"]),
+            "step_time_s_median": record["metrics"]["step_time_s_median"],
+            "comm_per_step": record["metrics"]["comm_per_step"],
+            "max_abs_diff_vs_" + reference_name: max((weights[k] - reference[k]).abs().max().item()
+                                                     for k in reference),
+        })
+    return {"param_count": psi, "world_size": world_size, "largest_layer_params": largest,
+            "reference": reference_name, "machine": records[0]["machine"]["device_name"],
+            "backend": records[0]["backend"], "rows": rows}
+
+
+def markdown_table(table) -> str:
+    mib = 2**20
+    psi, n = table["param_count"], table["world_size"]
+    lines = [f"Ψ = {psi:,} parameters, N = {n} ranks, fp32, AdamW; measured on {table['machine']}, "
+             f"{table['backend']}. Bytes per rank in MiB (the largest rank).",
+             "",
+             "| strategy | params | grads | optimizer | measured total | fp32 formula | measured / formula "
+             "| paper (mixed precision) | DeepSpeed estimator | step time (s) | max diff vs "
+             f"{table['reference']} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in table["rows"]:
+        m = row["measured"]
+        estimator = row["deepspeed_estimator_device_bytes"]
+        step = row["step_time_s_median"]
+        lines.append(
+            f"| {row['strategy']} | {m['params'] / mib:.3f} | {m['grads'] / mib:.3f} | "
+            f"{m['optimizer'] / mib:.3f} | {row['measured_total'] / mib:.3f} | "
+            f"{row['predicted_total'] / mib:.3f} | {row['ratio']:.3f} | "
+            f"{row['paper_mixed_precision_total'] / mib:.3f} | "
+            f"{'-' if estimator is None else f'{estimator / mib:.3f}'} | "
+            f"{'-' if step is None else f'{step:.3f}'} | {row['max_abs_diff_vs_' + table['reference']]:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 2**20
+    rows = table["rows"]
+    names = [row["strategy"] for row in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bottom = [0.0] * len(rows)
+    for key, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
+        values = [row["measured"][key] / mib for row in rows]
+        ax.bar([i - 0.2 for i in x], values, 0.4, bottom=bottom, color=color, label=f"measured {key}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([i + 0.2 for i in x], [row["predicted_total"] / mib for row in rows], 0.4, color="#bbbbbb",
+           edgecolor="black", label="fp32 formula (total)")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("model-state MiB per rank")
+    ax.set_title(f"ZeRO model state per rank: Ψ = {table['param_count']:,}, N = {table['world_size']}, "
+                 f"fp32 AdamW ({table['machine']}, {table['backend']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        paths = [config_path(name) for name in args.configs]
+        for path in paths:  # check every config before training anything
+            load_ds_config(path, args.global_batch_size)
+        deepspeed = import_deepspeed(ctx.device)
+        cfg = gpt_config_from_args(args)
+        task = TokenTask(cfg, seed=args.seed)
+
+        records, weights_by_strategy = [], {}
+        for path in paths:
+            record, weights = train_one_config(deepspeed, ctx, args, cfg, task, path)
+            strategy = strategy_name(load_ds_config(path))
+            if strategy in weights_by_strategy:
+                raise UsageError(f"--configs: two configs are both {strategy}")
+            weights_by_strategy[strategy] = weights
+            if ctx.is_main:
+                records.append(record)
+                state = record["metrics"]["model_state_bytes_per_rank"][0]
+                log.info(f"{strategy:>14}: rank 0 holds params {state['params']:,} B, grads "
+                         f"{state['grads']:,} B, optimizer {state['optimizer']:,} B | loss "
+                         f"{record['final_loss']:.4f}")
+                if args.params_dir:
+                    atomic_save(weights, Path(args.params_dir) / f"{strategy}.pt")
+        dist.barrier()
+        if ctx.is_main:
+            table = build_rows(records, weights_by_strategy, cfg, ctx.world_size)
+            out = Path(args.out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "zero_memory.json").write_text(json.dumps(table, indent=1) + "\n")
+            (out / "zero_memory.md").write_text(markdown_table(table))
+            plot(table, out / "zero_memory.png")
+            print(markdown_table(table), flush=True)
+            log.info(f"wrote {out / 'zero_memory.md'}, {out / 'zero_memory.json'}, {out / 'zero_memory.png'}")
+
+
+if __name__ == "__main__":
+    run_main(main)
