@@ -1,0 +1,207 @@
+"""Chapter 02: checkpoint an FSDP2 model two ways, and resume on a different number of ranks.
+
+* **full state dict**: every shard is all-gathered into whole tensors, offloaded to CPU, and rank 0
+  writes one ordinary ``torch.save`` file (atomically). Simple and portable, but rank 0 must hold
+  the whole model and optimizer in memory, and everyone waits for one writer.
+* **sharded (DCP)**: ``torch.distributed.checkpoint`` has every rank write only its own shards, in
+  parallel, plus a metadata file that records which slice of which tensor is where. Loading
+  reshards: a checkpoint written by 4 ranks loads into 2 (or 8), because each rank just reads the
+  slices its new shards cover.
+
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_checkpoint.py --steps 100                 # train, save both
+    torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume dcp    # 4 -> 2 ranks
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.checkpoint import atomic_save, safe_load
+from distkit.logs import progress, setup_logging
+from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+                            rank_slice)
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(
+        description="Train the small GPT with FSDP2, save a full and a sharded (DCP) checkpoint, and "
+                    "resume from either, on any number of ranks.",
+        epilog="example: torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume dcp")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="train until this global step (a resumed run continues from the saved step) "
+                             "(default: 100)")
+    parser.add_argument("--resume", choices=["none", "dcp", "full"], default="none",
+                        help="start from the sharded (dcp) or the full checkpoint (default: none)")
+    parser.add_argument("--save", choices=["both", "dcp", "full", "none"], default="both",
+                        help="which checkpoints to write at the end (default: both)")
+    parser.add_argument("--dcp-dir", default="checkpoints/fsdp_dcp",
+                        help="folder of the sharded DCP checkpoint (default: checkpoints/fsdp_dcp)")
+    parser.add_argument("--full-checkpoint", default="checkpoints/fsdp_full.pt",
+                        help="file of the full checkpoint (default: checkpoints/fsdp_full.pt)")
+    parser.add_argument("--dump-loaded", default=None, metavar="PATH",
+                        help="rank 0 saves the full model state right after loading (to check a resume)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="sequences per optimizer step across all ranks (default: 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--log-every", type=int, default=25, help="log the loss every N steps (default: 25)")
+    add_gpt_args(parser)
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 0 or args.global_batch_size < 1:
+        parser.error("--steps must be >= 0 and --global-batch-size >= 1")
+    return args
+
+
+def load_dcp(model, optimizer, folder):
+    """Read a sharded checkpoint into this job's shards, whatever world size wrote it."""
+    meta_path = os.path.join(folder, "trainer_state.json")
+    if not os.path.exists(meta_path):  # written last: its absence means no (complete) checkpoint
+        raise UsageError(f"no complete DCP checkpoint in {folder} (trainer_state.json is missing)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    # get_state_dict gives the *sharded* layout of this job; dcp.load fills it in place from files
+    # that may have been cut for another world size.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as exc:  # noqa: BLE001 - another model's checkpoint, missing shard files
+        raise UsageError(f"cannot load DCP checkpoint {folder}: {str(exc).splitlines()[0][:200]}") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta
+
+
+def load_full(model, optimizer, path, ctx):
+    """Rank 0 reads the one-file checkpoint; set_state_dict broadcasts and shards it to everyone."""
+    # Only rank 0 touches the file (on a real cluster the others may not even see it).
+    exists = torch.tensor([os.path.exists(path) if ctx.is_main else 0], device=ctx.device)
+    dist.broadcast(exists, src=0)
+    if not exists.item():
+        raise UsageError(f"full checkpoint {path} does not exist")
+    ckpt = safe_load(path) if ctx.is_main else {"model": {}, "optim": {}, "step": 0}
+    step = torch.tensor([ckpt["step"]], device=ctx.device)
+    dist.broadcast(step, src=0)
+    # Two calls, not set_state_dict: given an empty model dict (ranks != 0), set_state_dict would
+    # treat the call as optimizer-only on those ranks and skip the model broadcast rank 0 is in.
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, ckpt["model"], options=from_rank0)
+    set_optimizer_state_dict(model, optimizer, ckpt["optim"], options=from_rank0)
+    return {"step": int(step.item())}
+
+
+def save_dcp(model, optimizer, folder, step, ctx):
+    """Every rank writes its own shards in parallel into a fresh folder; rank 0 then swaps it in.
+
+    Writing beside the old checkpoint and renaming at the end means a crash mid-save leaves the
+    previous checkpoint whole (the same idea as atomic_save, for a folder written by many ranks).
+    """
+    staging = f"{folder}.tmp"
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
+    if ctx.is_main:  # dcp.save returns on every rank once all shards and the metadata are written
+        atomic_save_json({"step": step, "world_size": ctx.world_size},
+                         os.path.join(staging, "trainer_state.json"))
+        shutil.rmtree(f"{folder}.old", ignore_errors=True)
+        if os.path.exists(folder):
+            os.replace(folder, f"{folder}.old")
+        os.replace(staging, folder)
+        shutil.rmtree(f"{folder}.old", ignore_errors=True)
+    dist.barrier()
+
+
+def save_full(model, optimizer, path, step, ctx):
+    """All-gather every shard (collective), offload to CPU; rank 0 alone writes one file."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
+    if ctx.is_main:
+        atomic_save({"model": model_state, "optim": optim_state, "step": step}, path)
+
+
+def atomic_save_json(obj, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def folder_bytes(folder):
+    return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        if args.global_batch_size % ctx.world_size:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                             f"{ctx.world_size} ranks")
+        cfg = gpt_config_from_args(args)
+        model = TinyGPT(cfg).to(ctx.device)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+        start_step = 0
+        if args.resume != "none":
+            t0 = time.perf_counter()
+            meta = (load_dcp(model, optimizer, args.dcp_dir) if args.resume == "dcp"
+                    else load_full(model, optimizer, args.full_checkpoint, ctx))
+            start_step = meta["step"]
+            saved_by = f" (saved by {meta['world_size']} ranks)" if "world_size" in meta else ""
+            log.info(f"resumed from {args.resume} checkpoint at step {start_step}{saved_by} into "
+                     f"{ctx.world_size} ranks in {time.perf_counter() - t0:.2f} s")
+            if args.dump_loaded:
+                loaded = get_model_state_dict(model, options=FULL)
+                if ctx.is_main:
+                    atomic_save(loaded, args.dump_loaded)
+        log.info(f"world size {ctx.world_size} | {args.model_size} GPT | steps {start_step} -> {args.steps}")
+
+        task = TokenTask(cfg, seed=args.seed)
+        for step in progress(range(start_step, args.steps), ctx.rank, desc="train"):
+            inputs, targets = task.global_batch(step, args.global_batch_size)
+            inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
+            targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if step % args.log_every == 0 or step == args.steps - 1:
+                dist.all_reduce(loss := loss.detach().clone())
+                log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
+
+        end_step = max(start_step, args.steps)
+        if args.save in ("both", "dcp"):
+            t0 = time.perf_counter()
+            save_dcp(model, optimizer, args.dcp_dir, end_step, ctx)
+            if ctx.is_main:
+                files = sorted(os.listdir(args.dcp_dir))
+                log.info(f"sharded DCP checkpoint: {args.dcp_dir} | {len(files)} files "
+                         f"({', '.join(files)}) | {folder_bytes(args.dcp_dir):,} B | "
+                         f"{time.perf_counter() - t0:.2f} s")
+        if args.save in ("both", "full"):
+            t0 = time.perf_counter()
+            save_full(model, optimizer, args.full_checkpoint, end_step, ctx)
+            dist.barrier()
+            if ctx.is_main:
+                log.info(f"full checkpoint (rank 0 only): {args.full_checkpoint} | "
+                         f"{os.path.getsize(args.full_checkpoint):,} B | {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    run_main(main)

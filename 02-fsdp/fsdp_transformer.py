@@ -1,0 +1,227 @@
+"""Chapter 02: train the transformer with FSDP2 (`fully_shard`) under each sharding strategy.
+
+One launch trains one configuration per `--sharding` value (same model, same data, same seed) and
+appends one harness record for each, so the strategies can be compared side by side:
+
+    full_shard     FSDP1 FULL_SHARD    1D mesh, reshard_after_forward=True  (gather in fwd AND bwd)
+    shard_grad_op  FSDP1 SHARD_GRAD_OP 1D mesh, reshard_after_forward=False (gather once, keep for bwd)
+    no_shard       FSDP1 NO_SHARD      2D mesh (world x 1): nothing sharded, gradients all-reduced
+    hybrid_shard   FSDP1 HYBRID_SHARD  2D mesh (replicas x shard group): shard inside, all-reduce across
+    ddp            the chapter-01 baseline (DistributedDataParallel) for comparison
+
+The other knobs of a real FSDP job are flags: per-block or root-only wrapping, bf16 mixed precision
+(`MixedPrecisionPolicy`), activation checkpointing and `CPUOffloadPolicy`.
+
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --sharding full_shard shard_grad_op no_shard hybrid_shard ddp
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --mixed-precision bf16 --activation-checkpointing
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.checkpoint import atomic_save
+from distkit.harness import Harness
+from distkit.logs import progress, setup_logging
+from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+                            rank_slice)
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
+               "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(
+        description="Train the small GPT with FSDP2 fully_shard under one or more sharding strategies "
+                    "(one harness record each). Launch with torchrun; runs on CPU (gloo) or GPUs (NCCL).",
+        epilog="example: torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py "
+               "--sharding full_shard hybrid_shard --steps 50")
+    parser.add_argument("--sharding", nargs="+", choices=STRATEGIES, default=["full_shard"],
+                        help="strategies to train one after another (default: full_shard)")
+    parser.add_argument("--hsdp-shard-size", type=int, default=2,
+                        help="hybrid_shard: ranks per shard group; replicas = world / this (default: 2)")
+    parser.add_argument("--wrap", choices=["block", "root"], default="block",
+                        help="block: each transformer block is its own FSDP unit, then the root; "
+                             "root: one unit for the whole model (default: block)")
+    parser.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: compute in bf16 params, reduce gradients in fp32 (default: fp32)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward instead of storing them")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep sharded params, grads and optimizer state in CPU memory (CPUOffloadPolicy)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per strategy (default: 200)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="sequences per optimizer step across all ranks (default: 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--log-every", type=int, default=50, help="log the loss every N steps (default: 50)")
+    parser.add_argument("--results", default="runs/fsdp_transformer.jsonl",
+                        help="harness records are appended here (default: runs/fsdp_transformer.jsonl)")
+    parser.add_argument("--save-params", default=None, metavar="DIR",
+                        help="rank 0 saves the trained full (unsharded) state dict as DIR/<strategy>.pt")
+    add_gpt_args(parser)
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.global_batch_size < 1 or args.hsdp_shard_size < 1:
+        parser.error("--steps, --global-batch-size and --hsdp-shard-size must be at least 1")
+    return args
+
+
+def build_mesh(strategy, ctx, hsdp_shard_size):
+    """The device mesh FSDP2 shards over. 2D meshes are (replicate, shard): HSDP and NO_SHARD."""
+    if strategy == "hybrid_shard":
+        if ctx.world_size % hsdp_shard_size:
+            raise UsageError(f"--hsdp-shard-size {hsdp_shard_size} does not divide the world size "
+                             f"{ctx.world_size}")
+        return init_device_mesh(ctx.device.type, (ctx.world_size // hsdp_shard_size, hsdp_shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    if strategy == "no_shard":  # shard groups of one rank: every rank keeps everything (DDP-like)
+        return init_device_mesh(ctx.device.type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+
+
+def shard_model(model, strategy, mesh, args, ctx):
+    """Apply fully_shard bottom-up: each block (its own all-gather/reduce-scatter unit), then the root."""
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if args.mixed_precision == "bf16" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if args.cpu_offload else OffloadPolicy()
+    # FULL_SHARD frees a block's gathered weights after its forward and gathers them again in backward;
+    # SHARD_GRAD_OP keeps them until backward has used them (more memory, one all-gather fewer).
+    reshard = strategy in ("full_shard", "hybrid_shard")
+    if args.wrap == "block":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                        offload_policy=offload)
+    # The root unit (embeddings, final norm, LM head) is needed first in backward: never reshard it.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    return model
+
+
+def padded_numel(shape, shards):
+    """FSDP2 shards dim 0, padded up to a multiple of the shard-group size."""
+    rows = math.ceil(shape[0] / shards) * shards if shards > 1 else shape[0]
+    return rows * math.prod(shape[1:])
+
+
+def predicted_bytes(model, strategy, args, world_size):
+    """What the textbook formulas predict per rank, with FSDP2's dim-0 padding modelled.
+
+    P = parameter bytes (fp32), s = shard-group size, r = replicas. Sharded state is P/s each for
+    params and grads and 2P/s for AdamW's two moments. Communication payloads per step:
+    all-gather = P (x2 for units resharded after forward: gathered in forward and again in
+    backward), reduce-scatter = P, all-reduce across replicas = P/s; DDP all-reduces P.
+    """
+    if strategy == "ddp":
+        shards, replicas = 1, world_size
+    elif strategy == "hybrid_shard":
+        shards, replicas = args.hsdp_shard_size, world_size // args.hsdp_shard_size
+    elif strategy == "no_shard":
+        shards, replicas = 1, world_size
+    else:
+        shards, replicas = world_size, 1
+    gather_bytes = 2 if args.mixed_precision == "bf16" else 4
+    units = ([list(block.parameters()) for block in model.blocks] if args.wrap == "block" else [])
+    in_blocks = {id(p) for unit in units for p in unit}
+    root_unit = [p for p in model.parameters() if id(p) not in in_blocks]
+    reshard = strategy in ("full_shard", "hybrid_shard")
+    padded = sum(padded_numel(p.shape, shards) for p in model.parameters())
+    state = padded // shards * 4
+    comm = {}
+    if shards > 1:
+        gathers = sum(padded_numel(p.shape, shards) * (2 if reshard else 1) for unit in units for p in unit)
+        gathers += sum(padded_numel(p.shape, shards) for p in root_unit)
+        comm["all_gather"] = gathers * gather_bytes
+        comm["reduce_scatter"] = padded * 4
+    if replicas > 1:
+        comm["all_reduce"] = padded // shards * 4
+    return {"params": state, "grads": state, "optimizer": 2 * state, "comm_bytes": comm,
+            "shard_group_size": shards, "replicas": replicas}
+
+
+def train_one(strategy, args, ctx, task, cfg, log):
+    """Build, wrap and train one configuration; returns the harness record (rank 0) or None."""
+    torch.manual_seed(args.seed)  # identical initial weights in every configuration and on every rank
+    model = TinyGPT(cfg).to(ctx.device)
+    if args.activation_checkpointing:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    predicted = predicted_bytes(model, strategy, args, ctx.world_size)
+    if strategy == "ddp":
+        if args.mixed_precision != "fp32" or args.cpu_offload:
+            raise UsageError("--mixed-precision bf16 and --cpu-offload are FSDP options; drop them for ddp")
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    else:
+        shard_model(model, strategy, build_mesh(strategy, ctx, args.hsdp_shard_size), args, ctx)
+    # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    config = {"script": "fsdp_transformer", "model_size": args.model_size, "gpt": cfg.to_dict(),
+              "global_batch_size": args.global_batch_size, "precision": args.mixed_precision,
+              "param_count": sum(p.numel() for p in model.parameters()), "lr": args.lr,
+              "wrap": args.wrap, "activation_checkpointing": args.activation_checkpointing,
+              "cpu_offload": args.cpu_offload, "sharding": strategy,
+              "hsdp_shard_size": args.hsdp_shard_size if strategy == "hybrid_shard" else None}
+    harness = Harness(ctx, RECORD_NAME[strategy], model=model, optimizer=optimizer,
+                      warmup_steps=args.warmup_steps, config=config)
+    tokens_per_step = args.global_batch_size * cfg.seq_len
+    losses = []
+    for step in progress(range(args.steps), ctx.rank, total=args.steps, desc=strategy):
+        inputs, targets = task.global_batch(step, args.global_batch_size)
+        inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
+        targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        with harness.step(samples=args.global_batch_size, tokens=tokens_per_step):
+            optimizer.zero_grad(set_to_none=True)
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()  # FSDP: all-gather (if resharded) -> grads -> reduce-scatter, unit by unit
+            optimizer.step()  # each rank updates only its own shard
+        if step % args.log_every == 0 or step == args.steps - 1:
+            global_loss = loss.detach().float().clone()
+            dist.all_reduce(global_loss)  # outside harness.step: not part of the counted traffic
+            losses.append((step, global_loss.item() / ctx.world_size))
+            log.info(f"{strategy:>13} | step {step:4d} | loss {losses[-1][1]:.4f}")
+
+    if args.save_params:
+        # Gathers every shard into full tensors on CPU (collective: all ranks call it).
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if ctx.is_main:
+            atomic_save(full, os.path.join(args.save_params, f"{strategy}.pt"))
+    return harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        if args.global_batch_size % ctx.world_size:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                             f"{ctx.world_size} ranks")
+        cfg = gpt_config_from_args(args)
+        task = TokenTask(cfg, seed=args.seed)
+        log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {args.model_size} GPT | "
+                 f"global batch {args.global_batch_size} | {args.mixed_precision}")
+        for strategy in args.sharding:
+            record = train_one(strategy, args, ctx, task, cfg, log)
+            if ctx.is_main:
+                m, pred = record["metrics"], record["predicted"]
+                state = m["model_state_bytes_per_rank"][0]
+                comm = {k: v["bytes"] for k, v in m["comm_per_step"].items()}
+                log.info(f"{strategy:>13} | rank-0 state: params {state['params']:,} B grads "
+                         f"{state['grads']:,} B optimizer {state['optimizer']:,} B "
+                         f"(predicted {pred['params']:,} / {pred['grads']:,} / {pred['optimizer']:,})")
+                log.info(f"{strategy:>13} | bytes/step {comm} (predicted {pred['comm_bytes']}) | "
+                         f"step {m['step_time_s_median'] * 1e3:.1f} ms")
+        if ctx.is_main:
+            log.info(f"records appended to {args.results}")
+
+
+if __name__ == "__main__":
+    run_main(main)
