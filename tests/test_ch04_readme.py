@@ -1,0 +1,147 @@
+"""Chapter 04: every command in 04-nccl-operations/README.md runs (with flags that keep it quick) and
+does what the chapter says: collectives match their definitions on 4 ranks, the point-to-point ring
+all-reduce equals all_reduce, the bandwidth test reports nccl-tests factors with no wrong elements, and
+each debug-lab scenario ends on its own with the expected message and nothing left running."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, job_env, readme_commands, run
+
+CHAPTER = REPO / "04-nccl-operations"
+README = CHAPTER / "README.md"
+# nccl-tests bus factors, written out independently of distkit.harness.bus_factor
+NCCL_TESTS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                     "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+
+
+def as_argv(command: str) -> list[str]:
+    """A README command line as an argv for this interpreter."""
+    argv = shlex.split(command)
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    raise AssertionError(f"unexpected README command {command}")
+
+
+def key(command: str) -> str:
+    """Which behaviour a README command shows: the script name, plus the lab scenario."""
+    script = Path(next(a for a in shlex.split(command) if a.endswith(".py"))).stem
+    scenario = re.search(r"--scenario (\S+)", command)
+    return f"{script}:{scenario.group(1)}" if scenario else script
+
+
+def own_processes(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (a path only this test uses)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in text:
+            found.append(text)
+    return found
+
+
+def check_collective_ops(out: str, tmp_path: Path) -> None:
+    passes = re.findall(r"^   PASS (\S+)", out, flags=re.M)
+    assert len(passes) == 15 and "FAIL" not in out and "SKIP" not in out, out[-3000:]
+    assert "15 passed, 0 failed, 0 skipped" in out
+    assert "rank 3: [30, 31, 32, 33]  ->  [60, 64, 68, 72]" in out  # all_reduce(SUM), shown per rank
+    # the harness's CommCounter saw nccl-tests wire bytes: 16 B all-reduced on 4 ranks -> 24 B
+    assert "PASS all_reduce(SUM) (all_reduce 16 B payload / 24 B on the wire per rank)" in out
+
+
+def check_point_to_point(out: str, tmp_path: Path) -> None:
+    assert out.count(" PASS") == 3 * 4 - 2 + 4, out[-3000:]  # send/recv: 2 receivers; rings: 4+4; ring AR: 4
+    assert "FAIL" not in out
+    ring = re.findall(r"max \|ring - all_reduce\| = (\S+) \(tolerance (\S+)\) PASS \| sent (\d+) B = (\S+) x size",
+                      out)
+    assert len(ring) == 4, out[-3000:]
+    for diff, tol, _, ratio in ring:
+        assert float(diff) <= float(tol) == 4e-5
+        assert ratio == "1.5000"  # 2(n-1)/n for n = 4
+    assert out.count("recv timed out after") == 4, out[-3000:]
+    assert "Nobody sends because everybody is still waiting to receive" in out
+
+
+def check_bandwidth(out: str, tmp_path: Path) -> None:
+    records = [json.loads(line) for line in (tmp_path / "bw.jsonl").read_text().splitlines()]
+    by_strategy = {r["strategy"]: r for r in records}
+    assert set(by_strategy) == {f"bandwidth_{c}" for c in NCCL_TESTS_FACTOR} | {"bandwidth_p2p_matrix"}
+    for collective, factor in NCCL_TESTS_FACTOR.items():
+        record = by_strategy[f"bandwidth_{collective}"]
+        assert record["world_size"] == 4 and record["backend"] == "gloo"
+        assert [row["size_bytes"] for row in record["rows"]] == [1024, 4096, 16384]
+        for row in record["rows"]:
+            assert row["wrong"] == 0
+            assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(factor(4), rel=1e-12)
+            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9)
+    matrix = by_strategy["bandwidth_p2p_matrix"]["matrix_GBps"]
+    assert all((value > 0) == (i != j) for i, row in enumerate(matrix) for j, value in enumerate(row))
+    png = (tmp_path / "bw.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "#       size         count      type   redop    root       time    algbw    busbw  #wrong" in out
+    assert "7 collectives, 0 wrong elements" in out
+
+
+def check_mismatch(out: str, tmp_path: Path) -> None:
+    assert "error: collective mismatch: rank 0 runs ALLREDUCE [4]; rank 3 runs ALLREDUCE [5]" in out, out[-3000:]
+    assert "Without it (debug level OFF)" in out
+
+
+def check_missing_rank(out: str, tmp_path: Path) -> None:
+    assert "rank 0: all_reduce timed out after" in out, out[-3000:]
+    assert "Ranks 3 failed to pass monitoredBarrier" in out
+
+
+def check_crash(out: str, tmp_path: Path) -> None:
+    assert "[rank 3] step 3: simulated crash" in out, out[-3000:]
+    assert "error: [rank 0] lost a peer at step 3" in out
+    assert "exitcode: 3" in out or "exitcode: 1" in out  # torchrun's summary names a failed rank
+
+
+# README command -> (flags appended to keep it quick and inside tmp_path, expected exit, checker)
+CASES = {
+    "collective_ops": ([], 0, check_collective_ops),
+    "point_to_point": (["--numel", "10001", "--deadlock-timeout-s", "2"], 0, check_point_to_point),
+    "bandwidth_test": (["--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
+                        "--p2p-bytes", "8K", "--results", "{tmp}/bw.jsonl", "--plot", "{tmp}/bw.png"], 0,
+                       check_bandwidth),
+    "debug_lab:mismatch": (["--timeout-s", "3", "--log-dir", "{tmp}/lab"], 1, check_mismatch),
+    "debug_lab:missing-rank": (["--timeout-s", "2", "--log-dir", "{tmp}/lab"], 1, check_missing_rank),
+    "debug_lab:crash": (["--timeout-s", "3", "--log-dir", "{tmp}/lab"], 1, check_crash),
+}
+COMMANDS = readme_commands(README)
+
+
+def test_readme_commands_are_all_covered():
+    keys = [key(c) for c in COMMANDS]
+    assert sorted(keys) == sorted(CASES), f"README commands {keys} vs tested {sorted(CASES)}"
+    assert all("--nproc_per_node=4" in c and "--standalone" in c for c in COMMANDS if c.startswith("torchrun"))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[key(c) for c in COMMANDS])
+def test_readme_command(command: str, tmp_path: Path):
+    extra, expected_rc, check = CASES[key(command)]
+    argv = as_argv(command) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    start = time.perf_counter()
+    # the lab scenarios must end by themselves well inside this limit (timeouts of 2-3 s)
+    result = run(argv, timeout=180, env=job_env(tmp_path), check=False)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == expected_rc, f"exit {result.returncode} after {elapsed:.0f}s\n{result.stdout[-4000:]}"
+    check(result.stdout, tmp_path)
+    if expected_rc:  # a failing job must not leave a rank behind (the lab's stuck rank included)
+        time.sleep(0.5)
+        assert not own_processes(str(tmp_path)), own_processes(str(tmp_path))
+        assert sorted(p.name for p in (tmp_path / "lab").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
