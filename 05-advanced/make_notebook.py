@@ -40,7 +40,7 @@ cells = [
     new_code_cell(
         "pp = run('pipeline_parallel.py', '--model-size', 'tiny', '--n-layer', 8, '--steps', 5,\n"
         "         '--global-batch-size', 16, '--schedule', 'gpipe', '1f1b', 'interleaved_1f1b',\n"
-        "         '--microbatches', 2, 4, 8, '--checkpoint', WORK / 'pp_{schedule}_{microbatches}.pt')\n"
+        "         '--microbatches', 4, 8, 16, '--checkpoint', WORK / 'pp_{schedule}_{microbatches}.pt')\n"
         "fig, ax = plt.subplots(figsize=(6, 4))\n"
         "for i, schedule in enumerate(['gpipe', '1f1b', 'interleaved_1f1b']):\n"
         "    runs = sorted((r['config']['microbatches'], r['bubble']) for r in pp if r['config']['schedule'] == schedule)\n"

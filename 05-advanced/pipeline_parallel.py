@@ -132,6 +132,13 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
         raise UsageError(f"--global-batch-size {args.global_batch_size} does not split into "
                          f"{microbatches} equal micro-batches")
 
+    if schedule_name == "1f1b" and microbatches < pp:  # torch's Schedule1F1B needs m >= p
+        raise UsageError(f"1F1B needs at least as many micro-batches as stages ({pp}); got {microbatches}")
+    rounds = max(1, microbatches // pp)
+    if schedule_name == "interleaved_1f1b" and microbatches % rounds:
+        raise UsageError(f"interleaved 1F1B needs the micro-batch count to be a multiple of "
+                         f"{rounds} (micro-batches // stages); got {microbatches}")
+
     seed_everything(args.seed)  # every run starts from the same weights
     full = TinyGPT(cfg)
     param_count = sum(p.numel() for p in full.parameters())
