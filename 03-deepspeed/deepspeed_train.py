@@ -25,9 +25,9 @@ from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
 
-from ds_common import ZeroHarness, check_batch, import_deepspeed, load_ds_config, strategy_name, zero_stage
+from ds_common import (EVAL_BATCH, EVAL_STEP, ZeroHarness, check_batch, import_deepspeed, load_ds_config,
+                       strategy_name, zero_stage)
 
-EVAL_STEP = 10_000  # the eval batch is TokenTask.global_batch(EVAL_STEP, ...): never a training step here
 
 
 def parse_args():
@@ -94,6 +94,7 @@ def main():
 
         cfg = gpt_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
+        torch.manual_seed(args.seed)
         model = TinyGPT(cfg)  # same seed on every rank -> same initial weights
         param_count = sum(p.numel() for p in model.parameters())
         # A torch optimizer as the client optimizer: DeepSpeed wraps it (ZeRO partitions its state)
@@ -157,7 +158,7 @@ def main():
 
         # Evaluate through the engine (ZeRO-3 gathers weights for the forward on every rank).
         engine.eval()
-        eval_inputs, eval_targets = task.global_batch(EVAL_STEP, batch)
+        eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
         with torch.no_grad():
             eval_loss = lm_loss(engine(eval_inputs.to(engine.device)), eval_targets.to(engine.device)).item()
 
@@ -165,7 +166,7 @@ def main():
         if ctx.is_main:
             state_dict = consolidate_fp32(deepspeed, engine, checkpoint_dir, last_tag)
             atomic_save({"model": state_dict, "gpt_config": cfg.to_dict(), "strategy": strategy,
-                         "steps": args.steps, "eval_loss": eval_loss}, fp32_out)
+                         "steps": args.steps, "eval_loss": eval_loss, "seed": args.seed}, fp32_out)
             log.info(f"consolidated fp32 state dict ({len(state_dict)} tensors) -> {fp32_out}")
         record = harness.finish(args.results, extra={"eval_loss": eval_loss, "final_loss": loss_value,
                                                       "steps": args.steps, "resumed_from": start_step})

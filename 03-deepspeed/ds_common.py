@@ -14,9 +14,12 @@ from pathlib import Path
 import torch
 
 from distkit import UsageError
-from distkit.harness import Harness
+from distkit.harness import Harness, append_record
 
 STAGES = (0, 1, 2, 3)
+# The held-out batch both the trainer and the inference script score: TokenTask.global_batch(EVAL_STEP,
+# EVAL_BATCH) is never a training batch of these short runs.
+EVAL_STEP, EVAL_BATCH = 10_000, 32
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -169,6 +172,15 @@ class ZeroHarness(Harness):
 
     def state_bytes(self) -> dict[str, int]:
         return dict(getattr(self, "_snapshot", {}) or {"params": 0, "grads": 0, "optimizer": 0})
+
+    def finish(self, results_file=None, extra=None):
+        """The shared record, with the full parameter count (a ZeRO-3 parameter's numel() is 0)."""
+        record = super().finish(results_file=None, extra=extra)
+        if record is not None:
+            record["param_count"] = self.config.get("param_count", record["param_count"])
+            if results_file is not None:
+                append_record(results_file, record)
+        return record
 
 
 def predicted_state_bytes(stage: int, psi: int, n: int) -> dict[str, float]:

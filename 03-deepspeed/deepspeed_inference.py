@@ -1,0 +1,104 @@
+"""Chapter 03: load the consolidated model that deepspeed_train.py wrote and generate tokens with
+``deepspeed.init_inference``.
+
+``deepspeed_train.py`` ends by stitching the ZeRO shards into one fp32 state dict (``zero_to_fp32``).
+That file is a plain PyTorch checkpoint: it loads into ``TinyGPT`` without DeepSpeed. Here DeepSpeed's
+inference engine wraps the model: on a GPU it can cast to fp16 and, for architectures it has kernel
+policies for (GPT-2, BERT, LLaMA ... from Hugging Face), swap in fused kernels
+(``replace_with_kernel_inject``). ``TinyGPT`` has no such policy and the CPU has no such kernels, so
+on CPU the engine runs the plain module in fp32.
+
+The synthetic task is a Markov chain (each token has two possible successors), so the output is
+checkable: the script reports the share of generated transitions that are valid.
+
+    python 03-deepspeed/deepspeed_inference.py --checkpoint checkpoints/ch03/zero3_fp32.pt
+"""
+from __future__ import annotations
+
+import torch
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.checkpoint import load_model_state, safe_load
+from distkit.logs import setup_logging
+from distkit.models import GPTConfig, TinyGPT, TokenTask, lm_loss
+
+from ds_common import EVAL_BATCH, EVAL_STEP, import_deepspeed
+
+
+
+def parse_args():
+    parser = ArgumentParser(
+        description="Generate tokens from a consolidated fp32 checkpoint with deepspeed.init_inference.",
+        epilog="example: python 03-deepspeed/deepspeed_inference.py --checkpoint checkpoints/ch03/zero3_fp32.pt")
+    parser.add_argument("--checkpoint", default="checkpoints/ch03/zero3_fp32.pt",
+                        help="consolidated state dict written by deepspeed_train.py "
+                             "(default: checkpoints/ch03/zero3_fp32.pt)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens to generate per prompt (default: 24)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts (held-out sequences) (default: 4)")
+    parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (default: 8)")
+    parser.add_argument("--kernel-inject", action="store_true",
+                        help="ask DeepSpeed for fused inference kernels (CUDA only; TinyGPT has no "
+                             "injection policy, so it keeps its own modules)")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if args.new_tokens < 1 or args.prompts < 1 or args.prompt_len < 1:
+        parser.error("--new-tokens, --prompts and --prompt-len must be at least 1")
+    return args
+
+
+@torch.no_grad()
+def generate(engine, prompt: torch.Tensor, new_tokens: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Sample ``new_tokens`` tokens after ``prompt``, looking at most ``seq_len`` tokens back."""
+    generator = torch.Generator(device=prompt.device).manual_seed(seed)
+    tokens = prompt
+    for _ in range(new_tokens):
+        logits = engine(tokens[:, -seq_len:])[:, -1].float()
+        next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        if args.kernel_inject and ctx.device.type != "cuda":
+            raise UsageError("--kernel-inject needs CUDA GPUs: DeepSpeed's fused inference kernels are GPU kernels")
+        checkpoint = safe_load(args.checkpoint)
+        if not isinstance(checkpoint, dict) or "model" not in checkpoint or "gpt_config" not in checkpoint:
+            raise UsageError(f"checkpoint {args.checkpoint} is not a consolidated checkpoint from "
+                             "deepspeed_train.py (no 'model' / 'gpt_config')")
+        cfg = GPTConfig(**checkpoint["gpt_config"])
+        model = TinyGPT(cfg)
+        load_model_state(model, checkpoint["model"], args.checkpoint)  # plain PyTorch: no DeepSpeed needed
+        model.eval()
+
+        deepspeed = import_deepspeed(ctx.device)
+        dtype = torch.float16 if ctx.device.type == "cuda" else torch.float32
+        engine = deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=args.kernel_inject,
+                                          tensor_parallel={"tp_size": 1})
+        device = next(engine.module.parameters()).device
+
+        task = TokenTask(cfg, seed=checkpoint.get("seed", 0))
+        eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
+        with torch.no_grad():
+            eval_loss = lm_loss(engine(eval_inputs.to(device)).float(), eval_targets.to(device)).item()
+        log.info(f"loaded {args.checkpoint} ({checkpoint['strategy']}, {checkpoint['steps']} steps) into "
+                 f"TinyGPT | inference engine on {device} in {dtype} | eval loss {eval_loss:.4f} "
+                 f"(training run measured {checkpoint['eval_loss']:.4f})")
+
+        # Valid transitions of the Markov chain, read off the task's own sequences.
+        valid = set(zip(task.tokens[:, :-1].flatten().tolist(), task.tokens[:, 1:].flatten().tolist()))
+        prompts = task.tokens[:args.prompts, :args.prompt_len].to(device)
+        out = generate(engine, prompts, args.new_tokens, cfg.seq_len, args.seed).cpu()
+        new = out[:, args.prompt_len - 1:]
+        pairs = list(zip(new[:, :-1].flatten().tolist(), new[:, 1:].flatten().tolist()))
+        ok = sum(pair in valid for pair in pairs)
+        for row in out.tolist()[:3]:
+            log.info(f"prompt {row[:args.prompt_len]} -> {row[args.prompt_len:]}")
+        log.info(f"valid transitions in generated tokens: {ok}/{len(pairs)} ({ok / len(pairs):.0%}); "
+                 "an untrained model scores about 2/vocab")
+
+
+if __name__ == "__main__":
+    run_main(main)
