@@ -439,7 +439,10 @@ def _deepspeed(strategy: str, shapes: dict, n: int) -> tuple[dict, dict]:
 def config_of_record(record: dict) -> GPTConfig:
     """The GPTConfig a harness record was trained with (from its config; checked by param count)."""
     config = record.get("config", {})
-    if isinstance(config.get("gpt"), dict):
+    bench = record.get("benchmark") or {}
+    if isinstance(bench.get("gpt"), dict):  # the runner stores the exact config of its cell
+        cfg = GPTConfig(**bench["gpt"])
+    elif isinstance(config.get("gpt"), dict):
         cfg = GPTConfig(**config["gpt"])
     else:
         overrides = {k: config.get(k) for k in asdict(GPTConfig()) if k in config}

@@ -1,0 +1,330 @@
+"""Run every strategy through the shared harness, side by side: a matrix of strategies x world sizes
+x model sizes, each cell its own ``torchrun`` job running the chapter script that teaches it.
+
+Every chapter script follows the same contract (``--model-size``, ``--steps``,
+``--global-batch-size``, ``--warmup-steps``, ``--results``), so a cell is "script + the flags that
+pick the strategy" (the table :data:`STRATEGY_COMMANDS`). The harness inside each script times the
+steps after the warm-up, counts the collectives on an untimed step and records per-rank memory;
+this runner only launches, collects the records into one results file and keeps going when a cell
+fails (the failure is recorded with its error line).
+
+    python benchmarks/distributed_benchmarks.py --quick                 # CI: tiny model, minutes
+    python benchmarks/distributed_benchmarks.py --world-sizes 2 4 --model-size tiny small
+    python benchmarks/distributed_benchmarks.py --strategies ddp fsdp_full_shard zero3 --world-sizes 8 \\
+        --model-size medium large --bandwidth                           # a GPU node
+
+Then ``python benchmarks/plot.py`` turns the results file into the comparison plots and table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from distkit import ArgumentParser, UsageError, run_main
+from distkit.harness import append_record, read_records
+from distkit.logs import progress
+from distkit.models import GPT_PRESETS, gpt_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = "runs/benchmarks.jsonl"
+
+# strategy -> (chapter script, flags that select the strategy, smallest world size, notes).
+# {scratch} is the cell's temporary folder (checkpoints and logs the scripts write go there).
+STRATEGY_COMMANDS: dict[str, tuple[str, list[str], int]] = {
+    "ddp": ("01-ddp-basics/ddp_training.py",
+            ["--resume", "none", "--checkpoint-dir", "{scratch}/ckpt", "--checkpoint-every", "1000000",
+             "--log-dir", "{scratch}/logs"], 2),
+    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "{scratch}/model.pt"], 2),
+    "fsdp_full_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 2),
+    "fsdp_shard_grad_op": ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 2),
+    "fsdp_no_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 2),
+    "fsdp_hybrid_shard": ("02-fsdp/fsdp_transformer.py",
+                          ["--sharding", "hybrid_shard", "--hsdp-shard-size", "2"], 4),
+    "zero1": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero1_config.json",
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+    "zero2": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero2_config.json",
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+    "zero3": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero3_config.json",
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+    "zero3_offload": ("03-deepspeed/deepspeed_train.py",
+                      ["--deepspeed_config", "03-deepspeed/configs/zero3_offload_config.json",
+                       "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+    "tp": ("05-advanced/tensor_parallel.py", ["--checkpoint", "{scratch}/tp.pt"], 2),
+    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--checkpoint", "{scratch}/tp.pt"], 2),
+    "pp_gpipe": ("05-advanced/pipeline_parallel.py",
+                 ["--schedule", "gpipe", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 2),
+    "pp_1f1b": ("05-advanced/pipeline_parallel.py",
+                ["--schedule", "1f1b", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 2),
+    "pp_interleaved_1f1b": ("05-advanced/pipeline_parallel.py",
+                            ["--schedule", "interleaved_1f1b", "--stages-per-rank", "2", "--microbatches", "4",
+                             "--checkpoint", "{scratch}/pp.pt"], 2),
+    "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py",
+                   ["--mode", "2d", "--tp", "2", "--checkpoint", "{scratch}/2d.pt"], 4),
+    "hsdp": ("05-advanced/hybrid_parallelism.py",
+             ["--mode", "hsdp", "--shard", "2", "--checkpoint", "{scratch}/hsdp.pt"], 4),
+}
+
+# --quick: the tiny model (with 4 blocks so the interleaved pipeline has 2 stages per rank), 2 ranks
+# (4 where the mesh needs 2 x 2), few steps. Cells of one script that can train several strategies
+# in one process share a launch (GROUPS) to save start-up time; a full run never groups.
+QUICK_MODEL = ("tiny", ["--n-layer", "4"])
+QUICK_STEPS, QUICK_BATCH = 5, 8
+GROUPS = {
+    "fsdp": (("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard"), "02-fsdp/fsdp_transformer.py",
+             lambda names: ["--sharding", *[n.removeprefix("fsdp_") for n in names]]),
+    "zero": (("zero1", "zero2", "zero3", "zero3_offload"), "03-deepspeed/zero_memory.py",
+             lambda names: ["--configs", *names, "--out-dir", "{scratch}/zero_memory"]),
+    "pp": (("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"), "05-advanced/pipeline_parallel.py",
+           lambda names: ["--schedule", *[n.removeprefix("pp_") for n in names], "--microbatches", "4",
+                          "--stages-per-rank", "2", "--checkpoint", "{scratch}/pp_{schedule}.pt"]),
+}
+
+
+@dataclass
+class Cell:
+    """One launch: a script, its world size and model, and the strategies it will record."""
+
+    strategies: tuple[str, ...]
+    script: str
+    flags: list[str]
+    world_size: int
+    model_size: str
+    model_flags: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{'+'.join(self.strategies)} | {self.world_size} ranks | {self.model_size}"
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(
+        description="Benchmark every distributed strategy with the shared harness: a matrix of "
+                    "strategies x world sizes x model sizes, one torchrun job per cell, all records "
+                    "in one JSON-lines results file (then run benchmarks/plot.py).",
+        epilog="example: python benchmarks/distributed_benchmarks.py --world-sizes 2 4 --model-size tiny small")
+    parser.add_argument("--quick", action="store_true",
+                        help="small CI matrix: tiny model (4 blocks), 2 ranks (4 for 2-D meshes), "
+                             f"{QUICK_STEPS} steps, cells of one script share a launch")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_COMMANDS), metavar="NAME",
+                        help=f"strategies to run (default: all): {' '.join(STRATEGY_COMMANDS)}")
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], metavar="N",
+                        help="ranks per cell (default: 2 4); strategies that need a 2-D mesh skip N < 4")
+    parser.add_argument("--model-size", nargs="+", default=["tiny"], choices=sorted(GPT_PRESETS),
+                        help="transformer presets (default: tiny)")
+    parser.add_argument("--n-layer", type=int, default=None,
+                        help="override the preset's block count in every cell (the pipeline needs at least "
+                             "one block per stage, interleaved two per rank)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="optimizer steps per cell, incl. warm-up and the counted step (default: 10)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed warm-up steps (default: 2)")
+    parser.add_argument("--global-batch-size", type=int, default=16,
+                        help="sequences per step across all ranks; must divide by every world size and "
+                             "by the 4 pipeline micro-batches (default: 16)")
+    parser.add_argument("--results", default=DEFAULT_RESULTS,
+                        help=f"records of every cell are appended here (default: {DEFAULT_RESULTS})")
+    parser.add_argument("--cell-timeout-s", type=float, default=900,
+                        help="a cell running longer is killed and recorded as failed (default: 900)")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also run the chapter-04 collective bandwidth sweep at every world size "
+                             "(records go to the same results file)")
+    parser.add_argument("--bandwidth-max-bytes", default="16M",
+                        help="largest message of the bandwidth sweep (default: 16M)")
+    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                        help="passed to every cell (default: auto = NCCL on GPUs, else gloo)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="passed to every cell (default: auto)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.strategies if s not in STRATEGY_COMMANDS]
+    if unknown:
+        parser.error(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGY_COMMANDS)}")
+    if any(n < 1 for n in args.world_sizes):
+        parser.error("--world-sizes must be at least 1")
+    if args.steps <= args.warmup_steps + 1:
+        parser.error(f"--steps {args.steps} leaves no timed step after {args.warmup_steps} warm-up "
+                     "steps and the counted step; use at least --warmup-steps + 2")
+    if args.n_layer is not None and args.n_layer < 1:
+        parser.error("--n-layer must be at least 1")
+    if args.quick:
+        args.model_size, args.steps, args.global_batch_size = [QUICK_MODEL[0]], QUICK_STEPS, QUICK_BATCH
+        args.world_sizes = [2]
+    for n in args.world_sizes:
+        if args.global_batch_size % n or args.global_batch_size % 4:
+            parser.error(f"--global-batch-size {args.global_batch_size} must divide by every world size "
+                         f"({n}) and by the 4 pipeline micro-batches")
+    return args
+
+
+def plan_cells(args) -> tuple[list[Cell], list[dict]]:
+    """The launches to make, and the cells skipped (with their reason) before launching."""
+    cells, skipped = [], []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and args.device != "cpu" else 0
+    for model_size in args.model_size:
+        model_flags = list(QUICK_MODEL[1]) if args.quick else []
+        if args.n_layer is not None:
+            model_flags = ["--n-layer", str(args.n_layer)]
+        cfg = gpt_config(model_size, n_layer=int(model_flags[1]) if model_flags else None)
+        for world in args.world_sizes:
+            pending = list(args.strategies)
+            for strategy in args.strategies:
+                script, flags, min_world = STRATEGY_COMMANDS[strategy]
+                reason = None
+                world_here = max(world, min_world) if args.quick else world
+                if world_here < min_world:
+                    reason = f"needs at least {min_world} ranks (a 2 x 2 mesh)"
+                elif strategy == "pp_interleaved_1f1b" and cfg.n_layer < 2 * world_here:
+                    reason = f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, {model_size} has {cfg.n_layer}"
+                elif strategy.startswith("pp_") and cfg.n_layer < world_here:
+                    reason = f"{world_here} pipeline stages need {world_here} blocks, {model_size} has {cfg.n_layer}"
+                elif gpus and world_here > gpus and args.backend != "gloo":
+                    reason = f"{world_here} ranks need {world_here} GPUs, this machine has {gpus}"
+                if reason:
+                    pending.remove(strategy)
+                    skipped.append({"strategy": strategy, "world_size": world_here, "model_size": model_size,
+                                    "status": "skipped", "error": reason})
+            if args.quick:
+                for _, (members, script, make_flags) in GROUPS.items():
+                    together = tuple(s for s in members if s in pending)
+                    if len(together) > 1:
+                        cells.append(Cell(together, script, make_flags(together), world, model_size, model_flags))
+                        pending = [s for s in pending if s not in together]
+            for strategy in pending:
+                script, flags, min_world = STRATEGY_COMMANDS[strategy]
+                world_here = max(world, min_world) if args.quick else world
+                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, model_flags))
+    return cells, skipped
+
+
+def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
+    flags = [f.format(scratch=scratch, schedule="{schedule}") for f in cell.flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cell.world_size}",
+            cell.script, *flags, "--model-size", cell.model_size, *cell.model_flags,
+            "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+            "--global-batch-size", str(args.global_batch_size), "--results", str(results),
+            "--backend", args.backend, "--device", args.device]
+
+
+def launch(cmd: list[str], scratch: Path, timeout: float) -> tuple[int, str, float]:
+    """Run one cell in its own process group (killed whole on timeout); returns (rc, output, seconds)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch), DISTKIT_NO_PROGRESS="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share the cores; one thread each
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\nerror: cell timed out after {timeout:.0f} s (--cell-timeout-s)"
+        rc = 124
+    return rc, out, time.perf_counter() - start
+
+
+def error_line(output: str) -> str:
+    """The most telling line of a failed cell's output: its ``error:`` line, else the last
+    exception line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("error:"):
+            return line
+    for line in reversed(lines):
+        if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_cell(cell: Cell, args, results_file: Path) -> list[dict]:
+    """Launch one cell; return the records to append (its harness records, or failure records)."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        scratch = Path(tmp)
+        cell_results = scratch / "records.jsonl"
+        cmd = cell_command(cell, args, scratch, cell_results)
+        rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s)
+        records = read_records(cell_results) if cell_results.exists() else []
+    shown = shlex.join(cmd[1:]).replace(str(scratch), "$SCRATCH")
+    cfg = gpt_config(cell.model_size, n_layer=int(cell.model_flags[1]) if cell.model_flags else None)
+    cell_info = {"command": "python " + shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
+                 "gpt": cfg.to_dict(), "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None}
+    found = {r["strategy"] for r in records}
+    out = []
+    for record in records:
+        record["status"] = "ok"
+        record["benchmark"] = cell_info
+        out.append(record)
+    for strategy in cell.strategies:
+        if strategy not in found:
+            reason = error_line(output) if rc else f"exit 0 but no {strategy} record was written"
+            out.append({"strategy": strategy, "world_size": cell.world_size, "status": "failed",
+                        "error": reason, "exit_code": rc, "benchmark": cell_info,
+                        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "config": {"model_size": cell.model_size, "global_batch_size": args.global_batch_size}})
+    return out
+
+
+def run_bandwidth(world: int, args, results_file: Path) -> dict:
+    """The chapter-04 bandwidth sweep at ``world`` ranks, its records appended to the results file."""
+    with tempfile.TemporaryDirectory(prefix="bench_bw_") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
+               "reduce_scatter", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
+               "--plot", str(Path(tmp) / "bw.png"), "--backend", args.backend, "--device", args.device]
+        rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s)
+    return {"world_size": world, "ok": rc == 0, "error": None if rc == 0 else error_line(output),
+            "seconds": seconds}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results_file = Path(args.results)
+    cells, skipped = plan_cells(args)
+    if args.dry_run:
+        for cell in cells:
+            print(shlex.join(["python", *cell_command(cell, args, Path("$SCRATCH"), results_file)[1:]]))
+        for entry in skipped:
+            print(f"# skipped {entry['strategy']} at {entry['world_size']} ranks: {entry['error']}")
+        return
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{len(cells)} launches ({sum(len(c.strategies) for c in cells)} cells, {len(skipped)} skipped) "
+          f"-> {results_file}", flush=True)
+    summary = []
+    for entry in skipped:
+        entry["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        append_record(results_file, entry)
+    for cell in progress(cells, 0, total=len(cells), desc="benchmark cells"):
+        for record in run_cell(cell, args, results_file):
+            append_record(results_file, record)
+            summary.append(record)
+            line = f"{record['strategy']:>20} | {record['world_size']} ranks | {cell.model_size:>6} | "
+            if record["status"] == "ok":
+                m = record["metrics"]
+                step = m["step_time_s_median"]
+                comm = sum(c["bytes"] for c in m["comm_per_step"].values())
+                line += (f"step {step * 1e3:8.1f} ms | {m['tokens_per_s'] or 0:10,.0f} tokens/s | "
+                         f"{comm / 2**20:7.3f} MiB/step")
+            else:
+                line += f"FAILED: {record['error']}"
+            print(line, flush=True)
+    if args.bandwidth:
+        for world in sorted(set(args.world_sizes)):
+            result = run_bandwidth(world, args, results_file)
+            print(f"bandwidth sweep | {world} ranks | " + ("ok" if result["ok"] else f"FAILED: {result['error']}"),
+                  flush=True)
+    failed = [r for r in summary if r["status"] != "ok"]
+    print(f"{len(summary) - len(failed)} cells ok, {len(failed)} failed, {len(skipped)} skipped; "
+          f"records in {results_file}; plots: python benchmarks/plot.py --results {results_file}", flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)
