@@ -208,6 +208,27 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Start a new CPU peak-RSS window, like ``torch.cuda.reset_peak_memory_stats`` on GPU.
+
+    Hands freed heap memory back to the OS (glibc ``malloc_trim``), then resets the kernel's
+    high-water mark (``/proc/self/clear_refs``), so :func:`peak_rss_bytes` afterwards reports the
+    peak since this call (what is still resident now included). Use it between configurations run
+    one after another in one process. Linux only; returns False where unsupported.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on: device name, cores, host OS."""
     cpu_name = platform.processor() or platform.machine()
