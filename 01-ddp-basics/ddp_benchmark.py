@@ -1,0 +1,180 @@
+"""Chapter 01: strong and weak scaling of DDP over world sizes 1, 2, 4 (or up to the GPU count).
+
+* strong scaling: the global batch is fixed; more ranks split it, so each does less work per step.
+  Ideal: step time falls as 1/N, throughput rises N x.
+* weak scaling: the per-rank batch is fixed; the global batch grows with N. Ideal: step time stays
+  flat, throughput rises N x.
+
+Run it with python: it launches one torchrun job per world size (each job measures both modes with
+the harness and appends two records), then prints speedup and efficiency and writes a PNG.
+
+    python 01-ddp-basics/ddp_benchmark.py                       # world sizes 1 2 4
+    python 01-ddp-basics/ddp_benchmark.py --world-sizes 1 2 4 8 --model-size medium   # 8 GPUs
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
+from distkit.harness import Harness, read_records
+from distkit.logs import progress, setup_logging
+from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+
+
+def parse_args():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    default_sizes = [n for n in (1, 2, 4, 8, 16) if n <= gpus] or [1, 2, 4]
+    parser = ArgumentParser(
+        description="Strong and weak scaling of DDP: one torchrun job per world size, harness "
+                    "records, a table of throughput / speedup / efficiency, and a PNG plot.",
+        epilog="example: python 01-ddp-basics/ddp_benchmark.py --world-sizes 1 2 4 --steps 12")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=default_sizes,
+                        help=f"world sizes to measure (default here: {' '.join(map(str, default_sizes))})")
+    parser.add_argument("--model-size", choices=sorted(GPT_PRESETS), default="small",
+                        help="transformer preset (default: small)")
+    parser.add_argument("--per-rank-batch", type=int, default=8,
+                        help="weak scaling: sequences per rank; strong scaling: the global batch is "
+                             "this x the largest world size (default: 8)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per mode, warm-up included (default: 12)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed warm-up steps (default: 2)")
+    parser.add_argument("--results", default="runs/ddp_benchmark.jsonl",
+                        help="harness records are appended here (default: runs/ddp_benchmark.jsonl)")
+    parser.add_argument("--plot", default="01-ddp-basics/ddp_scaling.png",
+                        help="where the PNG goes (default: 01-ddp-basics/ddp_scaling.png)")
+    parser.add_argument("--job-timeout-s", type=float, default=900,
+                        help="give up on one world size's job after this long (default: 900)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the driver
+    parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    if min(args.world_sizes) < 1 or args.per_rank_batch < 1 or args.steps <= args.warmup_steps + 1:
+        parser.error("world sizes and --per-rank-batch must be >= 1, and --steps > --warmup-steps + 1")
+    return args
+
+
+# ---- worker: runs under torchrun, measures both modes at this world size ----
+
+def measure(ctx, args, mode: str, log) -> None:
+    cfg = gpt_config(args.model_size)
+    global_batch = args.per_rank_batch * (max(args.world_sizes) if mode == "strong" else ctx.world_size)
+    if global_batch % ctx.world_size:
+        raise UsageError(f"strong scaling: global batch {global_batch} does not divide by {ctx.world_size}")
+    seed_everything(args.seed)
+    model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    param_count = sum(p.numel() for p in model.parameters())
+    harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                      config={"script": "ddp_benchmark", "scaling": mode, "run_id": args.run_id,
+                              "model_size": args.model_size, "global_batch_size": global_batch,
+                              "per_rank_batch": global_batch // ctx.world_size, "precision": "fp32",
+                              "param_count": param_count})
+    task = TokenTask(cfg, seed=args.seed)
+    for step in progress(range(args.steps), ctx.rank, desc=f"{mode} x{ctx.world_size}"):
+        inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device)
+                           for t in task.global_batch(step, global_batch))
+        with harness.step(samples=global_batch, tokens=global_batch * cfg.seq_len):
+            optimizer.zero_grad(set_to_none=True)
+            lm_loss(model(inputs), targets).backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+    record = harness.finish(args.results)
+    if ctx.is_main:
+        log.info(f"{mode:>6} scaling | {ctx.world_size} ranks | global batch {global_batch} | "
+                 f"{record['metrics']['tokens_per_s']:,.0f} tokens/s")
+
+
+def worker(args) -> None:
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        for mode in ("strong", "weak"):
+            measure(ctx, args, mode, log)
+
+
+# ---- driver: one torchrun job per world size, then the table and the plot ----
+
+def launch(args, world_size: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+           __file__, "--worker", "--run-id", args.run_id, "--world-sizes", *map(str, args.world_sizes),
+           "--model-size", args.model_size, "--per-rank-batch", str(args.per_rank_batch),
+           "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--results", args.results,
+           "--backend", args.backend, "--device", args.device, "--timeout-s", str(args.timeout_s),
+           "--seed", str(args.seed)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores: one thread each
+    print(f"--- world size {world_size} ---", flush=True)
+    try:
+        done = subprocess.run(cmd, env=env, timeout=args.job_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"the {world_size}-rank job took longer than --job-timeout-s {args.job_timeout_s:g}")
+    if done.returncode != 0:
+        raise UsageError(f"the {world_size}-rank job failed (exit {done.returncode}); see its output above")
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Speedup and efficiency against the smallest world size of each mode."""
+    rows = []
+    for mode in ("strong", "weak"):
+        mine = sorted((r for r in records if r["config"]["scaling"] == mode), key=lambda r: r["world_size"])
+        base = mine[0]
+        for r in mine:
+            n = r["world_size"] / base["world_size"]
+            speedup = r["metrics"]["tokens_per_s"] / base["metrics"]["tokens_per_s"]
+            rows.append({"mode": mode, "ranks": r["world_size"], "global_batch": r["config"]["global_batch_size"],
+                         "step_s": r["metrics"]["step_time_s_median"], "tokens_per_s": r["metrics"]["tokens_per_s"],
+                         "speedup": speedup, "efficiency": speedup / n})
+    return rows
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_eff) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, marker in (("strong", "o"), ("weak", "s")):
+        mine = [r for r in rows if r["mode"] == mode]
+        ranks = [r["ranks"] for r in mine]
+        ax_speed.plot(ranks, [r["speedup"] for r in mine], marker=marker, label=f"{mode} scaling")
+        ax_eff.plot(ranks, [100 * r["efficiency"] for r in mine], marker=marker, label=f"{mode} scaling")
+    ranks = sorted({r["ranks"] for r in rows})
+    ax_speed.plot(ranks, [n / ranks[0] for n in ranks], "k--", label="ideal")
+    ax_eff.axhline(100, color="k", linestyle="--", label="ideal")
+    ax_speed.set(xlabel="ranks", ylabel="throughput speedup (tokens/s)", xticks=ranks, title="speedup")
+    ax_eff.set(xlabel="ranks", ylabel="efficiency (%)", xticks=ranks, ylim=(0, 110), title="efficiency")
+    for ax in (ax_speed, ax_eff):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def driver(args) -> None:
+    args.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for world_size in args.world_sizes:
+        launch(args, world_size)
+    records = [r for r in read_records(args.results) if r["config"].get("run_id") == args.run_id]
+    rows = summarize(records)
+    machine = records[0]["machine"]["device_name"]
+    print(f"\nDDP scaling, {args.model_size} model, {records[0]['backend']} on {machine} "
+          f"(torch {records[0]['torch_version']})")
+    print(f"{'mode':<7}{'ranks':>6}{'global batch':>14}{'step (s)':>10}{'tokens/s':>11}{'speedup':>9}{'efficiency':>12}")
+    for r in rows:
+        print(f"{r['mode']:<7}{r['ranks']:>6}{r['global_batch']:>14}{r['step_s']:>10.3f}"
+              f"{r['tokens_per_s']:>11,.0f}{r['speedup']:>8.2f}x{100 * r['efficiency']:>11.0f}%")
+    plot(rows, args.plot, f"DDP scaling: {args.model_size} model, {records[0]['backend']}, {machine}")
+    print(f"records: {args.results} (run {args.run_id}) | plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    run_main(lambda: worker(cli) if cli.worker else driver(cli))

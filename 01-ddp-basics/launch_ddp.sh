@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Launch a chapter script with torchrun on one node or as one node of several.
+#
+#   bash 01-ddp-basics/launch_ddp.sh 01-ddp-basics/ddp_training.py --steps 100     # auto: all GPUs, else 4 CPU ranks
+#   bash 01-ddp-basics/launch_ddp.sh --gpus 2 01-ddp-basics/ddp_training.py        # 2 processes
+#   # two nodes: run on each, same --master-addr, --node-rank 0 and 1
+#   bash 01-ddp-basics/launch_ddp.sh --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 01-ddp-basics/ddp_training.py
+#
+# Options (before the script): --gpus N (alias --nproc N), --nnodes N, --node-rank R,
+# --master-addr HOST, --master-port PORT, --max-restarts N, --dry-run (print the command only).
+set -euo pipefail
+
+NPROC=auto NNODES=1 NODE_RANK=0 MASTER_ADDR_=127.0.0.1 MASTER_PORT_=29500 MAX_RESTARTS=0 DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --gpus|--nproc) NPROC="$2"; shift 2 ;;
+    --nnodes) NNODES="$2"; shift 2 ;;
+    --node-rank) NODE_RANK="$2"; shift 2 ;;
+    --master-addr) MASTER_ADDR_="$2"; shift 2 ;;
+    --master-port) MASTER_PORT_="$2"; shift 2 ;;
+    --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -*) echo "error: unknown launcher option $1 (options go before the script; see --help)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [[ $# -lt 1 ]]; then
+  echo "error: no training script given (usage: bash launch_ddp.sh [options] SCRIPT [ARGS...])" >&2; exit 2
+fi
+if [[ ! -f "$1" ]]; then
+  echo "error: training script $1 does not exist" >&2; exit 2
+fi
+
+# How many processes on this node: one per GPU, or 4 CPU processes (gloo) when there is no GPU.
+GPU_COUNT=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  GPU_COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [[ "$NPROC" == auto ]]; then
+  if [[ "$GPU_COUNT" -gt 0 ]]; then NPROC=$GPU_COUNT; else NPROC=4; fi
+elif ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: --gpus/--nproc must be a positive integer or auto, got '$NPROC'" >&2; exit 2
+elif [[ "$GPU_COUNT" -gt 0 && "$NPROC" -gt "$GPU_COUNT" ]]; then
+  echo "error: --gpus $NPROC but this node has $GPU_COUNT GPUs (NCCL needs one GPU per process)" >&2; exit 2
+fi
+
+# CPU ranks share the cores: one thread each, or 4 ranks x all cores oversubscribe the machine.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun shares its rendezvous store with the workers; after a restart, workers can then read the
+# dead workers' addresses (pytorch/pytorch#135712). A fresh store per restart round avoids it.
+if [[ "$MAX_RESTARTS" -gt 0 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; fi
+
+# NCCL environment variables worth knowing (uncomment what your cluster needs):
+# export NCCL_DEBUG=INFO                  # print NCCL's topology, rings and transport choices (WARN = quiet)
+# export NCCL_SOCKET_IFNAME=eth0          # the network interface NCCL's bootstrap/sockets use (not docker0/lo)
+# export GLOO_SOCKET_IFNAME=eth0          # the same for gloo (CPU collectives, object collectives)
+# export NCCL_IB_DISABLE=1                # no InfiniBand: fall back to TCP sockets (debug a bad IB fabric)
+# export NCCL_P2P_DISABLE=1               # no GPU peer-to-peer (NVLink/PCIe): fixes hangs on broken P2P
+# export NCCL_NET_GDR_LEVEL=PHB           # when GPUDirect RDMA is used between NIC and GPU
+# export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed/timed-out collective aborts the process (default on)
+# export TORCH_NCCL_BLOCKING_WAIT=1       # collectives block and raise on timeout (easier debugging, slower)
+# export TORCH_DISTRIBUTED_DEBUG=DETAIL   # check that all ranks call the same collectives with the same shapes
+
+if [[ "$NNODES" -eq 1 ]]; then
+  RDZV=(--standalone)
+else
+  RDZV=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
+        --rdzv-endpoint="$MASTER_ADDR_:$MASTER_PORT_" --rdzv-id="${RDZV_ID:-ddp-job}")
+fi
+if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=(python -m torch.distributed.run); fi
+CMD=("${TORCHRUN[@]}" "${RDZV[@]}" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" "$@")
+
+echo "launching $NNODES node(s) x $NPROC processes ($([[ $GPU_COUNT -gt 0 ]] && echo "$GPU_COUNT GPUs here" || echo "no GPU: CPU + gloo")):"
+echo "  ${CMD[*]}"
+if [[ "$DRY_RUN" -eq 1 ]]; then exit 0; fi
+exec "${CMD[@]}"
