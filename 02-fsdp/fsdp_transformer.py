@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.harness import Harness
+from distkit.harness import Harness, reset_peak_rss
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
@@ -150,6 +150,8 @@ def predicted_bytes(model, strategy, args, world_size):
 
 def train_one(strategy, args, ctx, task, cfg, log):
     """Build, wrap and train one configuration; returns the harness record (rank 0) or None."""
+    if ctx.device.type == "cpu":
+        reset_peak_rss()  # each configuration's peak, not the previous one's (GPU: the harness resets)
     torch.manual_seed(args.seed)  # identical initial weights in every configuration and on every rank
     model = TinyGPT(cfg).to(ctx.device)
     if args.activation_checkpointing:
@@ -217,8 +219,9 @@ def main(argv=None):
                 log.info(f"{strategy:>13} | rank-0 state: params {state['params']:,} B grads "
                          f"{state['grads']:,} B optimizer {state['optimizer']:,} B "
                          f"(predicted {pred['params']:,} / {pred['grads']:,} / {pred['optimizer']:,})")
-                log.info(f"{strategy:>13} | bytes/step {comm} (predicted {pred['comm_bytes']}) | "
-                         f"step {m['step_time_s_median'] * 1e3:.1f} ms")
+                speed = (f"median step {m['step_time_s_median'] * 1e3:.1f} ms" if m["timed_steps"]
+                         else "no timed steps")
+                log.info(f"{strategy:>13} | bytes/step {comm} (predicted {pred['comm_bytes']}) | {speed}")
         if ctx.is_main:
             log.info(f"records appended to {args.results}")
 

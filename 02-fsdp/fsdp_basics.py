@@ -1,0 +1,203 @@
+"""Chapter 02: what FSDP does to a model, made visible.
+
+DDP (chapter 01) keeps a full copy of every parameter, gradient and optimizer state on every rank.
+FSDP keeps only a 1/world_size *shard* of each on each rank, and rebuilds a layer's full weights
+just in time:
+
+    forward of block i:   all-gather block i's shards -> compute -> free the gathered copy (reshard)
+    backward of block i:  all-gather again -> compute grads -> reduce-scatter them -> keep my shard
+    optimizer step:       each rank updates only its own shard (Adam state is sharded too)
+
+This script shards the transformer with FSDP2 ``fully_shard``, has every rank print the shard it
+holds of a few parameters next to their full shapes, traces one training step (which collective
+runs when), then trains and appends a harness record.
+
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py
+    python 02-fsdp/fsdp_basics.py        # a world of one: the "shards" are the whole tensors
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.harness import Harness
+from distkit.logs import progress, setup_logging
+from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+                            rank_slice)
+
+SHOWN = ["tok_emb.weight", "blocks.0.attn.q_proj.weight", "blocks.0.ln_1.weight", "lm_head.weight"]
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(
+        description="Shard the small GPT with FSDP2 fully_shard, show each rank's shards, trace one "
+                    "step's all-gathers and reduce-scatters, then train.",
+        epilog="example: torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py --steps 200")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="sequences per optimizer step across all ranks (default: 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--log-every", type=int, default=50, help="log the loss every N steps (default: 50)")
+    parser.add_argument("--results", default="runs/fsdp_basics.jsonl",
+                        help="the harness appends one JSON record here (default: runs/fsdp_basics.jsonl)")
+    add_gpt_args(parser)
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.global_batch_size < 1:
+        parser.error("--steps and --global-batch-size must be at least 1")
+    return args
+
+
+def describe(t):
+    """Shape and storage of a parameter as this rank sees it right now."""
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        return f"DTensor shard {tuple(local.shape)} of {tuple(t.shape)}"
+    return f"full Tensor {tuple(t.shape)}"
+
+
+class CollectiveTrace(TorchDispatchMode):
+    """Writes one line per collective as it is dispatched, tagged forward or backward."""
+
+    def __init__(self, events, unit_names):
+        super().__init__()
+        self.events = events
+        self.unit_names = unit_names  # gathered bytes -> which FSDP unit that is
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith("c10d::") and name != "c10d::barrier":
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward "
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.events.append(f"  {phase}  {name.removeprefix('c10d::'):<22} {nbytes:>9,} B  "
+                               f"{self.unit_names.get(nbytes, '')}")
+        return func(*args, **(kwargs or {}))
+
+
+def print_in_rank_order(lines, ctx):
+    """Each rank prints its own lines; barriers keep the ranks' blocks in order."""
+    for rank in range(ctx.world_size):
+        if rank == ctx.rank:
+            print("\n".join(f"[rank {ctx.rank}] {line}" for line in lines), flush=True)
+        dist.barrier()
+
+
+def unit_bytes(params, world_size):
+    """Bytes of one FSDP unit's gathered buffer: each parameter's dim 0 padded to a multiple of the
+    world size (every rank's shard has the same number of rows)."""
+    total = 0
+    for p in params:
+        rows = -(-p.shape[0] // world_size) * world_size
+        total += rows * math.prod(p.shape[1:]) * p.element_size()
+    return total
+
+
+def trace_one_step(model, optimizer, inputs, targets, ctx):
+    """Run one step with hooks on block 0 and a collective trace; returns the lines (rank 0 prints)."""
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    unit_names = {unit_bytes(model.blocks[0].parameters(), ctx.world_size): "<- a block's unit",
+                  unit_bytes([p for p in model.parameters() if id(p) not in in_blocks], ctx.world_size):
+                      "<- root unit (embeddings, ln_f, lm_head)"}
+    events = []
+    block = model.blocks[0]
+    weight = lambda: block.attn.q_proj.weight  # noqa: E731 - FSDP swaps this attribute in and out
+    # Forward hooks run in registration order; fully_shard registered its own (all-gather before,
+    # reshard after) earlier, so these see the parameter as FSDP left it.
+    handles = [
+        block.register_forward_pre_hook(
+            lambda *_: events.append(f"  block 0 forward starts:  q_proj.weight is {describe(weight())}")),
+        block.register_forward_hook(
+            lambda *_: events.append(f"  block 0 forward ends:    q_proj.weight is {describe(weight())}")),
+    ]
+    events.append(f"  before the step:          q_proj.weight is {describe(weight())}")
+    with CollectiveTrace(events, unit_names):
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(inputs), targets)
+        events.append("  --- loss.backward() ---")
+        loss.backward()
+        events.append(f"  after backward: q_proj.weight.grad is {describe(weight().grad)}")
+        optimizer.step()
+    for handle in handles:
+        handle.remove()
+    return events
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with distributed(args) as ctx:
+        log = setup_logging(ctx.rank)
+        if args.global_batch_size % ctx.world_size:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                             f"{ctx.world_size} ranks")
+        cfg = gpt_config_from_args(args)
+        model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
+        full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+        # Bottom-up: each block becomes one FSDP unit (one all-gather, one reduce-scatter); the root
+        # call takes what is left (embeddings, final norm, LM head). Parameters become DTensors
+        # sharded on dim 0, and each rank frees the rows it does not own.
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+
+        params = dict(model.named_parameters())
+        lines = []
+        for name in SHOWN:
+            local = params[name].to_local()
+            full_bytes = torch.Size(full_shapes[name]).numel() * local.element_size()
+            lines.append(f"{name:<28} full {str(full_shapes[name]):<10} -> my shard "
+                         f"{str(tuple(local.shape)):<10} {local.numel() * local.element_size():>7,} of "
+                         f"{full_bytes:>7,} B")
+        mine = sum(p.to_local().numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        lines.append(f"all parameters: I hold {mine:,} of {total:,} values ({mine / total:.0%})")
+        print_in_rank_order(lines, ctx)
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        task = TokenTask(cfg, seed=args.seed)
+
+        def batch(step):
+            inputs, targets = task.global_batch(step, args.global_batch_size)
+            return (rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
+                    rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
+
+        events = trace_one_step(model, optimizer, *batch(0), ctx)
+        log.info(f"one training step, as rank 0 sees it ({len(model.blocks)} blocks + root = "
+                 f"{len(model.blocks) + 1} FSDP units):\n" + "\n".join(events))
+
+        harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
+                          warmup_steps=args.warmup_steps,
+                          config={"script": "fsdp_basics", "model_size": args.model_size,
+                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
+                                  "param_count": total, "lr": args.lr, "wrap": "block"})
+        tokens_per_step = args.global_batch_size * cfg.seq_len
+        for step in progress(range(1, args.steps), ctx.rank, total=args.steps - 1, desc="train"):
+            inputs, targets = batch(step)
+            with harness.step(samples=args.global_batch_size, tokens=tokens_per_step):
+                optimizer.zero_grad(set_to_none=True)
+                loss = lm_loss(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+            if step % args.log_every == 0 or step == args.steps - 1:
+                dist.all_reduce(loss := loss.detach().clone())
+                log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
+        record = harness.finish(args.results)
+        if ctx.is_main:
+            m = record["metrics"]
+            comm = ", ".join(f"{k} {v['calls']:.0f} calls {v['bytes']:,.0f} B"
+                             for k, v in m["comm_per_step"].items())
+            speed = (f"median step {m['step_time_s_median'] * 1e3:.0f} ms | {m['tokens_per_s']:,.0f} tokens/s"
+                     if m["timed_steps"] else "no timed steps (raise --steps)")
+            log.info(f"per step: {comm} | {speed} | record appended to {args.results}")
+
+
+if __name__ == "__main__":
+    run_main(main)

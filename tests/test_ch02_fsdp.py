@@ -1,0 +1,251 @@
+"""Chapter 02 (FSDP): every strategy trains the same model as one process, the measured bytes match
+the sharding formulas, DCP checkpoints reshard from 4 ranks to 2, and the README's commands run.
+
+Tolerances (fp32, AdamW lr 3e-3, a handful of steps): a parameter may differ from single-process
+training by at most FP32_ATOL = 2e-4 (about 7% of one Adam step; what remains is summation order,
+amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision is
+compared with the same fp32 reference under BF16_ATOL = 5e-2 (bf16 keeps 8 bits of mantissa;
+after a few steps bf16 compute drifts a few 1e-2 from fp32 on CPU, expected and not a bug).
+"""
+from __future__ import annotations
+
+import math
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run
+
+from distkit.harness import read_records
+from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+
+CHAPTER = REPO / "02-fsdp"
+README = CHAPTER / "README.md"
+FP32_ATOL = 2e-4
+BF16_ATOL = 5e-2
+LR = 3e-3
+# vocab 65 is not a multiple of 2 or 4: tok_emb and lm_head get padded rows, so the byte checks
+# prove the padding is modelled.
+TINY = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
+
+
+def readme_command(fragment: str) -> str:
+    """The one README command that contains ``fragment``."""
+    found = [c for c in readme_commands(README) if fragment in c]
+    assert len(found) == 1, f"expected one README command with {fragment!r}, got {found}"
+    return found[0]
+
+
+def run_readme(command: str, tmp_path: Path, *extra: str, timeout: float = 300):
+    """Run a README command as written, plus ``extra`` flags (argparse keeps the last value).
+
+    ``torchrun`` becomes ``python -m torch.distributed.run --standalone`` (a free port per test);
+    ``python`` becomes this interpreter.
+    """
+    argv = shlex.split(command)
+    if argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    return run([*argv, *extra], timeout=timeout, env=job_env(tmp_path))
+
+
+def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, dict]:
+    """Single-process AdamW training on the same global batches: (initial, final) state dicts."""
+    cfg = gpt_config("tiny", vocab_size=vocab)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    task = TokenTask(cfg, seed=0)
+    for step in range(steps):
+        inputs, targets = task.global_batch(step, batch)
+        optimizer.zero_grad()
+        lm_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return initial, model.state_dict()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4) -> dict:
+    """Textbook FSDP traffic and state per rank for the tiny GPT, written independently of the script.
+
+    Units: one per block, then the root (the rest). Each parameter's dim 0 is padded to a multiple of
+    the shard-group size s. All-gather payload = padded unit size, twice per block unit when resharded
+    after forward (forward + backward), once for the root (never resharded) and for SHARD_GRAD_OP.
+    Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s).
+    """
+    model = TinyGPT(gpt_config("tiny", vocab_size=65))
+    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
+    replicas = world // s
+
+    def padded(params):
+        return sum(math.ceil(p.shape[0] / s) * s * p[0].numel() for p in params)
+
+    blocks = padded(model.blocks.parameters())
+    root = padded(p for n, p in model.named_parameters() if not n.startswith("blocks."))
+    every = blocks + root
+    comm = {}
+    if s > 1:
+        gathers = 2 if strategy in ("full_shard", "hybrid_shard") else 1
+        comm["all_gather"] = (gathers * blocks + root) * gather_bytes
+        comm["reduce_scatter"] = every * 4
+    if replicas > 1:
+        comm["all_reduce"] = every // s * 4
+    state = every // s * 4
+    return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
+
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+RECORD = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
+          "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def strategies_run(tmp_path_factory):
+    """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each."""
+    tmp = tmp_path_factory.mktemp("ch02_strategies")
+    result = run_readme(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"),
+                        tmp, *TINY, "--steps", str(STEPS), "--warmup-steps", "1", "--log-every", "1",
+                        "--results", str(tmp / "records.jsonl"), "--save-params", str(tmp / "params"))
+    return tmp, result
+
+
+def test_every_strategy_matches_single_process_training(strategies_run):
+    tmp, _ = strategies_run
+    initial, reference = reference_state(STEPS)
+    moved = max_diff(initial, reference)
+    assert moved > 50 * FP32_ATOL  # the check below is not vacuous: training really moved the weights
+    for strategy in STRATEGIES:
+        trained = torch.load(tmp / "params" / f"{strategy}.pt", weights_only=True)
+        assert max_diff(trained, reference) <= FP32_ATOL, strategy
+
+
+def test_measured_bytes_match_the_formulas(strategies_run):
+    tmp, result = strategies_run
+    records = {r["strategy"]: r for r in read_records(tmp / "records.jsonl")}
+    assert set(records) == {RECORD[s] for s in STRATEGIES}
+    for strategy in STRATEGIES:
+        record = records[RECORD[strategy]]
+        expected = expected_bytes(strategy, world=4, shard_size=2)
+        measured = {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()}
+        assert set(measured) == set(expected["comm"]), (strategy, measured)
+        for collective, value in expected["comm"].items():
+            assert measured[collective] == pytest.approx(value, rel=0.01), (strategy, collective)
+        for rank_state in record["metrics"]["model_state_bytes_per_rank"]:
+            assert rank_state == expected["state"], strategy
+        # the script's own prediction (shown in the table) agrees with this independent formula
+        assert record["predicted"]["comm_bytes"] == expected["comm"], strategy
+        assert record["config"]["precision"] == "fp32"
+    # FULL_SHARD moves about 1.5x DDP's bytes on the wire: 2 all-gathers + 1 reduce-scatter of P,
+    # each (n-1)/n, against one all-reduce of P at 2(n-1)/n. The root unit is gathered once only.
+    bus = {s: sum(v["bus_bytes"] for v in records[RECORD[s]]["metrics"]["comm_per_step"].values())
+           for s in STRATEGIES}
+    assert 1.4 < bus["full_shard"] / bus["ddp"] <= 1.5
+    assert bus["shard_grad_op"] == pytest.approx(bus["ddp"], rel=0.03)
+    assert "loss" in result.stdout and "records appended" in result.stdout
+
+
+def test_knobs_keep_training_equal(tmp_path):
+    """Root-only wrapping + activation checkpointing + CPU offload change memory, not the maths
+    (fp32 tolerance); bf16 mixed precision is checked under the looser BF16_ATOL."""
+    initial, reference = reference_state(STEPS)
+    out = tmp_path / "params"
+    run_readme(readme_command("--activation-checkpointing --cpu-offload"), tmp_path, *TINY,
+               "--steps", str(STEPS), "--results", str(tmp_path / "r.jsonl"), "--save-params", str(out))
+    for path in sorted(out.glob("*.pt")):
+        assert max_diff(torch.load(path, weights_only=True), reference) <= FP32_ATOL, path.name
+    record = read_records(tmp_path / "r.jsonl")[0]
+    assert record["config"]["activation_checkpointing"] and record["config"]["cpu_offload"]
+    assert record["config"]["wrap"] == "root"
+    # one unit for the whole model: it is the root, so gathered once per step
+    assert record["metrics"]["comm_per_step"]["all_gather"]["calls"] == 1
+
+    bf16 = tmp_path / "bf16"
+    run_readme(readme_command("--mixed-precision bf16"), tmp_path, *TINY, "--steps", str(STEPS),
+               "--results", str(tmp_path / "bf16.jsonl"), "--save-params", str(bf16))
+    trained = torch.load(bf16 / "full_shard.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in trained.values())  # fp32 master weights are kept
+    assert max_diff(trained, reference) <= BF16_ATOL
+    record = read_records(tmp_path / "bf16.jsonl")[0]
+    # parameters are gathered in bf16 (half the bytes), gradients reduced in fp32
+    expected = expected_bytes("full_shard", world=4, shard_size=2, gather_bytes=2)["comm"]
+    for collective, value in expected.items():
+        assert record["metrics"]["comm_per_step"][collective]["bytes"] == pytest.approx(value, rel=0.01)
+
+
+def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(tmp_path):
+    dcp_dir, full = tmp_path / "dcp", tmp_path / "full.pt"
+    paths = ("--dcp-dir", str(dcp_dir), "--full-checkpoint", str(full))
+    save = run_readme(readme_command("fsdp_checkpoint.py --steps 100"), tmp_path, *TINY, *paths,
+                      "--steps", "3", "--log-every", "1")
+    assert "sharded DCP checkpoint" in save.stdout and "full checkpoint" in save.stdout
+    assert len(list(dcp_dir.glob("*.distcp"))) == 4  # one shard file per rank
+    saved = torch.load(full, weights_only=True)
+    assert saved["step"] == 3
+    first = tmp_path / "first.pt"
+    shutil.copy(full, first)  # the resumed run below overwrites full.pt
+
+    resumed = run_readme(readme_command("--resume dcp"), tmp_path, *TINY, *paths, "--steps", "6",
+                         "--log-every", "1", "--save", "full", "--dump-loaded", str(tmp_path / "loaded.pt"))
+    assert "resumed from dcp checkpoint at step 3 (saved by 4 ranks) into 2 ranks" in resumed.stdout
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert max_diff(loaded, saved["model"]) == 0.0  # resharded 4 -> 2, bit for bit
+
+    # Training continued from step 3 to 6 on 2 ranks equals 6 uninterrupted single-process steps:
+    # proves the optimizer state (Adam moments, step count) was restored too, not only weights.
+    _, reference = reference_state(6)
+    final = torch.load(full, weights_only=True)
+    assert final["step"] == 6
+    assert max_diff(final["model"], reference) <= FP32_ATOL
+
+    # The same from the one-file checkpoint (rank 0 reads, broadcast and shard to 2 ranks).
+    run_readme(readme_command("--resume full"), tmp_path, *TINY, "--full-checkpoint", str(first),
+               "--steps", "6", "--save", "none", "--dump-loaded", str(tmp_path / "loaded_full.pt"))
+    assert max_diff(torch.load(tmp_path / "loaded_full.pt", weights_only=True), saved["model"]) == 0.0
+
+
+def test_basics_shows_shards_and_the_step_trace(tmp_path):
+    result = run_readme(readme_command("fsdp_basics.py"), tmp_path, *TINY, "--steps", "4",
+                        "--results", str(tmp_path / "b.jsonl"))
+    for rank in range(4):
+        assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
+    assert "tok_emb.weight               full (65, 64)   -> my shard (17, 64)" in result.stdout  # padded
+    assert "block 0 forward starts:  q_proj.weight is full Tensor (64, 64)" in result.stdout
+    assert "block 0 forward ends:    q_proj.weight is DTensor shard (16, 64) of (64, 64)" in result.stdout
+    assert result.stdout.count("backward  _reduce_scatter_base_") == 3  # 2 blocks + root
+    assert read_records(tmp_path / "b.jsonl")[0]["strategy"] == "fsdp_full_shard"
+
+
+def test_table_script_writes_markdown_and_plots(strategies_run, tmp_path):
+    records, _ = strategies_run
+    markdown = tmp_path / "sharding_strategies.md"
+    shutil.copy(CHAPTER / "sharding_strategies.md", markdown)
+    run_readme(readme_command("make_strategies_table.py"), tmp_path,
+               "--results", str(records / "records.jsonl"), "--markdown", str(markdown),
+               "--plots-dir", str(tmp_path))
+    text = markdown.read_text()
+    assert "| fsdp_full_shard |" in text and "| ddp |" in text
+    assert (tmp_path / "strategies_memory.png").stat().st_size > 0
+    assert (tmp_path / "strategies_comm.png").stat().st_size > 0
+
+
+def test_bad_input_gives_one_error_line(tmp_path):
+    script = CHAPTER / "fsdp_transformer.py"
+    assert_one_line_error(python(script, "--sharding", "zero9", tmp_path=tmp_path, check=False), "--sharding")
+    # a world of one cannot be split into shard groups of 2
+    assert_one_line_error(python(script, "--sharding", "hybrid_shard", *TINY, "--steps", "1",
+                                 "--results", str(tmp_path / "r.jsonl"), tmp_path=tmp_path, check=False),
+                          "--hsdp-shard-size 2 does not divide the world size 1")
+    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "dcp", *TINY,
+                                 "--dcp-dir", str(tmp_path / "nothing"), tmp_path=tmp_path, check=False),
+                          "no complete DCP checkpoint")
