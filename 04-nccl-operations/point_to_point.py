@@ -98,8 +98,11 @@ def deadlock(ctx, timeout_s):
         dist.recv(inbox, src=(r - 1) % n, group=side)  # blocks: the left neighbour is blocked too
         dist.send(outbox, dst=(r + 1) % n, group=side)
         outcome = "received (unexpected: no deadlock)"
-    except RuntimeError as exc:  # gloo: "Timed out waiting ...ms for recv operation to complete"
-        outcome = f"recv timed out after {time.perf_counter() - start:.1f} s ({str(exc).split('] ')[-1][:70]})"
+    except RuntimeError as exc:
+        # gloo: "Timed out waiting ...ms for recv operation to complete"; a rank whose neighbour gave
+        # up a moment earlier may see "Connection closed by peer" instead: either way, nobody sent.
+        reason = str(exc).splitlines()[0].split("] ", 1)[-1].split(". ")[0]
+        outcome = f"recv gave up after {time.perf_counter() - start:.1f} s ({reason[:80]})"
     dist.barrier()  # on the default group, which is healthy: the deadlock only stalled the side group
     dist.destroy_process_group(side)
     return outcome
