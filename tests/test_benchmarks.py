@@ -1,0 +1,190 @@
+"""benchmarks/: theory formulas, the quick matrix against theory (bytes within 1%, model state within
+5%), the plots, the committed CPU results, bad input, and every command of benchmarks/README.md.
+
+One real launch of ``distributed_benchmarks.py --quick`` (10 torchrun jobs) is shared by the tests
+that need measured records (a module-scoped fixture), so the matrix runs once per session.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run
+
+BENCH = REPO / "benchmarks"
+COMMITTED_RESULTS = BENCH / "results_cpu.jsonl"
+BYTES_TOLERANCE = 0.01   # the issue's bar: communication bytes within 1% of theory.py
+STATE_TOLERANCE = 0.05   # model-state bytes within 5%
+
+
+def _load(name: str):
+    """Import benchmarks/<name>.py as module ``name`` (plot.py imports theory by that name)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+theory = _load("theory")
+
+
+# ---------------------------------------------------------------- formulas (no launch)
+
+def test_zero_paper_example_and_napkin_formulas():
+    # ZeRO paper figure 1: Ψ = 7.5B, N = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.88 GB per GPU.
+    psi, n = 7.5e9, 64
+    totals = [sum(theory.zero_paper_bytes(psi, n, stage).values()) / 1e9 for stage in range(4)]
+    assert totals == pytest.approx([120, 31.4, 16.6, 1.875], rel=3e-3)  # the paper rounds to 3 digits
+    assert theory.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert theory.pipeline_bubble(4, 8, chunks_per_rank=2) == pytest.approx(3 / 19)
+    assert theory.ddp_bytes(1000, 4) == {"bytes": 4000, "bus_bytes": 4000 * 2 * 3 / 4}
+    tp = theory.megatron_tp_bytes_per_layer(8, 32, 64, tp=2)
+    assert tp["all_reduce"]["calls"] == 4 and tp["all_reduce"]["bytes"] == 4 * 8 * 32 * 64 * 4
+    sp = theory.megatron_tp_bytes_per_layer(8, 32, 64, tp=2, sequence_parallel=True)
+    assert sp["all_gather"]["bus_bytes"] + sp["reduce_scatter"]["bus_bytes"] == tp["all_reduce"]["bus_bytes"]
+    # FSDP2 pads dim 0 per parameter; torch.chunk gives the last rank the remainder.
+    assert theory.fsdp_padded_numel((66, 64), 4) == 68 * 64
+    assert theory.chunk_sizes(66, 4) == [17, 17, 17, 15]
+    assert theory.chunk_sizes(3, 4) == [1, 1, 1, 0]
+    fits = {s: theory.mixed_precision_state_per_gpu(s, 1e9, 8) for s in ("ddp", "zero1", "zero3")}
+    assert fits["ddp"] == 16e9 and fits["zero3"] == 2e9 and fits["ddp"] > fits["zero1"] > fits["zero3"]
+
+
+def test_predictions_are_consistent_across_strategies():
+    cfg = theory.gpt_config("tiny", vocab_size=66, seq_len=30)  # shapes that do not divide by 4
+    psi = sum(math.prod(s) for s in theory.gpt_param_shapes(cfg).values())
+    ddp = theory.predict("ddp", cfg, 4, 16)
+    assert ddp["comm_per_rank"][0]["all_reduce"]["bytes"] == 4 * psi
+    full = theory.predict("fsdp_full_shard", cfg, 4, 16)
+    held = [sum(s.values()) for s in full["state_per_rank"]]
+    assert held[0] > held[3], "the last rank's shard lacks the padding rows"
+    assert sum(held) == 16 * psi  # the shards add up to the whole model (4 + 4 + 8 bytes each)
+    gathered = full["comm_per_rank"][0]["all_gather"]["bytes"]
+    assert gathered > 4 * psi  # padded gathers, blocks gathered twice
+    pp = theory.predict("pp_1f1b", cfg, 2, 16, {"microbatches": 4})
+    assert sum(sum(s.values()) for s in pp["state_per_rank"]) == 16 * psi
+    with pytest.raises(ValueError):
+        theory.predict("no_such_strategy", cfg, 2, 16)
+
+
+# ---------------------------------------------------------------- the quick matrix (one launch)
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quick")
+    results = tmp / "quick.jsonl"
+    out = python(BENCH / "distributed_benchmarks.py", "--quick", "--results", results, tmp_path=tmp, timeout=900)
+    return results, out.stdout
+
+
+def _check_bars(records):
+    failures = []
+    for record in records:
+        comparison = theory.compare_record(record)
+        if comparison["comm_error"] > BYTES_TOLERANCE or comparison["state_error"] > STATE_TOLERANCE:
+            failures.append((record["strategy"], record["world_size"], comparison["comm_error"],
+                             comparison["state_error"]))
+    assert not failures, f"(strategy, ranks, bytes error, state error) beyond the bars: {failures}"
+
+
+def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
+    results, stdout = quick_results
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    by_strategy = {r["strategy"]: r for r in records}
+    assert set(by_strategy) == set(theory.STRATEGIES) - {"zero0"}, stdout[-3000:]
+    failed = {s: r.get("error") for s, r in by_strategy.items() if r["status"] != "ok"}
+    assert not failed, failed
+    for record in records:
+        metrics = record["metrics"]
+        assert metrics["timed_steps"] >= 2 and metrics["step_time_s_median"] > 0  # warm-up excluded
+        assert metrics["comm_per_step"], f"{record['strategy']}: no collective counted"
+        assert record["benchmark"]["gpt"]["n_layer"] == 4
+    _check_bars(records)
+
+
+def test_plot_writes_every_png_and_the_table(quick_results, tmp_path):
+    results, _ = quick_results
+    out = python(BENCH / "plot.py", "--results", results, "--out-dir", tmp_path / "plots", tmp_path=tmp_path)
+    plot = _load("plot")
+    for name in (*plot.PLOTS, "summary.md"):
+        path = tmp_path / "plots" / name
+        assert path.exists() and path.stat().st_size > 1000, name
+    table = (tmp_path / "plots" / "summary.md").read_text()
+    assert "| fsdp_full_shard | 2 | tiny |" in table and "| hsdp | 4 | tiny |" in table, out.stdout
+
+
+# ---------------------------------------------------------------- committed results (no launch)
+
+def test_committed_cpu_results_meet_the_bars_and_plots_exist():
+    records = [json.loads(line) for line in COMMITTED_RESULTS.read_text().splitlines()]
+    ok = [r for r in records if r.get("status") == "ok"]
+    assert {r["strategy"] for r in ok} >= set(theory.STRATEGIES) - {"zero0"}
+    _check_bars(ok)
+    for name in ("throughput.png", "memory.png", "comm_bytes.png", "scaling.png", "bandwidth.png"):
+        assert (BENCH / "figures" / name).stat().st_size > 1000, name
+
+
+# ---------------------------------------------------------------- failures and bad input
+
+def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
+    results = tmp_path / "r.jsonl"
+    out = python(BENCH / "distributed_benchmarks.py", "--strategies", "ddp", "tp", "--world-sizes", "2",
+                 "--steps", "4", "--backend", "nccl", "--device", "cpu", "--results", results,
+                 tmp_path=tmp_path, timeout=300)
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["strategy"] for r in records] == ["ddp", "tp"], out.stdout
+    for record in records:
+        assert record["status"] in ("failed", "skipped") and record["error"], record
+    assert "0 cells ok, 2 failed" in out.stdout and "needs --device cuda" in records[0]["error"]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = python(BENCH / "distributed_benchmarks.py", "--strategies", "ddp", "nope", check=False, tmp_path=tmp_path)
+    assert_one_line_error(bad, "unknown strategy nope")
+    bad = python(BENCH / "distributed_benchmarks.py", "--world-sizes", "3", "--global-batch-size", "16",
+                 check=False, tmp_path=tmp_path)
+    assert_one_line_error(bad, "must divide by every world size")
+    missing = python(BENCH / "plot.py", "--results", tmp_path / "missing.jsonl", check=False, tmp_path=tmp_path)
+    assert_one_line_error(missing, "does not exist")
+    (tmp_path / "garbage.jsonl").write_text("not json\n")
+    garbage = python(BENCH / "plot.py", "--results", tmp_path / "garbage.jsonl", check=False, tmp_path=tmp_path)
+    assert_one_line_error(garbage, "is not JSON lines")
+
+
+# ---------------------------------------------------------------- README commands
+
+# Appended to each README command so it runs quickly here and writes inside tmp_path (argparse keeps
+# the last value of a repeated flag). Long matrix runs become --dry-run: the test checks they parse
+# and plan; the --quick run itself is the quick_results fixture above.
+def _quick_flags(command: str, tmp: Path, quick_results: Path) -> list[str]:
+    if "distributed_benchmarks.py" in command:
+        return ["--results", str(tmp / "readme.jsonl")] + ([] if "--quick" in command else ["--dry-run"])
+    if "plot.py" in command:
+        return ["--results", str(quick_results), "--out-dir", str(tmp / "plots")]
+    if "harness_overhead.py" in command:
+        return ["--rounds", "1", "--steps", "2"]
+    return []
+
+
+def test_readme_commands_run(quick_results, tmp_path):
+    commands = readme_commands(BENCH / "README.md")
+    assert commands, "benchmarks/README.md shows no command"
+    for command in commands:
+        if "distributed_benchmarks.py --quick" in command and "--results" not in command:
+            continue  # exactly what the quick_results fixture ran
+        argv = shlex.split(command)
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        elif argv[0] == "torchrun":
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+        result = run(argv + _quick_flags(command, tmp_path, quick_results[0]), env=job_env(tmp_path), timeout=300)
+        assert "error" not in result.stdout.lower().split("\n")[-1], result.stdout[-2000:]
