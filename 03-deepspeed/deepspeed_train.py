@@ -45,7 +45,8 @@ def parse_args():
                         help="sequences per optimizer step across all ranks (default: the config's "
                              "train_batch_size)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    parser.add_argument("--weight-decay", type=float, default=0.01,
+                        help="AdamW weight decay (default: 0.01, torch's default)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="DeepSpeed checkpoint folder (default: checkpoints/ch03/<strategy>)")
