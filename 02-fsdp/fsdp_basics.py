@@ -101,7 +101,7 @@ def unit_bytes(params, world_size):
 
 
 def trace_one_step(model, optimizer, inputs, targets, ctx):
-    """Run one step with hooks on block 0 and a collective trace; returns the lines (rank 0 prints)."""
+    """Run one step with hooks on block 0 and a collective trace; returns (trace lines, global loss)."""
     in_blocks = {id(p) for p in model.blocks.parameters()}
     unit_names = {unit_bytes(model.blocks[0].parameters(), ctx.world_size): "<- a block's unit",
                   unit_bytes([p for p in model.parameters() if id(p) not in in_blocks], ctx.world_size):
@@ -127,7 +127,8 @@ def trace_one_step(model, optimizer, inputs, targets, ctx):
         optimizer.step()
     for handle in handles:
         handle.remove()
-    return events
+    dist.all_reduce(loss := loss.detach().clone())
+    return events, loss.item() / ctx.world_size
 
 
 def main(argv=None):
@@ -169,9 +170,10 @@ def main(argv=None):
             return (rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
                     rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
 
-        events = trace_one_step(model, optimizer, *batch(0), ctx)
+        events, first_loss = trace_one_step(model, optimizer, *batch(0), ctx)
         log.info(f"one training step, as rank 0 sees it ({len(model.blocks)} blocks + root = "
                  f"{len(model.blocks) + 1} FSDP units):\n" + "\n".join(events))
+        log.info(f"step    0 | loss {first_loss:.4f}")
 
         harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
                           warmup_steps=args.warmup_steps,

@@ -182,7 +182,8 @@ def train_one(strategy, args, ctx, task, cfg, log):
         targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
         with harness.step(samples=args.global_batch_size, tokens=tokens_per_step):
             optimizer.zero_grad(set_to_none=True)
-            loss = lm_loss(model(inputs), targets)
+            # logits are bf16 under mixed precision: take the loss in fp32 (a no-op in fp32 runs)
+            loss = lm_loss(model(inputs).float(), targets)
             loss.backward()  # FSDP: all-gather (if resharded) -> grads -> reduce-scatter, unit by unit
             optimizer.step()  # each rank updates only its own shard
         if step % args.log_every == 0 or step == args.steps - 1:

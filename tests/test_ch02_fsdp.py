@@ -9,6 +9,7 @@ after a few steps bf16 compute drifts a few 1e-2 from fp32 on CPU, expected and 
 """
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 import shutil
@@ -54,6 +55,7 @@ def run_readme(command: str, tmp_path: Path, *extra: str, timeout: float = 300):
     return run([*argv, *extra], timeout=timeout, env=job_env(tmp_path))
 
 
+@functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it
 def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, dict]:
     """Single-process AdamW training on the same global batches: (initial, final) state dicts."""
     cfg = gpt_config("tiny", vocab_size=vocab)
@@ -104,6 +106,19 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
 
 
+def shard_bytes(strategy: str, rank: int, world: int, shard_size: int) -> int:
+    """Parameter bytes rank ``rank`` holds: its torch.chunk piece of dim 0 of every parameter
+    (chunks of ceil(d0/s) rows; the last ranks get fewer rows or none, the padding is not data)."""
+    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
+    index = rank % s  # meshes are (replicate, shard), row-major: rank = replica * s + index
+    total = 0
+    for p in TinyGPT(gpt_config("tiny", vocab_size=65)).parameters():
+        rows = math.ceil(p.shape[0] / s)
+        mine = max(0, min(rows, p.shape[0] - index * rows))
+        total += mine * p[0].numel() * 4
+    return total
+
+
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 RECORD = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
           "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
@@ -112,10 +127,11 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def strategies_run(tmp_path_factory):
-    """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each."""
+    """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each
+    (2 warm-up steps: DDP re-broadcasts its bucket layout in step 2, then the counted step 3)."""
     tmp = tmp_path_factory.mktemp("ch02_strategies")
     result = run_readme(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"),
-                        tmp, *TINY, "--steps", str(STEPS), "--warmup-steps", "1", "--log-every", "1",
+                        tmp, *TINY, "--steps", str(STEPS), "--log-every", "1",
                         "--results", str(tmp / "records.jsonl"), "--save-params", str(tmp / "params"))
     return tmp, result
 
@@ -141,8 +157,10 @@ def test_measured_bytes_match_the_formulas(strategies_run):
         assert set(measured) == set(expected["comm"]), (strategy, measured)
         for collective, value in expected["comm"].items():
             assert measured[collective] == pytest.approx(value, rel=0.01), (strategy, collective)
-        for rank_state in record["metrics"]["model_state_bytes_per_rank"]:
-            assert rank_state == expected["state"], strategy
+        per_rank = record["metrics"]["model_state_bytes_per_rank"]
+        assert per_rank[0] == expected["state"], strategy  # rank 0 holds full (padded-size) chunks
+        for rank, rank_state in enumerate(per_rank):  # later ranks hold the rest, padding excluded
+            assert rank_state["params"] == shard_bytes(strategy, rank, world=4, shard_size=2), (strategy, rank)
         # the script's own prediction (shown in the table) agrees with this independent formula
         assert record["predicted"]["comm_bytes"] == expected["comm"], strategy
         assert record["config"]["precision"] == "fp32"
