@@ -267,3 +267,12 @@ def test_bad_input_gives_one_error_line(tmp_path):
     assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "dcp", *TINY,
                                  "--dcp-dir", str(tmp_path / "nothing"), tmp_path=tmp_path, check=False),
                           "no complete DCP checkpoint")
+
+
+def test_every_readme_command_is_run_by_a_test():
+    """Each fragment below is looked up by a test above; together they must cover the README."""
+    covered = ["fsdp_basics.py", "--sharding full_shard shard_grad_op no_shard hybrid_shard ddp",
+               "make_strategies_table.py", "--activation-checkpointing --cpu-offload",
+               "--mixed-precision bf16", "fsdp_checkpoint.py --steps 100", "--resume dcp", "--resume full"]
+    for command in readme_commands(README):
+        assert sum(fragment in command for fragment in covered) == 1, command
