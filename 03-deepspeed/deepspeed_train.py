@@ -70,7 +70,7 @@ def parse_args():
     return args
 
 
-def consolidate_fp32(deepspeed, engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     """One fp32 state dict of the whole model, rebuilt from the ZeRO shards on disk (rank 0 only).
 
     Stages 1-3 keep the fp32 weights only as per-rank partitions in the optimizer files;
@@ -116,7 +116,12 @@ def main():
             if tag is not None and not (checkpoint_dir / tag).is_dir():
                 raise UsageError(f"--resume {tag}: {checkpoint_dir / tag} does not exist")
             # Every rank reads its own shard of weights and optimizer state, plus the client state.
-            loaded_path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+            try:
+                loaded_path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+            except (RuntimeError, KeyError, ValueError, AssertionError) as exc:  # another model/stage/world
+                raise UsageError(f"--resume: the checkpoint in {checkpoint_dir} does not fit this model, "
+                                 f"config or world size ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:150] if str(exc) else ''})") from None
             if loaded_path is None:
                 raise UsageError(f"--resume: could not load a checkpoint from {checkpoint_dir}")
             start_step = int(client_state["step"])
@@ -165,7 +170,7 @@ def main():
 
         dist.barrier()  # every shard is on disk before rank 0 reads them all
         if ctx.is_main:
-            state_dict = consolidate_fp32(deepspeed, engine, checkpoint_dir, last_tag)
+            state_dict = consolidate_fp32(engine, checkpoint_dir, last_tag)
             atomic_save({"model": state_dict, "gpt_config": cfg.to_dict(), "strategy": strategy,
                          "steps": args.steps, "eval_loss": eval_loss, "seed": args.seed}, fp32_out)
             log.info(f"consolidated fp32 state dict ({len(state_dict)} tensors) -> {fp32_out}")
