@@ -60,6 +60,9 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
+    cfg = gpt_config_from_args(args)
+    if cfg.n_embd % cfg.n_head:
+        parser.error(f"the width {cfg.n_embd} must be divisible by the head count {cfg.n_head}")
     if args.steps < 0 or args.global_batch_size < 1:
         parser.error("--steps must be >= 0 and --global-batch-size >= 1")
     return args
@@ -85,21 +88,34 @@ def load_dcp(model, optimizer, folder):
 
 
 def load_full(model, optimizer, path, ctx):
-    """Rank 0 reads the one-file checkpoint; set_state_dict broadcasts and shards it to everyone."""
-    # Only rank 0 touches the file (on a real cluster the others may not even see it).
-    exists = torch.tensor([os.path.exists(path) if ctx.is_main else 0], device=ctx.device)
-    dist.broadcast(exists, src=0)
-    if not exists.item():
-        raise UsageError(f"full checkpoint {path} does not exist")
-    ckpt = safe_load(path) if ctx.is_main else {"model": {}, "optim": {}, "step": 0}
-    step = torch.tensor([ckpt["step"]], device=ctx.device)
-    dist.broadcast(step, src=0)
+    """Rank 0 reads the one-file checkpoint; set_*_state_dict broadcast and shard it to everyone."""
+    # Only rank 0 touches the file (on a real cluster the others may not even see it). It checks the
+    # file before the collective load and tells everyone: a problem found inside the load would
+    # leave the other ranks waiting in a broadcast until the timeout.
+    verdict = [None, 0]  # (problem, step)
+    ckpt = {"model": {}, "optim": {}}
+    if ctx.is_main:
+        try:
+            ckpt = safe_load(path)
+            if not isinstance(ckpt, dict) or not {"model", "optim", "step"} <= set(ckpt):
+                raise UsageError(f"{path} is not a checkpoint of fsdp_checkpoint.py")
+            expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # global shapes
+            found = {name: tuple(t.shape) for name, t in ckpt["model"].items()}
+            if found != expected:
+                differing = sorted(set(found) ^ set(expected)) or sorted(k for k in found if found[k] != expected[k])
+                raise UsageError(f"full checkpoint {path} is from a different model (differs at {differing[:3]})")
+            verdict[1] = ckpt["step"]
+        except UsageError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UsageError(verdict[0])
     # Two calls, not set_state_dict: given an empty model dict (ranks != 0), set_state_dict would
     # treat the call as optimizer-only on those ranks and skip the model broadcast rank 0 is in.
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, ckpt["model"], options=from_rank0)
     set_optimizer_state_dict(model, optimizer, ckpt["optim"], options=from_rank0)
-    return {"step": int(step.item())}
+    return {"step": int(verdict[1])}
 
 
 def save_dcp(model, optimizer, folder, step, ctx):

@@ -72,6 +72,9 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
+    cfg = gpt_config_from_args(args)
+    if cfg.n_embd % cfg.n_head:
+        parser.error(f"the width {cfg.n_embd} must be divisible by the head count {cfg.n_head}")
     if args.steps < 1 or args.global_batch_size < 1 or args.hsdp_shard_size < 1:
         parser.error("--steps, --global-batch-size and --hsdp-shard-size must be at least 1")
     return args

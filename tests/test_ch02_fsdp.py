@@ -267,6 +267,13 @@ def test_bad_input_gives_one_error_line(tmp_path):
     assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "dcp", *TINY,
                                  "--dcp-dir", str(tmp_path / "nothing"), tmp_path=tmp_path, check=False),
                           "no complete DCP checkpoint")
+    other_model = tmp_path / "other.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "optim": {}, "step": 1}, other_model)
+    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "full", *TINY, "--full-checkpoint",
+                                 str(other_model), "--save", "none", tmp_path=tmp_path, check=False),
+                          "is from a different model")
+    assert_one_line_error(python(CHAPTER / "fsdp_basics.py", "--n-head", "3", tmp_path=tmp_path, check=False),
+                          "divisible by the head count 3")
 
 
 def test_every_readme_command_is_run_by_a_test():
