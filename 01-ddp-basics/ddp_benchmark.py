@@ -109,7 +109,9 @@ def launch(args, world_size: int) -> None:
            "--seed", str(args.seed)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores: one thread each
-    print(f"--- world size {world_size} ---", flush=True)
+    # Other jobs on the machine distort every number: show how busy it was when this job started.
+    print(f"--- world size {world_size} | load average before the job {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores ---", flush=True)
     try:
         done = subprocess.run(cmd, env=env, timeout=args.job_timeout_s)
     except subprocess.TimeoutExpired:
