@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -121,7 +122,7 @@ def build_config(cli: argparse.Namespace, world_size: int) -> TrainConfig:
     if cli.config:
         try:
             text = Path(cli.config).read_text()
-            loaded = json.loads(text) if cli.config.endswith(".json") else __import__("yaml").safe_load(text)
+            loaded = json.loads(text) if cli.config.endswith(".json") else yaml.safe_load(text)
         except Exception as exc:  # noqa: BLE001 - missing file, YAML/JSON syntax error
             raise UsageError(f"config file {cli.config}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         if not isinstance(loaded, dict):
@@ -132,6 +133,11 @@ def build_config(cli: argparse.Namespace, world_size: int) -> TrainConfig:
             if key not in known:
                 raise UsageError(f"config file {cli.config}: unknown key '{key}' "
                                  f"(known keys: {', '.join(known)})")
+            expected = known[key].metadata.get("type", type(known[key].default))
+            if value is not None and expected is float and isinstance(value, int):
+                value = float(value)
+            if value is not None and not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
+                raise UsageError(f"config file {cli.config}: '{key}' must be {expected.__name__}, got {value!r}")
             values[key] = value
     values.update({f.name: getattr(cli, f.name) for f in fields(TrainConfig) if hasattr(cli, f.name)})
     cfg = TrainConfig(**values)
@@ -250,8 +256,15 @@ def find_resume_checkpoint(cfg: TrainConfig, log) -> str | None:
 
 def resume(cfg, ctx, log, model, optimizer, scheduler, scaler) -> tuple[int, list[float]]:
     """Restore every piece of state; returns (next step, loss history)."""
-    path = [find_resume_checkpoint(cfg, log) if ctx.is_main else None]
+    path = [None]
+    if ctx.is_main:  # rank 0 decides; an error travels to every rank instead of leaving them waiting
+        try:
+            path[0] = find_resume_checkpoint(cfg, log)
+        except UsageError as exc:
+            path[0] = UsageError(str(exc))
     dist.broadcast_object_list(path, src=0)
+    if isinstance(path[0], UsageError):
+        raise path[0]
     if path[0] is None:
         return 0, []
     state = safe_load(path[0])  # every rank reads it: a shared filesystem, as clusters have
