@@ -17,6 +17,7 @@ runs when), then trains and appends a harness record.
 """
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -137,71 +138,80 @@ def trace_one_step(model, optimizer, inputs, targets, ctx):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
-        log = setup_logging(ctx.rank)
-        if args.global_batch_size % ctx.world_size:
-            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                             f"{ctx.world_size} ranks")
-        cfg = gpt_config_from_args(args)
-        model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
-        full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        shard_trace_and_train(args, ctx)
+        # Free the FSDP model (its hooks form reference cycles) and any collective handles it
+        # still holds while the process group is alive: freed at interpreter exit instead, a
+        # gloo work object can abort the process ("terminate called without an active exception").
+        gc.collect()
 
-        # Bottom-up: each block becomes one FSDP unit (one all-gather, one reduce-scatter); the root
-        # call takes what is left (embeddings, final norm, LM head). Parameters become DTensors
-        # sharded on dim 0, and each rank frees the rows it does not own.
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
 
-        params = dict(model.named_parameters())
-        lines = []
-        for name in SHOWN:
-            local = params[name].to_local()
-            full_bytes = torch.Size(full_shapes[name]).numel() * local.element_size()
-            lines.append(f"{name:<28} full {str(full_shapes[name]):<10} -> my shard "
-                         f"{str(tuple(local.shape)):<10} {local.numel() * local.element_size():>7,} of "
-                         f"{full_bytes:>7,} B")
-        mine = sum(p.to_local().numel() for p in model.parameters())
-        total = sum(p.numel() for p in model.parameters())
-        lines.append(f"all parameters: I hold {mine:,} of {total:,} values ({mine / total:.0%})")
-        print_in_rank_order(lines, ctx)
+def shard_trace_and_train(args, ctx):
+    """Shard the model, show the shards, trace one step, train, write the record."""
+    log = setup_logging(ctx.rank)
+    if args.global_batch_size % ctx.world_size:
+        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"{ctx.world_size} ranks")
+    cfg = gpt_config_from_args(args)
+    model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        task = TokenTask(cfg, seed=args.seed)
+    # Bottom-up: each block becomes one FSDP unit (one all-gather, one reduce-scatter); the root
+    # call takes what is left (embeddings, final norm, LM head). Parameters become DTensors
+    # sharded on dim 0, and each rank frees the rows it does not own.
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
 
-        def batch(step):
-            inputs, targets = task.global_batch(step, args.global_batch_size)
-            return (rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
-                    rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
+    params = dict(model.named_parameters())
+    lines = []
+    for name in SHOWN:
+        local = params[name].to_local()
+        full_bytes = torch.Size(full_shapes[name]).numel() * local.element_size()
+        lines.append(f"{name:<28} full {str(full_shapes[name]):<10} -> my shard "
+                     f"{str(tuple(local.shape)):<10} {local.numel() * local.element_size():>7,} of "
+                     f"{full_bytes:>7,} B")
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    lines.append(f"all parameters: I hold {mine:,} of {total:,} values ({mine / total:.0%})")
+    print_in_rank_order(lines, ctx)
 
-        events, first_loss = trace_one_step(model, optimizer, *batch(0), ctx)
-        log.info(f"one training step, as rank 0 sees it ({len(model.blocks)} blocks + root = "
-                 f"{len(model.blocks) + 1} FSDP units):\n" + "\n".join(events))
-        log.info(f"step    0 | loss {first_loss:.4f}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    task = TokenTask(cfg, seed=args.seed)
 
-        harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
-                          warmup_steps=args.warmup_steps,
-                          config={"script": "fsdp_basics", "model_size": args.model_size,
-                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
-                                  "param_count": total, "lr": args.lr, "wrap": "block"})
-        tokens_per_step = args.global_batch_size * cfg.seq_len
-        for step in progress(range(1, args.steps), ctx.rank, total=args.steps - 1, desc="train"):
-            inputs, targets = batch(step)
-            with harness.step(samples=args.global_batch_size, tokens=tokens_per_step):
-                optimizer.zero_grad(set_to_none=True)
-                loss = lm_loss(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-            if step % args.log_every == 0 or step == args.steps - 1:
-                dist.all_reduce(loss := loss.detach().clone())
-                log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
-        record = harness.finish(args.results)
-        if ctx.is_main:
-            m = record["metrics"]
-            comm = ", ".join(f"{k} {v['calls']:.0f} calls {v['bytes']:,.0f} B"
-                             for k, v in m["comm_per_step"].items())
-            speed = (f"median step {m['step_time_s_median'] * 1e3:.0f} ms | {m['tokens_per_s']:,.0f} tokens/s"
-                     if m["timed_steps"] else "no timed steps (raise --steps)")
-            log.info(f"per step: {comm} | {speed} | record appended to {args.results}")
+    def batch(step):
+        inputs, targets = task.global_batch(step, args.global_batch_size)
+        return (rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),
+                rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device))
+
+    events, first_loss = trace_one_step(model, optimizer, *batch(0), ctx)
+    log.info(f"one training step, as rank 0 sees it ({len(model.blocks)} blocks + root = "
+             f"{len(model.blocks) + 1} FSDP units):\n" + "\n".join(events))
+    log.info(f"step    0 | loss {first_loss:.4f}")
+
+    harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
+                      warmup_steps=args.warmup_steps,
+                      config={"script": "fsdp_basics", "model_size": args.model_size,
+                              "global_batch_size": args.global_batch_size, "precision": "fp32",
+                              "param_count": total, "lr": args.lr, "wrap": "block"})
+    tokens_per_step = args.global_batch_size * cfg.seq_len
+    for step in progress(range(1, args.steps), ctx.rank, total=args.steps - 1, desc="train"):
+        inputs, targets = batch(step)
+        with harness.step(samples=args.global_batch_size, tokens=tokens_per_step):
+            optimizer.zero_grad(set_to_none=True)
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            dist.all_reduce(loss := loss.detach().clone())
+            log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
+    record = harness.finish(args.results)
+    if ctx.is_main:
+        m = record["metrics"]
+        comm = ", ".join(f"{k} {v['calls']:.0f} calls {v['bytes']:,.0f} B"
+                         for k, v in m["comm_per_step"].items())
+        speed = (f"median step {m['step_time_s_median'] * 1e3:.0f} ms | {m['tokens_per_s']:,.0f} tokens/s"
+                 if m["timed_steps"] else "no timed steps (raise --steps)")
+        log.info(f"per step: {comm} | {speed} | record appended to {args.results}")
 
 
 if __name__ == "__main__":

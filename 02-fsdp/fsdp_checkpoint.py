@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -162,61 +163,70 @@ def folder_bytes(folder):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
-        log = setup_logging(ctx.rank)
-        if args.global_batch_size % ctx.world_size:
-            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                             f"{ctx.world_size} ranks")
-        cfg = gpt_config_from_args(args)
-        model = TinyGPT(cfg).to(ctx.device)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        train_and_checkpoint(args, ctx)
+        # Free the FSDP model (its hooks form reference cycles) and any collective handles it
+        # still holds while the process group is alive: freed at interpreter exit instead, a
+        # gloo work object can abort the process ("terminate called without an active exception").
+        gc.collect()
 
-        start_step = 0
-        if args.resume != "none":
-            t0 = time.perf_counter()
-            meta = (load_dcp(model, optimizer, args.dcp_dir) if args.resume == "dcp"
-                    else load_full(model, optimizer, args.full_checkpoint, ctx))
-            start_step = meta["step"]
-            saved_by = f" (saved by {meta['world_size']} ranks)" if "world_size" in meta else ""
-            log.info(f"resumed from {args.resume} checkpoint at step {start_step}{saved_by} into "
-                     f"{ctx.world_size} ranks in {time.perf_counter() - t0:.2f} s")
-            if args.dump_loaded:
-                loaded = get_model_state_dict(model, options=FULL)
-                if ctx.is_main:
-                    atomic_save(loaded, args.dump_loaded)
-        log.info(f"world size {ctx.world_size} | {args.model_size} GPT | steps {start_step} -> {args.steps}")
 
-        task = TokenTask(cfg, seed=args.seed)
-        for step in progress(range(start_step, args.steps), ctx.rank, desc="train"):
-            inputs, targets = task.global_batch(step, args.global_batch_size)
-            inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
-            targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = lm_loss(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            if step % args.log_every == 0 or step == args.steps - 1:
-                dist.all_reduce(loss := loss.detach().clone())
-                log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
+def train_and_checkpoint(args, ctx):
+    """Resume (optionally), train to --steps, save the chosen checkpoints."""
+    log = setup_logging(ctx.rank)
+    if args.global_batch_size % ctx.world_size:
+        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"{ctx.world_size} ranks")
+    cfg = gpt_config_from_args(args)
+    model = TinyGPT(cfg).to(ctx.device)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-        end_step = max(start_step, args.steps)
-        if args.save in ("both", "dcp"):
-            t0 = time.perf_counter()
-            save_dcp(model, optimizer, args.dcp_dir, end_step, ctx)
+    start_step = 0
+    if args.resume != "none":
+        t0 = time.perf_counter()
+        meta = (load_dcp(model, optimizer, args.dcp_dir) if args.resume == "dcp"
+                else load_full(model, optimizer, args.full_checkpoint, ctx))
+        start_step = meta["step"]
+        saved_by = f" (saved by {meta['world_size']} ranks)" if "world_size" in meta else ""
+        log.info(f"resumed from {args.resume} checkpoint at step {start_step}{saved_by} into "
+                 f"{ctx.world_size} ranks in {time.perf_counter() - t0:.2f} s")
+        if args.dump_loaded:
+            loaded = get_model_state_dict(model, options=FULL)
             if ctx.is_main:
-                files = sorted(os.listdir(args.dcp_dir))
-                log.info(f"sharded DCP checkpoint: {args.dcp_dir} | {len(files)} files "
-                         f"({', '.join(files)}) | {folder_bytes(args.dcp_dir):,} B | "
-                         f"{time.perf_counter() - t0:.2f} s")
-        if args.save in ("both", "full"):
-            t0 = time.perf_counter()
-            save_full(model, optimizer, args.full_checkpoint, end_step, ctx)
-            dist.barrier()
-            if ctx.is_main:
-                log.info(f"full checkpoint (rank 0 only): {args.full_checkpoint} | "
-                         f"{os.path.getsize(args.full_checkpoint):,} B | {time.perf_counter() - t0:.2f} s")
+                atomic_save(loaded, args.dump_loaded)
+    log.info(f"world size {ctx.world_size} | {args.model_size} GPT | steps {start_step} -> {args.steps}")
+
+    task = TokenTask(cfg, seed=args.seed)
+    for step in progress(range(start_step, args.steps), ctx.rank, desc="train"):
+        inputs, targets = task.global_batch(step, args.global_batch_size)
+        inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
+        targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            dist.all_reduce(loss := loss.detach().clone())
+            log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
+
+    end_step = max(start_step, args.steps)
+    if args.save in ("both", "dcp"):
+        t0 = time.perf_counter()
+        save_dcp(model, optimizer, args.dcp_dir, end_step, ctx)
+        if ctx.is_main:
+            files = sorted(os.listdir(args.dcp_dir))
+            log.info(f"sharded DCP checkpoint: {args.dcp_dir} | {len(files)} files "
+                     f"({', '.join(files)}) | {folder_bytes(args.dcp_dir):,} B | "
+                     f"{time.perf_counter() - t0:.2f} s")
+    if args.save in ("both", "full"):
+        t0 = time.perf_counter()
+        save_full(model, optimizer, args.full_checkpoint, end_step, ctx)
+        dist.barrier()
+        if ctx.is_main:
+            log.info(f"full checkpoint (rank 0 only): {args.full_checkpoint} | "
+                     f"{os.path.getsize(args.full_checkpoint):,} B | {time.perf_counter() - t0:.2f} s")
 
 
 if __name__ == "__main__":
