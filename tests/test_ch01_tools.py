@@ -72,17 +72,17 @@ def test_scaling_benchmark(tmp_path):
 
 
 def test_launchers(tmp_path):
-    # launch_ddp.sh: the README command with 2 processes and a tiny run.
+    # launch_ddp.sh (the README command with 2 processes, tiny run) and ddp_spawn.py, side by side.
     argv = readme_argv("launch_ddp.sh")
     argv[argv.index("--nproc") + 1] = "2"
-    out = run([*argv, "--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
-               "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
-               "--results", str(tmp_path / "r.jsonl")], env=job_env(tmp_path), timeout=600)
-    assert "--standalone --nproc_per_node=2" in out.stdout and "done: loss" in out.stdout
-    # ddp_spawn.py: mp.spawn instead of torchrun.
-    out = run([*readme_argv("ddp_spawn.py"), "--nproc", "2", "--steps", "2", "--model-size", "tiny"],
-              env=job_env(tmp_path), timeout=600)
-    assert "spawned 2 processes" in out.stdout and "done" in out.stdout
+    script = [*argv, "--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
+              "--results", str(tmp_path / "r.jsonl")]
+    spawn = [*readme_argv("ddp_spawn.py"), "--nproc", "2", "--steps", "2", "--model-size", "tiny"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        launched, spawned = pool.map(lambda cmd: run(cmd, env=job_env(tmp_path), timeout=600), (script, spawn))
+    assert "--standalone --nproc_per_node=2" in launched.stdout and "done: loss" in launched.stdout
+    assert "spawned 2 processes" in spawned.stdout and "done" in spawned.stdout
     # SLURM and Kubernetes files: valid shell / valid manifest that runs the chapter's script.
     run(["bash", "-n", str(CHAPTER / "slurm_ddp.sbatch")])
     job = yaml.safe_load((CHAPTER / "pytorchjob.yaml").read_text())
