@@ -208,14 +208,19 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def _is_collective_error(exc: BaseException) -> bool:
+    # gloo errors raised inside DDP's backward hooks arrive as plain RuntimeErrors naming gloo.
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}".lower()
-    return isinstance(exc, dist.DistError) and ("timeout" in text or "timed out" in text)
+    return _is_collective_error(exc) and ("timeout" in text or "timed out" in text)
 
 
 def _is_peer_gone(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, dist.DistError) and any(
+    return _is_collective_error(exc) and any(
         key in text for key in ("connection closed by peer", "connection reset", "broken pipe"))
 
 
@@ -241,7 +246,7 @@ def run_main(main: Callable[[], object]) -> None:
             time.sleep(1.0)
         _abandon_process_group()
         sys.exit(2)
-    except dist.DistError as exc:
+    except RuntimeError as exc:  # dist.DistError, or gloo's RuntimeError from inside backward
         rank = launched_rank()
         if _is_timeout(exc):
             print(f"error: [rank {rank}] a collective timed out: a peer rank died, hung or never "
