@@ -138,9 +138,10 @@ def main():
         record = harness.finish(args.results, extra={"test_accuracy": test_acc, "data": source})
         if ctx.is_main:
             wall = time.perf_counter() - wall_start
-            rate = record["metrics"]["samples_per_s"] or 0.0
+            rate = record["metrics"]["samples_per_s"]
+            rate_text = f"{rate:.0f} samples/s" if rate else "too few steps to time"
             log.info(f"saved {args.checkpoint} | record appended to {args.results}")
-            log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate:.0f} samples/s "
+            log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate_text} "
                      f"| world size {ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")
 
 
