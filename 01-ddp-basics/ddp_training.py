@@ -66,7 +66,7 @@ class TrainConfig:
     lr_scaling: str = opt("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
                           "(x sqrt(B/base)), base = --base-batch-size", choices=["none", "linear", "sqrt"])
     base_batch_size: int = opt(32, "the global batch --lr was tuned for (used by --lr-scaling)")
-    lr_warmup_steps: int = opt(10, "linear LR warm-up steps, then cosine decay to 10%")
+    lr_warmup_steps: int = opt(10, "linear LR warm-up steps, then cosine decay to 10%%")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
     precision: str = opt("fp32", "fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + GradScaler, GPU)",
