@@ -55,8 +55,19 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         if launched_rank() == 0:
             self.print_usage(sys.stderr)
-            print(f"error: {message}", file=sys.stderr)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        else:
+            _let_rank0_report_first()
         sys.exit(2)
+
+
+def _let_rank0_report_first() -> None:
+    """Delay a non-zero rank's exit on an error every rank found.
+
+    torchrun stops the whole group as soon as one rank exits, so a rank that exits first could
+    get rank 0 killed before it prints the one line that explains the failure.
+    """
+    time.sleep(1.0)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -245,9 +256,7 @@ def run_main(main: Callable[[], object]) -> None:
         elif launched_rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
-            # torchrun stops the whole group as soon as one rank exits: give rank 0 a moment to
-            # print the line before this rank's exit gets it killed.
-            time.sleep(1.0)
+            _let_rank0_report_first()
         _abandon_process_group()
         exit_without_finalizers(2)
     except RuntimeError as exc:  # dist.DistError, or gloo's RuntimeError from inside backward
