@@ -62,6 +62,18 @@ if [[ "$MAX_RESTARTS" -gt 0 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # export TORCH_NCCL_BLOCKING_WAIT=1       # collectives block and raise on timeout (easier debugging, slower)
 # export TORCH_DISTRIBUTED_DEBUG=DETAIL   # check that all ranks call the same collectives with the same shapes
 
+# Node 0 hosts the rendezvous on --master-port: if something already listens there, say so in one
+# line instead of letting torchrun fail with a traceback.
+if [[ "$NNODES" -gt 1 && "$NODE_RANK" -eq 0 && "$DRY_RUN" -eq 0 ]] && ! python - "$MASTER_ADDR_" "$MASTER_PORT_" 2>/dev/null <<'PY'
+import socket, sys
+with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2])))
+PY
+then
+  echo "error: port $MASTER_PORT_ on $MASTER_ADDR_ is already in use (or not an address of this node); pick another --master-port" >&2; exit 2
+fi
+
 if [[ "$NNODES" -eq 1 ]]; then
   RDZV=(--standalone)
 else

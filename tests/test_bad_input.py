@@ -57,3 +57,21 @@ def test_no_network_and_no_offline_sample_is_one_line(tmp_path):
     result = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", nproc=2, env=env,
                       check=False, timeout=120)
     assert_one_line_error(result, "offline sample is missing")
+
+
+def test_busy_rendezvous_port_in_the_launcher_is_one_line(tmp_path):
+    import socket
+    import subprocess
+
+    with socket.socket() as holder:  # something already listens on the rendezvous port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            ["bash", str(REPO / "01-ddp-basics" / "launch_ddp.sh"), "--nnodes", "2", "--node-rank", "0",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
+            cwd=REPO, env=job_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is already in use (or not an address of this node); "
+        "pick another --master-port"]
