@@ -17,7 +17,6 @@ runs when), then trains and appends a harness record.
 """
 from __future__ import annotations
 
-import gc
 import math
 
 import torch
@@ -139,10 +138,6 @@ def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
         shard_trace_and_train(args, ctx)
-        # Free the FSDP model (its hooks form reference cycles) and any collective handles it
-        # still holds while the process group is alive: freed at interpreter exit instead, a
-        # gloo work object can abort the process ("terminate called without an active exception").
-        gc.collect()
 
 
 def shard_trace_and_train(args, ctx):

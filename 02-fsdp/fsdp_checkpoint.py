@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -164,10 +163,6 @@ def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
         train_and_checkpoint(args, ctx)
-        # Free the FSDP model (its hooks form reference cycles) and any collective handles it
-        # still holds while the process group is alive: freed at interpreter exit instead, a
-        # gloo work object can abort the process ("terminate called without an active exception").
-        gc.collect()
 
 
 def train_and_checkpoint(args, ctx):

@@ -17,7 +17,6 @@ The other knobs of a real FSDP job are flags: per-block or root-only wrapping, b
 """
 from __future__ import annotations
 
-import gc
 import math
 import os
 
@@ -229,9 +228,6 @@ def main(argv=None):
                 log.info(f"{strategy:>13} | bytes/step {comm} (predicted {pred['comm_bytes']}) | {speed}")
         if ctx.is_main:
             log.info(f"records appended to {args.results}")
-        # Free the last FSDP model (its hooks form reference cycles) while the process group is
-        # alive: freed at interpreter exit instead, a gloo work object can abort the process.
-        gc.collect()
 
 
 if __name__ == "__main__":
