@@ -13,7 +13,6 @@ with ``load_checkpoint``; at the end the ZeRO shards are consolidated into one f
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -25,8 +24,8 @@ from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
 
-from ds_common import (EVAL_BATCH, EVAL_STEP, ZeroHarness, check_batch, import_deepspeed, load_ds_config,
-                       strategy_name, zero_stage)
+from ds_common import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepspeed, load_ds_config,
+                       strategy_name, zero_harness, zero_stage)
 
 
 
@@ -127,14 +126,7 @@ def main():
             start_step = int(client_state["step"])
             log.info(f"resumed from {loaded_path} at step {start_step}")
 
-        harness = ZeroHarness(ctx, strategy, model=engine.module, warmup_steps=args.warmup_steps,
-                              config={"model_size": args.model_size, "global_batch_size":
-                                      ds_config["train_batch_size"], "precision": "fp32",
-                                      "param_count": param_count, "zero_stage": zero_stage(ds_config),
-                                      "deepspeed_config": os.path.basename(args.deepspeed_config),
-                                      "offload": {k: v for k, v in ds_config["zero_optimization"].items()
-                                                  if k.startswith("offload")}, "lr": args.lr})
-        harness.attach(engine, optimizer)
+        harness = zero_harness(ctx, args, engine, optimizer, ds_config, args.deepspeed_config, param_count)
 
         def save(step: int) -> str:
             tag = f"step{step}"

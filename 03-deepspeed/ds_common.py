@@ -183,6 +183,21 @@ class ZeroHarness(Harness):
         return record
 
 
+def zero_harness(ctx, args, engine, client_optimizer: torch.optim.Optimizer, ds_config: dict,
+                 config_path: str | os.PathLike, param_count: int) -> ZeroHarness:
+    """The harness for one engine, attached, with the record config every ZeRO run of the chapter
+    shares (model, batch, stage, offload devices, config file, lr). ``param_count`` is counted before
+    ``deepspeed.initialize``: a ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
+    harness = ZeroHarness(ctx, strategy_name(ds_config), model=engine.module, warmup_steps=args.warmup_steps,
+                          config={"model_size": args.model_size,
+                                  "global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
+                                  "param_count": param_count, "zero_stage": zero_stage(ds_config),
+                                  "offload": offload_devices(ds_config),
+                                  "deepspeed_config": Path(config_path).name, "lr": args.lr})
+    harness.attach(engine, client_optimizer)
+    return harness
+
+
 def predicted_state_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
     """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it.
 

@@ -27,9 +27,8 @@ from distkit.checkpoint import atomic_save
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
-from ds_common import (CONFIG_DIR, ZeroHarness, check_batch, import_deepspeed, load_ds_config,
-                       offload_devices, paper_state_bytes, predicted_state_bytes, strategy_name,
-                       zero_stage)
+from ds_common import (CONFIG_DIR, check_batch, import_deepspeed, load_ds_config, paper_state_bytes,
+                       predicted_state_bytes, strategy_name, zero_harness, zero_stage)
 
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -87,13 +86,7 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    strategy = strategy_name(ds_config)
-    harness = ZeroHarness(ctx, strategy, model=engine.module, warmup_steps=args.warmup_steps,
-                          config={"model_size": args.model_size, "global_batch_size": args.global_batch_size,
-                                  "precision": "fp32", "param_count": param_count,
-                                  "zero_stage": zero_stage(ds_config), "offload": offload_devices(ds_config),
-                                  "deepspeed_config": path.name, "lr": args.lr})
-    harness.attach(engine, optimizer)
+    harness = zero_harness(ctx, args, engine, optimizer, ds_config, path, param_count)
     batch = args.global_batch_size
     for step in range(args.steps):
         inputs, targets = task.global_batch(step, batch)

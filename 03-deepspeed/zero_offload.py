@@ -17,16 +17,14 @@ where DeepSpeed's offload buffers are, and what remains measurable is the cost i
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
-from ds_common import (CONFIG_DIR, ZeroHarness, check_batch, import_deepspeed, load_ds_config,
-                       offload_devices, strategy_name, zero_stage)
+from ds_common import (CONFIG_DIR, check_batch, import_deepspeed, load_ds_config, zero_harness,
+                       zero_stage)
 
 
 def parse_args():
@@ -80,13 +78,7 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
     # keeps the fp32 partitions on the CPU and runs torch's AdamW there (no DeepSpeedCPUAdam build).
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    strategy = strategy_name(ds_config)
-    harness = ZeroHarness(ctx, strategy, model=engine.module, warmup_steps=args.warmup_steps,
-                          config={"model_size": args.model_size, "global_batch_size": args.global_batch_size,
-                                  "precision": "fp32", "param_count": param_count,
-                                  "zero_stage": zero_stage(ds_config), "offload": offload_devices(ds_config),
-                                  "deepspeed_config": Path(config_path).name, "lr": args.lr})
-    harness.attach(engine, optimizer)
+    harness = zero_harness(ctx, args, engine, optimizer, ds_config, config_path, param_count)
     where = {}
 
     def snapshot(opt, *_):
