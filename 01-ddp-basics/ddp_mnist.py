@@ -23,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
 from distkit.data import prepare_mnist
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MnistCNN
@@ -33,13 +34,17 @@ def parse_args():
         description="Train a CNN on MNIST with DistributedDataParallel. Launch with torchrun; "
                     "each process is one rank. Runs on CPU (gloo) or one GPU per rank (NCCL).",
         epilog="example: torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py --epochs 3")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=64,
+    parser.add_argument("--epochs", type=positive_int, default=3,
+                        help="passes over the training set (default: 3)")
+    parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="samples per rank per step; the global batch is this x world size (default: 64)")
-    parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate (default: 1.0)")
-    parser.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch (default: 0.7)")
-    parser.add_argument("--max-steps", type=int, default=None,
+    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: 1.0)")
+    parser.add_argument("--gamma", type=positive_float, default=0.7, help="learning-rate decay per epoch (default: 0.7)")
+    parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop each epoch after this many steps (quick runs and tests; default: full epoch)")
+    parser.add_argument("--num-workers", type=non_negative_int, default=None,
+                        help="DataLoader worker processes per rank (default: 2 on a GPU, where loading "
+                             "must keep up with the GPU; 0 on CPU, where ranks already share the cores)")
     parser.add_argument("--data-dir", default="data", help="where MNIST is stored or downloaded (default: data)")
     parser.add_argument("--offline", action="store_true",
                         help="do not try to download; use the files in --data-dir or the 5k offline sample")
@@ -49,30 +54,30 @@ def parse_args():
                         help="the harness appends one JSON record of this run here (default: runs/results.jsonl)")
     parser.add_argument("--log-file", default="runs/ddp_mnist.log", help="rank 0's log file (default: runs/ddp_mnist.log)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.epochs < 1 or args.batch_size < 1:
-        parser.error("--epochs and --batch-size must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def train_one_epoch(model, loader, optimizer, harness, ctx, epoch, max_steps):
     """One pass over this rank's shard; returns this rank's (loss sum, correct, samples)."""
     model.train()
-    totals = torch.zeros(3, dtype=torch.float64)
+    # On ctx.device: it is all-reduced later, and an NCCL group only takes GPU tensors.
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     steps = len(loader) if max_steps is None else min(len(loader), max_steps)
     bar = progress(loader, ctx.rank, total=steps, desc=f"epoch {epoch}")
     for step, (images, labels) in enumerate(bar):
         if step >= steps:
             break
-        images, labels = images.to(ctx.device), labels.to(ctx.device)
+        images, labels = images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
         with harness.step(samples=len(images) * ctx.world_size):
             optimizer.zero_grad(set_to_none=True)
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
             loss.backward()  # DDP all-reduces (averages) gradients across ranks here, bucket by bucket
             optimizer.step()
-        totals += torch.tensor([loss.item() * len(labels),
-                                (logits.argmax(1) == labels).sum().item(), len(labels)], dtype=torch.float64)
+        # Accumulated on the device: no .item() per step, which would wait for the GPU every step.
+        totals += torch.stack([loss.detach().double() * len(labels),
+                               (logits.argmax(1) == labels).sum().double(),
+                               torch.tensor(len(labels), dtype=torch.float64, device=ctx.device)])
         if ctx.rank == 0 and hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss.item():.4f}")
     return totals
@@ -109,11 +114,14 @@ def main():
         # Each rank sees a different 1/world_size of the shuffled training set every epoch.
         sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
                                      shuffle=True, seed=args.seed)
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+        on_gpu = ctx.device.type == "cuda"
+        workers = args.num_workers if args.num_workers is not None else (2 if on_gpu else 0)
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+                            pin_memory=on_gpu, persistent_workers=workers > 0)
 
         # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's weights.
         model = MnistCNN().to(ctx.device)
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        model = DDP(model, device_ids=ctx.device_ids)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer,

@@ -8,9 +8,12 @@ and at worst a stray ``*.tmp*`` file, never a truncated checkpoint under the rea
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -21,7 +24,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    # The writer's host and PID are in the name, so a later start can tell a torn file left by a
+    # killed writer (removable) from one that a live writer is still filling.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path.name))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -34,15 +39,95 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return path
 
 
+def _temporary_prefix(name: str) -> str:
+    return f"{name}.tmp.{socket.gethostname()}.{os.getpid()}."
+
+
+def _writer_is_gone(tmp: Path, max_age_s: float) -> bool:
+    """True when the process that was writing ``tmp`` cannot still be alive."""
+    # name.tmp.<host>.<pid>.<random>: hosts may contain dots, the PID and mkstemp's suffix do not
+    host, pid = None, None
+    if ".tmp." in tmp.name:
+        parts = tmp.name.split(".tmp.", 1)[1].rsplit(".", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            host, pid = parts[0], int(parts[1])
+    if host == socket.gethostname() and pid is not None:
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, owned by someone else
+            return False
+        return False
+    try:  # written on another node (shared folder) or unnamed: only an old file is surely stale
+        return time.time() - tmp.stat().st_mtime > max_age_s
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, max_age_s: float = 3600.0) -> list[Path]:
+    """Delete ``*.tmp*`` files that :func:`atomic_save` left in ``folder`` when its writer was killed.
+
+    A file whose writer (named in it: host and PID) is still running is kept; one from another host
+    is removed only when it is older than ``max_age_s``. Returns the removed paths. Call it on one
+    rank at start-up, before the first save.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for tmp in sorted(folder.glob("*.tmp*")):
+        if tmp.is_file() and _writer_is_gone(tmp, max_age_s):
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:150] if lines else "no details"
+
+
 def safe_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
     """``torch.load(weights_only=True)``; an unreadable file raises a one-line :class:`UsageError`."""
     try:
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"checkpoint {path} is empty (0 bytes): a save that never finished?")
         return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise UsageError(f"checkpoint {path} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"checkpoint {path} is a folder, not a file") from None
+    except UsageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - corrupt zip, pickle error, unsafe global ...
         raise UsageError(f"checkpoint {path} is unreadable ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:150]})") from None
+                         f"{_first_line(exc)})") from None
+
+
+@contextmanager
+def dcp_errors_as_usage_errors(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
+    """Turn a failed ``torch.distributed.checkpoint`` load into one :class:`UsageError` line.
+
+    DCP gathers every rank's failure into a ``CheckpointException``, which derives from
+    ``BaseException`` (not ``Exception``), so a plain ``except Exception`` lets it escape as a
+    traceback. Every rank raises it, so the error is reported once.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = [f"{type(err).__name__}: {_first_line(err)}"
+                  for err in getattr(exc, "failures", {}).values()]
+        detail = causes[0] if causes else _first_line(exc)
+        raise UsageError(f"DCP checkpoint {checkpoint_dir} does not fit this model or is damaged "
+                         f"({detail[:200]})") from None
 
 
 def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:

@@ -229,6 +229,78 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def fresh_memory_peak(device: torch.device) -> None:
+    """Start a new peak-memory window on a clean slate: free what nothing references any more, then
+    reset the high-water mark.
+
+    Call it between configurations run one after another in one process, after dropping the
+    previous model/optimizer/engine. Garbage collection comes first because engines hold reference
+    cycles (optimizer step hooks point back at their engine) that plain ``del`` does not free. On CUDA
+    the caching allocator's free blocks are returned too, so ``max_memory_allocated`` afterwards
+    counts only what the next configuration allocates (plus anything still alive).
+    """
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory since the last :func:`fresh_memory_peak`: ``torch.cuda.max_memory_allocated`` on
+    CUDA, this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+class RegionTimer:
+    """Adds up the time spent inside ``with timer.region():`` blocks, measured on the device.
+
+    On CUDA a region's time is the GPU time between two CUDA events recorded on the current stream,
+    so a region that only *launches* kernels still gets the time those kernels ran; the events are
+    read (one synchronisation) only when :attr:`total_s` is asked for. On CPU work is synchronous and
+    ``time.perf_counter`` is exact.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cpu_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextmanager
+    def region(self) -> Iterator[None]:
+        """Time the enclosed block and add it to the total."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self._cpu_s += time.perf_counter() - begin
+
+    @property
+    def total_s(self) -> float:
+        """Seconds spent in all regions so far (synchronises CUDA once)."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            self._cpu_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        return self._cpu_s
+
+    def reset(self) -> None:
+        """Forget every region timed so far."""
+        self._events.clear()
+        self._cpu_s = 0.0
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on: device name, cores, host OS."""
     cpu_name = platform.processor() or platform.machine()
@@ -305,8 +377,11 @@ class Harness:
     def __post_init__(self) -> None:
         self._timer = StepTimer(self.ctx.device, warmup_steps=0)
         self._comm = CommCounter()
+        # GPU peak memory counts from here: whatever an earlier configuration in this process left
+        # for the garbage collector or the CUDA cache must not count against this one. (CPU peak RSS
+        # is per process; scripts that run several configurations call fresh_memory_peak themselves.)
         if self.ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+            fresh_memory_peak(self.ctx.device)
 
     @contextmanager
     def step(self, samples: float = 0, tokens: float = 0) -> Iterator[None]:
@@ -342,8 +417,7 @@ class Harness:
     def local_metrics(self) -> dict[str, Any]:
         """This rank's numbers (no communication)."""
         times = self._timer.times
-        peak = (torch.cuda.max_memory_allocated(self.ctx.device) if self.ctx.device.type == "cuda"
-                else peak_rss_bytes())
+        peak = peak_memory_bytes(self.ctx.device)
         return {
             "timed_steps": len(times),
             "time_s": sum(times),

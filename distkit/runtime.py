@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from .flags import positive_float
+
 DEFAULT_TIMEOUT_S = 300
 
 
@@ -78,43 +80,66 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                             "else gloo (default: auto)")
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="where tensors live; auto follows the backend (default: auto)")
-    group.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+    group.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                        help="process-group timeout in seconds: a collective that waits longer "
                             f"(a dead or missing rank) ends the job (default: {DEFAULT_TIMEOUT_S})")
     group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
+def local_world_size_from_env() -> int:
+    """How many ranks this node runs, as the launcher said.
+
+    torchrun sets ``LOCAL_WORLD_SIZE``; the ``deepspeed`` launcher sets ``LOCAL_SIZE`` instead.
+    Without either (``python script.py``) the node runs one rank.
+    """
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return env_int("LOCAL_WORLD_SIZE", 1)
+    return env_int("LOCAL_SIZE", 1)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied); 0 on a CPU-only build."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def choose_backend_and_device(backend: str = "auto", device: str = "auto",
-                              local_world_size: int | None = None) -> tuple[str, str]:
+                              local_world_size: int | None = None, gpu_count: int | None = None,
+                              nccl_available: bool | None = None) -> tuple[str, str]:
     """Pick ``(backend, device_type)``.
 
     ``auto`` means NCCL on CUDA when CUDA is available and this node has at least one GPU per local
-    rank, else gloo on CPU. Forcing NCCL without enough GPUs raises :class:`UsageError`.
+    rank, else gloo on CPU. Forcing NCCL or CUDA without one GPU per local rank raises
+    :class:`UsageError`. ``local_world_size``, ``gpu_count`` and ``nccl_available`` default to what
+    the launcher and this machine say; passing them makes the choice a pure function (its unit test
+    does).
     """
     if local_world_size is None:
-        local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_world_size = local_world_size_from_env()
+    gpus = visible_gpu_count() if gpu_count is None else gpu_count
+    if nccl_available is None:
+        nccl_available = dist.is_nccl_available()
     gpus_fit = gpus >= local_world_size
 
     if backend == "auto":
         if device == "cuda":
-            backend = "nccl" if dist.is_nccl_available() else "gloo"
+            backend = "nccl" if nccl_available else "gloo"
         elif device == "cpu":
             backend = "gloo"
         else:
-            backend = "nccl" if (gpus_fit and gpus > 0 and dist.is_nccl_available()) else "gloo"
+            backend = "nccl" if (gpus_fit and gpus > 0 and nccl_available) else "gloo"
     if device == "auto":
         device = "cuda" if backend == "nccl" else "cpu"
 
     if backend == "nccl":
-        if not dist.is_nccl_available():
+        if not nccl_available:
             raise UsageError("--backend nccl: this PyTorch build has no NCCL (CPU-only build); "
                              "use --backend gloo")
         if device != "cuda":
             raise UsageError("--backend nccl needs --device cuda (NCCL only moves GPU tensors)")
     if device == "cuda" and not gpus_fit:
-        raise UsageError(f"{local_world_size} local ranks need {local_world_size} GPUs but this machine "
-                         f"has {gpus}; start fewer processes (--nproc_per_node={max(gpus, 1)}) "
+        flag = "--backend nccl" if backend == "nccl" else "--device cuda"
+        raise UsageError(f"{flag}: {local_world_size} local ranks need {local_world_size} GPUs but this "
+                         f"machine has {gpus}; start fewer processes (--nproc_per_node={max(gpus, 1)}) "
                          "or use --backend gloo --device cpu")
     if backend == "gloo" and not dist.is_gloo_available():
         raise UsageError("this PyTorch build has no gloo backend")
@@ -138,6 +163,11 @@ class DistContext:
         """True on global rank 0, the rank that prints summaries and writes files."""
         return self.rank == 0
 
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DDP's ``device_ids`` wants: ``[this rank's GPU]`` on CUDA, ``None`` on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
 
 def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -156,7 +186,7 @@ def init_distributed(args: argparse.Namespace) -> DistContext:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
-    world_size, local_world_size = env_int("WORLD_SIZE", 1), env_int("LOCAL_WORLD_SIZE", 1)
+    world_size, local_world_size = env_int("WORLD_SIZE", 1), local_world_size_from_env()
 
     backend, device_type = choose_backend_and_device(
         getattr(args, "backend", "auto"), getattr(args, "device", "auto"), local_world_size)

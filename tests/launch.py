@@ -13,17 +13,43 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-def job_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> dict[str, str]:
     """Environment for a launched job: one thread per rank (4 ranks share 2 cores), no progress
-    bars, torchrun's scratch folders inside the test's temp dir."""
+    bars, torchrun's scratch folders inside the test's temp dir.
+
+    CPU-suite jobs (``gpu=False``) see no GPU at all (``CUDA_VISIBLE_DEVICES=""``), so they take the
+    gloo/CPU path whatever machine runs them; GPU-suite jobs (``gpu=True``) see the machine's GPUs.
+    """
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif env.get("CUDA_VISIBLE_DEVICES") == "":  # hidden by conftest for the CPU suite
+        del env["CUDA_VISIBLE_DEVICES"]
     if tmp_path is not None:
         scratch = Path(tmp_path) / "tmp"
         scratch.mkdir(parents=True, exist_ok=True)
         env["TMPDIR"] = str(scratch)
     env.update(extra)
     return env
+
+
+def gpu_count() -> int:
+    """GPUs on this machine, counted in a fresh process (the test process itself hides them when
+    it runs the CPU suite)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
+                            "if torch.cuda.is_available() else 0)"], env=job_env(gpu=True),
+                           capture_output=True, text=True, timeout=120)
+    return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+
+
+def require_gpus(count: int, why: str = "") -> None:
+    """Skip a GPU test that needs ``count`` GPUs on a machine with fewer, saying so."""
+    import pytest
+
+    have = gpu_count()
+    if have < count:
+        pytest.skip(f"needs {count} GPU(s), this machine has {have}" + (f": {why}" if why else ""))
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO,

@@ -1,7 +1,5 @@
 """Bad input ends with one clear `error:` line and a non-zero exit: no hang, no traceback wall."""
 import pytest
-import torch
-import torch.distributed as dist
 
 from distkit.runtime import UsageError, choose_backend_and_device
 from launch import REPO, assert_one_line_error, job_env, torchrun
@@ -9,25 +7,41 @@ from launch import REPO, assert_one_line_error, job_env, torchrun
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 
 
-def _fake_gpus(monkeypatch, count: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+def test_choose_backend_and_device_unit():
+    """A unit test of the choice function: GPU count and NCCL availability are its arguments."""
+    def choose(backend, device, ranks, gpus, nccl=True):
+        return choose_backend_and_device(backend, device, ranks, gpu_count=gpus, nccl_available=nccl)
 
-
-def test_backend_choice_follows_the_gpu_count(monkeypatch):
-    _fake_gpus(monkeypatch, 0)
-    assert choose_backend_and_device("auto", "auto", 4) == ("gloo", "cpu")
-    _fake_gpus(monkeypatch, 4)
-    assert choose_backend_and_device("auto", "auto", 4) == ("nccl", "cuda")
-    assert choose_backend_and_device("gloo", "auto", 4) == ("gloo", "cpu")  # forced by flag
-    assert choose_backend_and_device("auto", "cpu", 4) == ("gloo", "cpu")
-    _fake_gpus(monkeypatch, 2)
-    assert choose_backend_and_device("auto", "auto", 4) == ("gloo", "cpu")  # does not fit: fall back
-    with pytest.raises(UsageError, match="4 local ranks need 4 GPUs but this machine has 2"):
-        choose_backend_and_device("nccl", "auto", 4)
+    assert choose("auto", "auto", 4, gpus=0) == ("gloo", "cpu")
+    assert choose("auto", "auto", 4, gpus=4) == ("nccl", "cuda")
+    assert choose("auto", "auto", 1, gpus=8) == ("nccl", "cuda")
+    assert choose("gloo", "auto", 4, gpus=4) == ("gloo", "cpu")  # forced by flag
+    assert choose("auto", "cpu", 4, gpus=4) == ("gloo", "cpu")
+    assert choose("gloo", "cuda", 2, gpus=2) == ("gloo", "cuda")  # gloo can move GPU tensors
+    assert choose("auto", "auto", 4, gpus=2) == ("gloo", "cpu")  # does not fit: fall back
+    assert choose("auto", "auto", 4, gpus=4, nccl=False) == ("gloo", "cpu")  # CPU-only build
+    with pytest.raises(UsageError, match="--backend nccl: 4 local ranks need 4 GPUs but this machine has 2"):
+        choose("nccl", "auto", 4, gpus=2)
+    with pytest.raises(UsageError, match="--device cuda: 2 local ranks need 2 GPUs but this machine has 0"):
+        choose("auto", "cuda", 2, gpus=0, nccl=False)
     with pytest.raises(UsageError, match="needs --device cuda"):
-        choose_backend_and_device("nccl", "cpu", 1)
+        choose("nccl", "cpu", 1, gpus=1)
+    with pytest.raises(UsageError, match="no NCCL"):
+        choose("nccl", "auto", 1, gpus=0, nccl=False)
+
+
+def test_deepspeed_launcher_local_size_counts_as_local_world_size(monkeypatch):
+    """The deepspeed launcher says LOCAL_SIZE where torchrun says LOCAL_WORLD_SIZE."""
+    from distkit.runtime import local_world_size_from_env
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert local_world_size_from_env() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_world_size_from_env() == 2
+    with pytest.raises(UsageError, match="4 local ranks need 4 GPUs but this machine has 1"):
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        choose_backend_and_device("nccl", "auto", gpu_count=1, nccl_available=True)
 
 
 def test_nccl_on_this_machine_is_one_line(tmp_path):
