@@ -120,3 +120,86 @@ def test_gpt_learns_the_token_task_and_slices_batches():
         loss.backward()
         optimizer.step()
     assert first > 3.5 and loss.item() < 1.5, (first, loss.item())
+
+
+def test_empty_and_folder_checkpoints_are_one_line(tmp_path):
+    empty = tmp_path / "step_00000010.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(UsageError, match=r"is empty \(0 bytes\)"):
+        safe_load(empty)
+    with pytest.raises(UsageError, match="is a folder"):
+        safe_load(tmp_path)
+    with pytest.raises(UsageError, match="does not exist"):
+        safe_load(tmp_path / "missing.pt")
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
+    """A writer killed mid-save leaves ``NAME.tmp.<host>.<pid>.<rand>``: removed once that PID is gone,
+    kept while it lives; a foreign host's file only when it is old."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from distkit.checkpoint import remove_stale_temporaries
+
+    # A real dead writer: a child process that started an atomic_save and was killed before renaming.
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, tempfile, sys\n"
+        "from distkit.checkpoint import _temporary_prefix\n"
+        f"fd, name = tempfile.mkstemp(dir={str(tmp_path)!r}, prefix=_temporary_prefix('step_1.pt'))\n"
+        "os.write(fd, b'torn'); print(name, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")],
+        stdout=subprocess.PIPE, text=True)
+    dead_tmp = child.stdout.readline().strip()
+    child.wait()
+    host = socket.gethostname()
+    live_tmp = tmp_path / f"step_2.pt.tmp.{host}.{os.getpid()}.abc123"  # this process: alive
+    foreign_new = tmp_path / "step_3.pt.tmp.other-node.12.abcdef"
+    foreign_old = tmp_path / "step_4.pt.tmp.other-node.13.abcdef"
+    keep = tmp_path / "step_5.pt"
+    for path in (live_tmp, foreign_new, foreign_old, keep):
+        path.write_bytes(b"x")
+    two_hours_ago = time.time() - 7200
+    os.utime(foreign_old, (two_hours_ago, two_hours_ago))
+
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == sorted([os.path.basename(dead_tmp), foreign_old.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live_tmp.name, foreign_new.name, keep.name])
+
+
+def test_dcp_load_of_another_model_is_a_usage_error(tmp_path):
+    """DCP's CheckpointException derives from BaseException; the helper turns it into one line."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from distkit.checkpoint import dcp_errors_as_usage_errors
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        dcp.save({"model": torch.nn.Linear(3, 3).state_dict()}, checkpoint_id=tmp_path / "ckpt")
+        other = {"model": torch.nn.Linear(5, 5).state_dict()}
+        with pytest.raises(UsageError, match="does not fit this model"):
+            with dcp_errors_as_usage_errors(tmp_path / "ckpt"):
+                dcp.load(other, checkpoint_id=tmp_path / "ckpt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_region_timer_adds_up_regions_on_cpu():
+    import time
+
+    from distkit.harness import RegionTimer
+
+    timer = RegionTimer(torch.device("cpu"))
+    begin = time.perf_counter()
+    for _ in range(3):
+        with timer.region():
+            time.sleep(0.01)
+    time.sleep(0.05)  # outside any region: must not be counted
+    wall = time.perf_counter() - begin
+    # Bounds that hold on a loaded machine too: at least the slept time, and never the excluded sleep.
+    assert 0.03 <= timer.total_s <= wall - 0.05
+    timer.reset()
+    assert timer.total_s == 0.0

@@ -64,3 +64,66 @@ def test_ddp_mnist_runs_with_one_and_two_processes(nproc, tmp_path):
     (record,) = read_records(tmp_path / "r.jsonl")
     assert record["world_size"] == nproc
     assert torch.load(tmp_path / "m.pt", weights_only=True)["world_size"] == nproc
+
+
+# ---- GPU suite (pytest -m gpu): the same first command on the GPUs the machine has ----------------
+
+@pytest.mark.gpu
+def test_ddp_mnist_on_one_gpu_with_nccl(tmp_path):
+    """`python ddp_mnist.py` on a GPU host picks NCCL on cuda:0 by itself; the epoch totals and the
+    test counts (all-reduced) must live on the GPU, which is what crashed before."""
+    from launch import job_env, require_gpus
+
+    require_gpus(1)
+    results = tmp_path / "r.jsonl"
+    run = python(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--epochs", "2",
+                 "--results", results, "--checkpoint", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
+                 env=job_env(tmp_path, gpu=True), timeout=600)
+    assert "world size 1 | backend nccl (cuda)" in run.stdout, run.stdout[-2000:]
+    accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", run.stdout).group(1))
+    assert accuracy >= 85.0, run.stdout[-2000:]  # 2 epochs on the 4k offline sample, one rank
+    (record,) = read_records(results)
+    assert (record["backend"], record["device"]) == ("nccl", "cuda")
+    assert record["machine"]["gpu_count"] >= 1 and record["machine"]["device_name"]
+    metrics = record["metrics"]
+    assert metrics["peak_memory_kind"] == "cuda_max_allocated"
+    param_bytes = sum(p.numel() for p in MnistCNN().parameters()) * 4
+    (state,) = metrics["model_state_bytes_per_rank"]
+    assert state == {"params": param_bytes, "grads": param_bytes, "optimizer": 2 * param_bytes}
+    (peak,) = metrics["peak_memory_bytes_per_rank"]
+    # At least the model state (params + grads + 2 Adadelta buffers), and activations of a 64-image
+    # batch of a small CNN stay far below 1 GiB: a leak or a wrong counter lands outside.
+    assert 4 * param_bytes <= peak < 2**30, peak
+    assert metrics["samples_per_s"] > 0
+    assert torch.load(tmp_path / "m.pt", weights_only=True, map_location="cpu")["world_size"] == 1
+
+
+@pytest.mark.gpu
+def test_ddp_mnist_on_four_gpus_with_nccl(tmp_path):
+    """The README's first command on a 4-GPU node (needs one GPU per rank: NCCL cannot share one)."""
+    from launch import job_env, require_gpus
+
+    require_gpus(4, "one GPU per rank")
+    results = tmp_path / "r.jsonl"
+    run = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--results", results,
+                   "--checkpoint", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
+                   nproc=4, env=job_env(tmp_path, gpu=True), timeout=600)
+    assert "world size 4 | backend nccl (cuda)" in run.stdout
+    accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", run.stdout).group(1))
+    assert accuracy >= 90.0, run.stdout[-2000:]
+    (record,) = read_records(results)
+    grad_bytes = sum(p.numel() for p in MnistCNN().parameters()) * 4
+    for per_rank in record["metrics"]["comm_per_step_per_rank"]:
+        assert per_rank["all_reduce"]["bytes"] == grad_bytes
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_with_nccl_is_one_line(tmp_path):
+    """--backend nccl with one rank more than the GPUs present: one error line, no hang."""
+    from launch import assert_one_line_error, gpu_count, job_env, require_gpus
+
+    require_gpus(1)
+    ranks = gpu_count() + 1
+    result = torchrun(SCRIPT, "--backend", "nccl", "--offline", "--data-dir", tmp_path / "data",
+                      nproc=ranks, env=job_env(tmp_path, gpu=True), check=False, timeout=180)
+    assert_one_line_error(result, f"{ranks} local ranks need {ranks} GPUs")
