@@ -21,15 +21,18 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
+from fsdp_common import model_config_or_error
 
 SHOWN = ["tok_emb.weight", "blocks.0.attn.q_proj.weight", "blocks.0.ln_1.weight", "lm_head.weight"]
 
@@ -39,22 +42,20 @@ def parse_args(argv=None):
         description="Shard the small GPT with FSDP2 fully_shard, show each rank's shards, trace one "
                     "step's all-gathers and reduce-scatters, then train.",
         epilog="example: torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py --steps 200")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: 200)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--log-every", type=int, default=50, help="log the loss every N steps (default: 50)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                        help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--log-every", type=positive_int, default=50,
+                        help="log the loss every N steps (default: 50)")
     parser.add_argument("--results", default="runs/fsdp_basics.jsonl",
                         help="the harness appends one JSON record here (default: runs/fsdp_basics.jsonl)")
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    cfg = gpt_config_from_args(args)
-    if cfg.n_embd % cfg.n_head:
-        parser.error(f"the width {cfg.n_embd} must be divisible by the head count {cfg.n_head}")
-    if args.steps < 1 or args.global_batch_size < 1:
-        parser.error("--steps and --global-batch-size must be at least 1")
+    model_config_or_error(parser, args)
     return args
 
 
@@ -150,12 +151,17 @@ def shard_trace_and_train(args, ctx):
     model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
 
+    # The ranks FSDP shards over, on the device this job computes on. Passed explicitly: without
+    # a mesh, fully_shard builds one for the host's accelerator (CUDA on any GPU machine), which
+    # would move a `--device cpu` job's parameters to a GPU, or send rank 5 of 8 CPU ranks on a
+    # 4-GPU host to a GPU that does not exist.
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
     # Bottom-up: each block becomes one FSDP unit (one all-gather, one reduce-scatter); the root
     # call takes what is left (embeddings, final norm, LM head). Parameters become DTensors
     # sharded on dim 0, and each rank frees the rows it does not own.
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
     params = dict(model.named_parameters())
     lines = []

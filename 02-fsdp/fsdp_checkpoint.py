@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import tempfile
 import time
 
 import torch
@@ -24,13 +26,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.checkpoint import atomic_save, safe_load
+from distkit.checkpoint import (atomic_save, dcp_errors_as_usage_errors, remove_stale_temporaries,
+                                safe_load)
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
+from fsdp_common import model_config_or_error
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -40,9 +46,9 @@ def parse_args(argv=None):
         description="Train the small GPT with FSDP2, save a full and a sharded (DCP) checkpoint, and "
                     "resume from either, on any number of ranks.",
         epilog="example: torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume dcp")
-    parser.add_argument("--steps", type=int, default=100,
-                        help="train until this global step (a resumed run continues from the saved step) "
-                             "(default: 100)")
+    parser.add_argument("--steps", type=non_negative_int, default=100,
+                        help="train until this global step (a resumed run continues from the saved step; "
+                             "0 saves the initial model) (default: 100)")
     parser.add_argument("--resume", choices=["none", "dcp", "full"], default="none",
                         help="start from the sharded (dcp) or the full checkpoint (default: none)")
     parser.add_argument("--save", choices=["both", "dcp", "full", "none"], default="both",
@@ -53,38 +59,74 @@ def parse_args(argv=None):
                         help="file of the full checkpoint (default: checkpoints/fsdp_full.pt)")
     parser.add_argument("--dump-loaded", default=None, metavar="PATH",
                         help="rank 0 saves the full model state right after loading (to check a resume)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--log-every", type=int, default=25, help="log the loss every N steps (default: 25)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--log-every", type=positive_int, default=25,
+                        help="log the loss every N steps (default: 25)")
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    cfg = gpt_config_from_args(args)
-    if cfg.n_embd % cfg.n_head:
-        parser.error(f"the width {cfg.n_embd} must be divisible by the head count {cfg.n_head}")
-    if args.steps < 0 or args.global_batch_size < 1:
-        parser.error("--steps must be >= 0 and --global-batch-size >= 1")
+    model_config_or_error(parser, args)
     return args
 
 
-def load_dcp(model, optimizer, folder):
-    """Read a sharded checkpoint into this job's shards, whatever world size wrote it."""
+def read_trainer_state(folder, cfg):
+    """The step (and who saved it) from a DCP folder's trainer_state.json, checked against this model."""
     meta_path = os.path.join(folder, "trainer_state.json")
     if not os.path.exists(meta_path):  # written last: its absence means no (complete) checkpoint
-        raise UsageError(f"no complete DCP checkpoint in {folder} (trainer_state.json is missing)")
-    with open(meta_path) as f:
-        meta = json.load(f)
+        hint = (f"; a save interrupted while swapping folders left the previous one in {folder}.old"
+                if os.path.exists(os.path.join(f"{folder}.old", "trainer_state.json")) else "")
+        raise UsageError(f"no complete DCP checkpoint in {folder} (trainer_state.json is missing){hint}")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON (a damaged or foreign file)
+        raise UsageError(f"{meta_path} is unreadable ({type(exc).__name__}: {exc})") from None
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"{meta_path} is not trainer state of fsdp_checkpoint.py (no valid 'step')")
+    saved_model = meta.get("model")
+    if saved_model is not None and saved_model != cfg.to_dict():
+        differing = sorted(k for k in set(saved_model) | set(cfg.to_dict())
+                           if saved_model.get(k) != cfg.to_dict().get(k))
+        detail = ", ".join(f"{k} {saved_model.get(k)} there, {cfg.to_dict().get(k)} here" for k in differing[:3])
+        raise UsageError(f"DCP checkpoint {folder} is from a different model ({detail})")
+    return meta
+
+
+def load_dcp(model, optimizer, folder, cfg):
+    """Read a sharded checkpoint into this job's shards, whatever world size wrote it."""
+    meta = read_trainer_state(folder, cfg)  # every rank reads it, so every rank fails alike
     # get_state_dict gives the *sharded* layout of this job; dcp.load fills it in place from files
     # that may have been cut for another world size.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    try:
+    # A checkpoint that does not fit (saved by another model before trainer_state.json named the
+    # model, or a missing or damaged shard file) fails on every rank inside dcp.load with a
+    # CheckpointException, a BaseException that `except Exception` would let through as a wall of
+    # tracebacks.
+    with dcp_errors_as_usage_errors(folder):
         dcp.load(state, checkpoint_id=folder)
-    except Exception as exc:  # noqa: BLE001 - another model's checkpoint, missing shard files
-        raise UsageError(f"cannot load DCP checkpoint {folder}: {str(exc).splitlines()[0][:200]}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta
+
+
+def check_full_checkpoint(ckpt, model, path):
+    """Raise a UsageError unless ``ckpt`` is a full checkpoint of this script for this model."""
+    if not isinstance(ckpt, dict) or not {"model", "optim", "step"} <= set(ckpt):
+        raise UsageError(f"{path} is not a checkpoint of fsdp_checkpoint.py")
+    step = ckpt["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"{path} is not a checkpoint of fsdp_checkpoint.py (step {step!r})")
+    if not isinstance(ckpt["model"], dict) or not isinstance(ckpt["optim"], dict) or not all(
+            isinstance(t, torch.Tensor) for t in ckpt["model"].values()):
+        raise UsageError(f"{path} is not a checkpoint of fsdp_checkpoint.py (model/optim are not state dicts)")
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # global shapes
+    found = {name: tuple(t.shape) for name, t in ckpt["model"].items()}
+    if found != expected:
+        differing = sorted(set(found) ^ set(expected)) or sorted(k for k in found if found[k] != expected[k])
+        raise UsageError(f"full checkpoint {path} is from a different model (differs at {differing[:3]})")
 
 
 def load_full(model, optimizer, path, ctx):
@@ -96,29 +138,26 @@ def load_full(model, optimizer, path, ctx):
     ckpt = {"model": {}, "optim": {}}
     if ctx.is_main:
         try:
-            ckpt = safe_load(path)
-            if not isinstance(ckpt, dict) or not {"model", "optim", "step"} <= set(ckpt):
-                raise UsageError(f"{path} is not a checkpoint of fsdp_checkpoint.py")
-            expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # global shapes
-            found = {name: tuple(t.shape) for name, t in ckpt["model"].items()}
-            if found != expected:
-                differing = sorted(set(found) ^ set(expected)) or sorted(k for k in found if found[k] != expected[k])
-                raise UsageError(f"full checkpoint {path} is from a different model (differs at {differing[:3]})")
+            ckpt = safe_load(path)  # to CPU memory: a full checkpoint may not fit on one GPU
+            check_full_checkpoint(ckpt, model, path)
             verdict[1] = ckpt["step"]
         except UsageError as exc:
             verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=0)
+    # broadcast_object_list pickles into a tensor on `device`: this rank's GPU under NCCL.
+    dist.broadcast_object_list(verdict, src=0, device=ctx.device)
     if verdict[0]:
         raise UsageError(verdict[0])
     # Two calls, not set_state_dict: given an empty model dict (ranks != 0), set_state_dict would
     # treat the call as optimizer-only on those ranks and skip the model broadcast rank 0 is in.
+    # Rank 0's tensors are on the CPU; torch copies each one to the device of the model's (or the
+    # optimizer's) shards before broadcasting it, so NCCL gets GPU tensors.
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, ckpt["model"], options=from_rank0)
     set_optimizer_state_dict(model, optimizer, ckpt["optim"], options=from_rank0)
     return {"step": int(verdict[1])}
 
 
-def save_dcp(model, optimizer, folder, step, ctx):
+def save_dcp(model, optimizer, folder, step, cfg, ctx):
     """Every rank writes its own shards in parallel into a fresh folder; rank 0 then swaps it in.
 
     Writing beside the old checkpoint and renaming at the end means a crash mid-save leaves the
@@ -131,7 +170,8 @@ def save_dcp(model, optimizer, folder, step, ctx):
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
     if ctx.is_main:  # dcp.save returns on every rank once all shards and the metadata are written
-        atomic_save_json({"step": step, "world_size": ctx.world_size},
+        # Recording the model's shape lets a resume name the difference before DCP reads a byte.
+        atomic_save_json({"step": step, "world_size": ctx.world_size, "model": cfg.to_dict()},
                          os.path.join(staging, "trainer_state.json"))
         shutil.rmtree(f"{folder}.old", ignore_errors=True)
         if os.path.exists(folder):
@@ -143,16 +183,31 @@ def save_dcp(model, optimizer, folder, step, ctx):
 
 def save_full(model, optimizer, path, step, ctx):
     """All-gather every shard (collective), offload to CPU; rank 0 alone writes one file."""
+    # cpu_offload=True: each gathered tensor moves to CPU memory at once, on rank 0 only (the others
+    # get an empty dict), so neither a GPU nor the other ranks ever hold the whole model.
     model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
     if ctx.is_main:
         atomic_save({"model": model_state, "optim": optim_state, "step": step}, path)
 
 
 def atomic_save_json(obj, path):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    """Write JSON to a unique temporary file beside ``path``, fsync, then rename it over ``path``.
+
+    The temporary is named like distkit.checkpoint.atomic_save's (``<name>.tmp.<host>.<pid>.<random>``),
+    so two writers never share one, and remove_stale_temporaries can tell a killed writer's leftover.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{name}.tmp.{socket.gethostname()}.{os.getpid()}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def folder_bytes(folder):
@@ -172,16 +227,26 @@ def train_and_checkpoint(args, ctx):
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"{ctx.world_size} ranks")
     cfg = gpt_config_from_args(args)
+    if ctx.is_main:  # leftovers of writers killed mid-save (their PIDs are in the names)
+        folders = {os.path.dirname(os.path.abspath(p)) for p in (args.full_checkpoint, args.dump_loaded) if p}
+        removed = [path for folder in sorted(folders | {args.dcp_dir})
+                   for path in remove_stale_temporaries(folder)]
+        if removed:
+            log.info(f"removed {len(removed)} temporary file(s) left by an interrupted save: "
+                     f"{', '.join(p.name for p in removed[:3])}")
     model = TinyGPT(cfg).to(ctx.device)
+    # An explicit mesh on this job's device type: fully_shard's default mesh would use the host's
+    # accelerator whatever --device says (CUDA on any GPU host).
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start_step = 0
     if args.resume != "none":
         t0 = time.perf_counter()
-        meta = (load_dcp(model, optimizer, args.dcp_dir) if args.resume == "dcp"
+        meta = (load_dcp(model, optimizer, args.dcp_dir, cfg) if args.resume == "dcp"
                 else load_full(model, optimizer, args.full_checkpoint, ctx))
         start_step = meta["step"]
         saved_by = f" (saved by {meta['world_size']} ranks)" if "world_size" in meta else ""
@@ -209,7 +274,7 @@ def train_and_checkpoint(args, ctx):
     end_step = max(start_step, args.steps)
     if args.save in ("both", "dcp"):
         t0 = time.perf_counter()
-        save_dcp(model, optimizer, args.dcp_dir, end_step, ctx)
+        save_dcp(model, optimizer, args.dcp_dir, end_step, cfg, ctx)
         if ctx.is_main:
             files = sorted(os.listdir(args.dcp_dir))
             log.info(f"sharded DCP checkpoint: {args.dcp_dir} | {len(files)} files "

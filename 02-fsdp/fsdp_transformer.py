@@ -30,10 +30,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.harness import Harness, reset_peak_rss
+from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
+from fsdp_common import model_config_or_error
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
@@ -48,7 +50,7 @@ def parse_args(argv=None):
                "--sharding full_shard hybrid_shard --steps 50")
     parser.add_argument("--sharding", nargs="+", choices=STRATEGIES, default=["full_shard"],
                         help="strategies to train one after another (default: full_shard)")
-    parser.add_argument("--hsdp-shard-size", type=int, default=2,
+    parser.add_argument("--hsdp-shard-size", type=positive_int, default=2,
                         help="hybrid_shard: ranks per shard group; replicas = world / this (default: 2)")
     parser.add_argument("--wrap", choices=["block", "root"], default="block",
                         help="block: each transformer block is its own FSDP unit, then the root; "
@@ -59,12 +61,15 @@ def parse_args(argv=None):
                         help="recompute each block's activations in backward instead of storing them")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep sharded params, grads and optimizer state in CPU memory (CPUOffloadPolicy)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per strategy (default: 200)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=200,
+                        help="optimizer steps per strategy (default: 200)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--log-every", type=int, default=50, help="log the loss every N steps (default: 50)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                        help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--log-every", type=positive_int, default=50,
+                        help="log the loss every N steps (default: 50)")
     parser.add_argument("--results", default="runs/fsdp_transformer.jsonl",
                         help="harness records are appended here (default: runs/fsdp_transformer.jsonl)")
     parser.add_argument("--save-params", default=None, metavar="DIR",
@@ -72,25 +77,35 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    cfg = gpt_config_from_args(args)
-    if cfg.n_embd % cfg.n_head:
-        parser.error(f"the width {cfg.n_embd} must be divisible by the head count {cfg.n_head}")
-    if args.steps < 1 or args.global_batch_size < 1 or args.hsdp_shard_size < 1:
-        parser.error("--steps, --global-batch-size and --hsdp-shard-size must be at least 1")
+    model_config_or_error(parser, args)
     return args
 
 
-def build_mesh(strategy, ctx, hsdp_shard_size):
-    """The device mesh FSDP2 shards over. 2D meshes are (replicate, shard): HSDP and NO_SHARD."""
+def mesh_shape(strategy, ctx, hsdp_shard_size):
+    """The shape of the device mesh FSDP2 shards over. 2D meshes are (replicate, shard): HSDP and
+    NO_SHARD."""
     if strategy == "hybrid_shard":
         if ctx.world_size % hsdp_shard_size:
             raise UsageError(f"--hsdp-shard-size {hsdp_shard_size} does not divide the world size "
                              f"{ctx.world_size}")
-        return init_device_mesh(ctx.device.type, (ctx.world_size // hsdp_shard_size, hsdp_shard_size),
-                                mesh_dim_names=("replicate", "shard"))
+        return (ctx.world_size // hsdp_shard_size, hsdp_shard_size)
     if strategy == "no_shard":  # shard groups of one rank: every rank keeps everything (DDP-like)
-        return init_device_mesh(ctx.device.type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+        return (ctx.world_size, 1)
+    return (ctx.world_size,)
+
+
+def build_mesh(shape, ctx, meshes):
+    """The mesh of ``shape`` on this job's device type, built once per launch.
+
+    Always on ``ctx.device.type`` (never fully_shard's default mesh, which takes the host's
+    accelerator whatever --device says). Kept in ``meshes`` because every 2D mesh creates process
+    groups (NCCL communicators with their own GPU buffers), and strategies run one after another
+    would otherwise create a fresh set each.
+    """
+    if shape not in meshes:
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        meshes[shape] = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    return meshes[shape]
 
 
 def shard_model(model, strategy, mesh, args, ctx):
@@ -123,6 +138,9 @@ def predicted_bytes(model, strategy, args, world_size):
     params and grads and 2P/s for AdamW's two moments. Communication payloads per step:
     all-gather = P (x2 for units resharded after forward: gathered in forward and again in
     backward), reduce-scatter = P, all-reduce across replicas = P/s; DDP all-reduces P.
+    A group of one rank still counts as a call: FSDP2 skips all-gather and reduce-scatter when the
+    shard group is one rank, but all-reduces over a 2D mesh's replicate dim whatever its size, and
+    DDP all-reduces even alone (payload counted, 0 bytes on the wire).
     """
     if strategy == "ddp":
         shards, replicas = 1, world_size
@@ -145,16 +163,19 @@ def predicted_bytes(model, strategy, args, world_size):
         gathers += sum(padded_numel(p.shape, shards) for p in root_unit)
         comm["all_gather"] = gathers * gather_bytes
         comm["reduce_scatter"] = padded * 4
-    if replicas > 1:
+    if strategy in ("ddp", "no_shard", "hybrid_shard"):
         comm["all_reduce"] = padded // shards * 4
     return {"params": state, "grads": state, "optimizer": 2 * state, "comm_bytes": comm,
             "shard_group_size": shards, "replicas": replicas}
 
 
-def train_one(strategy, args, ctx, task, cfg, log):
+def train_one(strategy, args, ctx, task, cfg, log, meshes):
     """Build, wrap and train one configuration; returns the harness record (rank 0) or None."""
-    if ctx.device.type == "cpu":
-        reset_peak_rss()  # each configuration's peak, not the previous one's (GPU: the harness resets)
+    # Each configuration's peak, not the previous one's: the caller dropped the previous model and
+    # optimizer, but FSDP's hooks keep them in reference cycles until the garbage collector runs.
+    # Collect, hand cached GPU blocks back, then reset the peak (GPU: max_memory_allocated; CPU:
+    # peak RSS), before this configuration allocates anything.
+    fresh_memory_peak(ctx.device)
     torch.manual_seed(args.seed)  # identical initial weights in every configuration and on every rank
     model = TinyGPT(cfg).to(ctx.device)
     if args.activation_checkpointing:
@@ -164,9 +185,10 @@ def train_one(strategy, args, ctx, task, cfg, log):
     if strategy == "ddp":
         if args.mixed_precision != "fp32" or args.cpu_offload:
             raise UsageError("--mixed-precision bf16 and --cpu-offload are FSDP options; drop them for ddp")
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        model = DDP(model, device_ids=ctx.device_ids)
     else:
-        shard_model(model, strategy, build_mesh(strategy, ctx, args.hsdp_shard_size), args, ctx)
+        mesh = build_mesh(mesh_shape(strategy, ctx, args.hsdp_shard_size), ctx, meshes)
+        shard_model(model, strategy, mesh, args, ctx)
     # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     config = {"script": "fsdp_transformer", "model_size": args.model_size, "gpt": cfg.to_dict(),
@@ -196,7 +218,9 @@ def train_one(strategy, args, ctx, task, cfg, log):
             log.info(f"{strategy:>13} | step {step:4d} | loss {losses[-1][1]:.4f}")
 
     if args.save_params:
-        # Gathers every shard into full tensors on CPU (collective: all ranks call it).
+        # Gathers every shard into full tensors (collective: all ranks call it; a CPU-offloaded shard
+        # is first copied to the mesh's device, so NCCL sees GPU tensors) and moves each to CPU memory
+        # on rank 0 only: the file then loads anywhere, and no GPU holds the whole model.
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if ctx.is_main:
             atomic_save(full, os.path.join(args.save_params, f"{strategy}.pt"))
@@ -214,8 +238,11 @@ def main(argv=None):
         task = TokenTask(cfg, seed=args.seed)
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {args.model_size} GPT | "
                  f"global batch {args.global_batch_size} | {args.mixed_precision}")
+        meshes = {}
         for strategy in args.sharding:
-            record = train_one(strategy, args, ctx, task, cfg, log)
+            # train_one's model, optimizer and harness are gone once it returns (only the record,
+            # plain numbers, comes back); the next call collects them before measuring anew.
+            record = train_one(strategy, args, ctx, task, cfg, log, meshes)
             if ctx.is_main:
                 m, pred = record["metrics"], record["predicted"]
                 state = m["model_state_bytes_per_rank"][0]

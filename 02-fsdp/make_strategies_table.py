@@ -19,6 +19,12 @@ HERE = Path(__file__).resolve().parent
 START, END = "<!-- strategies-table:start -->", "<!-- strategies-table:end -->"
 ORDER = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard", "fsdp_hybrid_shard"]
 COLLECTIVES = ["all_gather", "reduce_scatter", "all_reduce"]
+# What the harness measured as "peak memory" (the record's peak_memory_kind) -> the column header.
+PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
+              "cuda_max_allocated": "peak GPU memory allocated MiB (max rank)"}
+# Config keys that differ between the strategies of one launch; every other key (and the device,
+# backend, world size) must match, or the table would set numbers of different runs side by side.
+PER_STRATEGY = {"sharding", "hsdp_shard_size", "param_count"}
 
 
 def parse_args():
@@ -40,13 +46,30 @@ def newest_per_strategy(path):
     if not os.path.exists(path):
         raise SystemExit(f"error: {path} does not exist; run 02-fsdp/fsdp_transformer.py --sharding ... "
                          f"--results {path} first")
-    latest = {}
-    for record in read_records(path):
-        if record.get("config", {}).get("script") == "fsdp_transformer":
-            latest[record["strategy"]] = record
-    if not latest:
+    records = [r for r in read_records(path) if r.get("config", {}).get("script") == "fsdp_transformer"]
+    if not records:
         raise SystemExit(f"error: no fsdp_transformer records in {path}")
+    # Only records of the same kind of run as the newest one: a results file that holds CPU and GPU
+    # runs (or other world sizes, models, precisions) must not mix them in one table.
+    newest = run_signature(records[-1])
+    latest = {}
+    for record in records:
+        if run_signature(record) == newest:
+            latest[record["strategy"]] = record
     return [latest[name] for name in ORDER if name in latest]
+
+
+def run_signature(record):
+    """What must be equal for two records to sit in one table."""
+    config = {k: v for k, v in record["config"].items() if k not in PER_STRATEGY}
+    return (record["device"], record["backend"], record["world_size"],
+            record["metrics"].get("peak_memory_kind"), sorted(config.items(), key=str))
+
+
+def peak_label(record):
+    """The peak-memory column's header for what this record measured (GPU allocator vs process RSS)."""
+    kind = record["metrics"].get("peak_memory_kind")
+    return PEAK_LABEL.get(kind, "peak memory MiB (max rank)")
 
 
 def kib(value):
@@ -72,7 +95,7 @@ def table(records):
         "communication is the payload per step (nccl-tests convention), bus = bytes each rank "
         "sends on the wire.",
         "",
-        "| strategy | mesh (replicas x shard) | params | grads | optimizer | peak RSS MiB (max rank) | "
+        f"| strategy | mesh (replicas x shard) | params | grads | optimizer | {peak_label(first)} | "
         "all-gather | reduce-scatter | all-reduce | bus KiB/step | bus vs DDP | step ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
