@@ -24,40 +24,61 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
+from distkit import (ArgumentParser, UsageError, add_runtime_args, choose_backend_and_device, distributed,
+                     run_main, seed_everything)
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES applied, so 0 when it hides them all), the
+    count each job's own backend choice will see. Creates no CUDA context."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as the reader would type it from here (relative when it is below the current folder)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def parse_args():
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     default_sizes = [n for n in (1, 2, 4, 8, 16) if n <= gpus] or [1, 2, 4]
     parser = ArgumentParser(
         description="Strong and weak scaling of DDP: one torchrun job per world size, harness "
                     "records, a table of throughput / speedup / efficiency, and a PNG plot.",
         epilog="example: python 01-ddp-basics/ddp_benchmark.py --world-sizes 1 2 4 --steps 12")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=default_sizes,
+    parser.add_argument("--world-sizes", type=positive_int, nargs="+", default=default_sizes,
                         help=f"world sizes to measure (default here: {' '.join(map(str, default_sizes))})")
     parser.add_argument("--model-size", choices=sorted(GPT_PRESETS), default="small",
                         help="transformer preset (default: small)")
-    parser.add_argument("--per-rank-batch", type=int, default=8,
+    parser.add_argument("--per-rank-batch", type=positive_int, default=8,
                         help="weak scaling: sequences per rank; strong scaling: the global batch is "
                              "this x the largest world size (default: 8)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per mode, warm-up included (default: 12)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed warm-up steps (default: 2)")
+    parser.add_argument("--steps", type=positive_int, default=12, help="steps per mode, warm-up included (default: 12)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/ddp_benchmark.jsonl",
                         help="harness records are appended here (default: runs/ddp_benchmark.jsonl)")
-    parser.add_argument("--plot", default="01-ddp-basics/ddp_scaling.png",
-                        help="where the PNG goes (default: 01-ddp-basics/ddp_scaling.png)")
-    parser.add_argument("--job-timeout-s", type=float, default=900,
+    parser.add_argument("--plot", default=str(HERE / "ddp_scaling.png"),
+                        help="where the PNG goes (default: ddp_scaling.png beside this script, from any folder)")
+    parser.add_argument("--job-timeout-s", type=positive_float, default=900,
                         help="give up on one world size's job after this long (default: 900)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the driver
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
     add_runtime_args(parser)
     args = parser.parse_args()
-    if min(args.world_sizes) < 1 or args.per_rank_batch < 1 or args.steps <= args.warmup_steps + 1:
-        parser.error("world sizes and --per-rank-batch must be >= 1, and --steps > --warmup-steps + 1")
+    if args.steps <= args.warmup_steps + 1:
+        parser.error(f"--steps {args.steps} must be > --warmup-steps + 1 = {args.warmup_steps + 1} "
+                     "(the harness needs timed steps)")
     return args
 
 
@@ -69,7 +90,7 @@ def measure(ctx, args, mode: str, log) -> None:
     if global_batch % ctx.world_size:
         raise UsageError(f"strong scaling: global batch {global_batch} does not divide by {ctx.world_size}")
     seed_everything(args.seed)
-    model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     param_count = sum(p.numel() for p in model.parameters())
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
@@ -162,9 +183,17 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def driver(args) -> None:
     args.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    # One backend and device for every world size, chosen for the largest: with "auto" each job
+    # would choose alone, and on a 2-GPU node a 1- and 2-rank NCCL job would be compared with a
+    # 4-rank gloo/CPU job in one table. Forcing NCCL with too few GPUs fails here, before any job;
+    # the table's title names the backend and device every job used.
+    args.backend, args.device = choose_backend_and_device(
+        args.backend, args.device, max(args.world_sizes), gpu_count=visible_gpus())
     for world_size in args.world_sizes:
         launch(args, world_size)
     records = [r for r in read_records(args.results) if r["config"].get("run_id") == args.run_id]
+    if {(r["backend"], r["device"]) for r in records} != {(args.backend, args.device)}:
+        raise UsageError(f"a job ran on another backend/device than {args.backend}/{args.device}")
     rows = summarize(records)
     machine = records[0]["machine"]["device_name"]
     print(f"\nDDP scaling, {args.model_size} model, {records[0]['backend']} on {machine} "
@@ -174,7 +203,7 @@ def driver(args) -> None:
         print(f"{r['mode']:<7}{r['ranks']:>6}{r['global_batch']:>14}{r['step_s']:>10.3f}"
               f"{r['tokens_per_s']:>11,.0f}{r['speedup']:>8.2f}x{100 * r['efficiency']:>11.0f}%")
     plot(rows, args.plot, f"DDP scaling: {args.model_size} model, {records[0]['backend']}, {machine}")
-    print(f"records: {args.results} (run {args.run_id}) | plot: {args.plot}")
+    print(f"records: {args.results} (run {args.run_id}) | plot: {shown_path(args.plot)}")
 
 
 if __name__ == "__main__":

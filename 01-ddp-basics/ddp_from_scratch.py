@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
+from distkit.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
@@ -36,28 +37,25 @@ def parse_args():
                     "all-reduce and average every gradient by hand. Launch with torchrun.",
         epilog="example: torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: 200)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per step over all ranks; each rank takes 1/world size (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--lr-warmup-steps", type=int, default=10,
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--lr-warmup-steps", type=non_negative_int, default=10,
                         help="linear LR warm-up, then cosine decay to 10%% (default: 10)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm (0 = off; default: 1.0)")
-    parser.add_argument("--bucket-mb", type=float, default=0.0,
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW weight decay (default: 0.01)")
+    parser.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="clip the gradient norm (0 = off; default: 1.0)")
+    parser.add_argument("--bucket-mb", type=non_negative_float, default=0.0,
                         help="0 = one all-reduce per parameter tensor (default); >0 = flatten gradients "
                              "into buckets of this many MiB first, as DDP does (but still after backward)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--log-every", type=int, default=20, help="log the loss every N steps (default: 20)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--log-every", type=positive_int, default=20, help="log the loss every N steps (default: 20)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="the harness appends this run's JSON record here (default: runs/results.jsonl)")
     parser.add_argument("--save", default="checkpoints/ddp_from_scratch.pt",
                         help="rank 0 saves the final model here (default: checkpoints/ddp_from_scratch.pt)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1 or args.global_batch_size < 1:
-        parser.error("--steps and --global-batch-size must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def broadcast_parameters(model: torch.nn.Module) -> None:

@@ -13,30 +13,35 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.flags import positive_float, positive_int
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
+    # GPUs this process may use (CUDA_VISIBLE_DEVICES applied; 0 when it hides them all), the same
+    # count distkit's backend choice sees in each worker. No CUDA context is created here.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     parser = ArgumentParser(description="DDP training started with torch.multiprocessing.spawn (no torchrun).",
                             epilog="example: python 01-ddp-basics/ddp_spawn.py --nproc 2 --steps 50")
-    parser.add_argument("--nproc", type=int, default=gpus or 4,
+    parser.add_argument("--nproc", type=positive_int, default=gpus or 4,
                         help=f"processes to spawn (default here: {gpus or 4}: one per GPU, else 4)")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
-    parser.add_argument("--global-batch-size", type=int, default=32, help="sequences per step, all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--steps", type=positive_int, default=100, help="optimizer steps (default: 100)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
+                        help="sequences per step, all ranks (default: 32)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     add_runtime_args(parser)
     args = parser.parse_args()
-    if args.nproc < 1 or args.global_batch_size % args.nproc:
-        parser.error(f"--nproc must be >= 1 and divide --global-batch-size {args.global_batch_size}")
+    if args.global_batch_size % args.nproc:
+        parser.error(f"--nproc {args.nproc} must divide --global-batch-size {args.global_batch_size}")
     return args
 
 
@@ -58,7 +63,7 @@ def train(args) -> None:
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
         cfg = gpt_config_from_args(args)
-        model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         task = TokenTask(cfg, seed=args.seed)
         log.info(f"spawned {ctx.world_size} processes | backend {ctx.backend} | {args.steps} steps")
@@ -78,5 +83,12 @@ if __name__ == "__main__":
     cli = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned CPU ranks share the cores
     # spawn (not fork): each rank starts a fresh interpreter, as CUDA requires. join=True waits and
-    # re-raises the first failure in the parent.
-    mp.spawn(worker, args=(cli, free_port()), nprocs=cli.nproc, join=True)
+    # raises in the parent when a worker fails; the worker has already printed its one error line
+    # (run_main), so the parent only passes its exit code on instead of adding a traceback.
+    try:
+        mp.spawn(worker, args=(cli, free_port()), nprocs=cli.nproc, join=True)
+    except mp.ProcessExitedException as exc:
+        sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as exc:  # a bug in a worker: keep its traceback, once
+        print(str(exc).strip(), file=sys.stderr)
+        sys.exit(1)

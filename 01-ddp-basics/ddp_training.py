@@ -38,14 +38,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.checkpoint import atomic_save, load_model_state, safe_load
+from distkit.checkpoint import (_temporary_prefix, atomic_save, load_model_state,
+                                remove_stale_temporaries, safe_load)
+from distkit.flags import check_value, non_negative_float, non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 
 
 def opt(default, help, **argparse_kwargs):
-    """A config field with its --help text (and argparse type/choices) next to its default."""
+    """A config field with its --help text and argparse type/choices next to its default. The type
+    (a range-checked one from distkit.flags for numbers) checks the flag and the config file alike."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -54,45 +57,50 @@ class TrainConfig:
     """Everything a run depends on. Flags override the config file, which overrides these defaults."""
 
     model_size: str = opt("small", "transformer size preset", choices=sorted(GPT_PRESETS))
-    n_layer: int | None = opt(None, "override the preset's layer count", type=int)
-    n_embd: int | None = opt(None, "override the preset's width", type=int)
-    n_head: int | None = opt(None, "override the preset's head count", type=int)
-    seq_len: int | None = opt(None, "override the preset's sequence length", type=int)
-    vocab_size: int | None = opt(None, "override the preset's vocabulary", type=int)
-    steps: int = opt(200, "optimizer steps in total")
-    global_batch_size: int = opt(32, "sequences per optimizer step, summed over all ranks and micro-batches")
-    grad_accum_steps: int = opt(1, "micro-batches per optimizer step; all but the last skip the all-reduce")
-    lr: float = opt(3e-3, "peak AdamW learning rate (before --lr-scaling)")
+    n_layer: int | None = opt(None, "override the preset's layer count", type=positive_int)
+    n_embd: int | None = opt(None, "override the preset's width", type=positive_int)
+    n_head: int | None = opt(None, "override the preset's head count", type=positive_int)
+    seq_len: int | None = opt(None, "override the preset's sequence length", type=positive_int)
+    vocab_size: int | None = opt(None, "override the preset's vocabulary", type=positive_int)
+    steps: int = opt(200, "optimizer steps in total", type=positive_int)
+    global_batch_size: int = opt(32, "sequences per optimizer step, summed over all ranks and micro-batches",
+                                 type=positive_int)
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step; all but the last skip the all-reduce",
+                                type=positive_int)
+    lr: float = opt(3e-3, "peak AdamW learning rate (before --lr-scaling)", type=positive_float)
     lr_scaling: str = opt("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
                           "(x sqrt(B/base)), base = --base-batch-size", choices=["none", "linear", "sqrt"])
-    base_batch_size: int = opt(32, "the global batch --lr was tuned for (used by --lr-scaling)")
-    lr_warmup_steps: int = opt(10, "linear LR warm-up steps, then cosine decay to 10%%")
-    weight_decay: float = opt(0.01, "AdamW weight decay")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
+    base_batch_size: int = opt(32, "the global batch --lr was tuned for (used by --lr-scaling)", type=positive_int)
+    lr_warmup_steps: int = opt(10, "linear LR warm-up steps, then cosine decay to 10%%", type=non_negative_int)
+    weight_decay: float = opt(0.01, "AdamW weight decay", type=non_negative_float)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", type=non_negative_float)
     precision: str = opt("fp32", "fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + GradScaler, GPU)",
                          choices=["fp32", "bf16", "fp16"])
     sync_batchnorm: bool = opt(False, "convert BatchNorm layers to SyncBatchNorm (statistics over the "
                                "global batch); the transformer uses LayerNorm, so it has none")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB: fewer, larger all-reduces vs "
-                               "earlier overlap with backward")
+                               "earlier overlap with backward", type=positive_float)
     static_graph: bool = opt(False, "tell DDP the set of used parameters never changes (enables optimisations)")
     find_unused_parameters: bool = opt(False, "let DDP handle parameters that get no gradient (costs a graph walk)")
     gradient_as_bucket_view: bool = opt(False, "gradients alias DDP's buckets (saves one gradient-sized copy)")
     checkpoint_dir: str = opt("checkpoints/ddp_training", "where checkpoints go")
-    checkpoint_every: int = opt(50, "save a checkpoint every N steps (and at the end)")
-    keep_checkpoints: int = opt(3, "how many recent checkpoints to keep")
-    resume: str = opt("auto", "auto = newest good checkpoint in --checkpoint-dir; none; or a checkpoint path")
-    log_every: int = opt(10, "log the loss every N steps")
-    log_dir: str = opt("runs/ddp_training", "per-rank log files (rank<N>.log) and rank 0's train.log")
+    checkpoint_every: int = opt(50, "save a checkpoint every N steps (and at the end)", type=positive_int)
+    keep_checkpoints: int = opt(3, "how many recent checkpoints to keep", type=positive_int)
+    resume: str = opt("auto", "auto = newest good checkpoint in --checkpoint-dir (an empty or unreadable "
+                      "one is skipped with a warning); none; or a checkpoint path (must load)")
+    log_every: int = opt(10, "log the loss every N steps", type=positive_int)
+    log_dir: str = opt("runs/ddp_training", "per-rank log files (rank<N>.log), rank 0's train.log and "
+                       "every rank's milestone timestamps (events.jsonl)")
     results: str = opt("runs/results.jsonl", "the harness appends this run's JSON record here")
-    warmup_steps: int = opt(2, "untimed harness warm-up steps before measuring")
-    num_sequences: int = opt(4096, "sequences in the token task (one epoch)")
+    warmup_steps: int = opt(2, "untimed harness warm-up steps before measuring", type=non_negative_int)
+    num_sequences: int = opt(4096, "sequences in the token task (one epoch; at least --global-batch-size)",
+                             type=positive_int)
     crash_at_step: int | None = opt(None, "fault injection: --crash-rank SIGKILLs itself at this step "
-                                    "(first attempt only, so a torchrun restart succeeds)", type=int)
-    crash_rank: int = opt(0, "which rank --crash-at-step kills")
+                                    "(first attempt only, so a torchrun restart succeeds)", type=non_negative_int)
+    crash_rank: int = opt(0, "which rank --crash-at-step kills", type=non_negative_int)
     crash_in_checkpoint_at_step: int | None = opt(
         None, "fault injection: rank 0 dies half-way through writing this step's checkpoint "
-        "(first attempt only)", type=int)
+        "(first attempt only)", type=positive_int)
 
 
 def parse_cli() -> argparse.Namespace:
@@ -110,10 +118,31 @@ def parse_cli() -> argparse.Namespace:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text,
                                default=argparse.SUPPRESS)
         else:
-            meta.setdefault("type", type(f.default))
+            meta.setdefault("type", type(f.default))  # str fields; numbers name a distkit.flags type
             group.add_argument(flag, help=text, default=argparse.SUPPRESS, **meta)
     add_runtime_args(parser)
     return parser.parse_args()
+
+
+def config_file_value(f, value, source: str):
+    """One value from the config file, checked like its flag: type, range and choices."""
+    if value is None and f.default is None:
+        return None
+    if isinstance(f.default, bool):
+        if not isinstance(value, bool):
+            raise UsageError(f"{source}: '{f.name}' must be true or false, got {value!r}")
+        return value
+    kind = f.metadata.get("type", type(f.default))
+    if kind is str:
+        if not isinstance(value, str):
+            raise UsageError(f"{source}: '{f.name}' must be a string, got {value!r}")
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise UsageError(f"{source}: '{f.name}' must be one of {f.metadata['choices']}, got {value!r}")
+        return value
+    try:
+        return check_value(f.name, value, kind)
+    except UsageError as exc:
+        raise UsageError(f"{source}: {exc}") from None
 
 
 def build_config(cli: argparse.Namespace, world_size: int) -> TrainConfig:
@@ -133,22 +162,24 @@ def build_config(cli: argparse.Namespace, world_size: int) -> TrainConfig:
             if key not in known:
                 raise UsageError(f"config file {cli.config}: unknown key '{key}' "
                                  f"(known keys: {', '.join(known)})")
-            expected = known[key].metadata.get("type", type(known[key].default))
-            if value is not None and expected is float and isinstance(value, int):
-                value = float(value)
-            if value is not None and not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
-                raise UsageError(f"config file {cli.config}: '{key}' must be {expected.__name__}, got {value!r}")
-            values[key] = value
+            values[key] = config_file_value(known[key], value, f"config file {cli.config}")
+    # Flags were range-checked by argparse (their distkit.flags types) before any process group existed.
     values.update({f.name: getattr(cli, f.name) for f in fields(TrainConfig) if hasattr(cli, f.name)})
     cfg = TrainConfig(**values)
     per_step = world_size * cfg.grad_accum_steps
     if cfg.global_batch_size % per_step:
         raise UsageError(f"--global-batch-size {cfg.global_batch_size} must divide by world size x "
                          f"--grad-accum-steps = {per_step}")
-    if cfg.steps < 1 or cfg.checkpoint_every < 1 or cfg.grad_accum_steps < 1:
-        raise UsageError("--steps, --checkpoint-every and --grad-accum-steps must be at least 1")
-    if cfg.model_size not in GPT_PRESETS:
-        raise UsageError(f"model_size '{cfg.model_size}' is not one of {sorted(GPT_PRESETS)}")
+    if cfg.num_sequences < cfg.global_batch_size:
+        raise UsageError(f"--num-sequences {cfg.num_sequences} must be at least --global-batch-size "
+                         f"{cfg.global_batch_size} (an epoch holds at least one step)")
+    if cfg.crash_at_step is not None and cfg.crash_rank >= world_size:
+        raise UsageError(f"--crash-rank {cfg.crash_rank} is not a rank of this {world_size}-rank job")
+    gpt = gpt_config(cfg.model_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                     seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+    if gpt.n_embd % gpt.n_head:
+        raise UsageError(f"the model width {gpt.n_embd} (--n-embd) must divide by its head count "
+                         f"{gpt.n_head} (--n-head)")
     return cfg
 
 
@@ -182,23 +213,27 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 # ---- checkpoints: everything an exact resume needs, written atomically by rank 0 ----
 
-def rng_state() -> dict:
-    """This rank's random generators (numpy's key as a tensor so weights_only loading accepts it)."""
+def rng_state(device: torch.device) -> dict:
+    """This rank's random generators (numpy's key as a tensor so weights_only loading accepts it).
+
+    On CUDA only this rank's own GPU generator: ``get_rng_state_all()`` would make every rank create
+    a context on every GPU of the node (hundreds of MiB each, on GPUs that belong to other ranks).
+    """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def first_attempt() -> bool:
@@ -209,7 +244,7 @@ def first_attempt() -> bool:
 def save_checkpoint(cfg, ctx, log, step, model, optimizer, scheduler, scaler, losses) -> None:
     """Every rank contributes its RNG state; rank 0 writes one file (the replicas are identical)."""
     rngs = [None] * ctx.world_size
-    dist.all_gather_object(rngs, rng_state())
+    dist.all_gather_object(rngs, rng_state(ctx.device))
     if not ctx.is_main:
         return
     steps_per_epoch = cfg.num_sequences // cfg.global_batch_size
@@ -223,10 +258,11 @@ def save_checkpoint(cfg, ctx, log, step, model, optimizer, scheduler, scaler, lo
              "loss_history": losses}
     path = Path(cfg.checkpoint_dir) / f"step_{step:06d}.pt"
     if cfg.crash_in_checkpoint_at_step == step and first_attempt():
-        # Simulate a crash mid-write, the way atomic_save writes: half a temp file, then death.
+        # Simulate a crash mid-write, the way atomic_save writes: half a temp file (named like
+        # atomic_save's, with this host and PID, so the next start can tell its writer is dead).
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path.name))
         os.write(fd, buffer.getvalue()[: len(buffer.getvalue()) // 2])
         os.fsync(fd)
         log.warning(f"fault injection: rank 0 killed while writing {tmp}")
@@ -238,19 +274,25 @@ def save_checkpoint(cfg, ctx, log, step, model, optimizer, scheduler, scaler, lo
 
 
 def find_resume_checkpoint(cfg: TrainConfig, log) -> str | None:
-    """Rank 0: the checkpoint to resume from. ``auto`` skips unreadable files (a torn copy from
-    outside this script); temp files from an interrupted save never match ``step_*.pt``."""
+    """Rank 0: the checkpoint to resume from.
+
+    ``auto`` skips an empty or unreadable ``step_*.pt`` with a warning and takes the next older one:
+    under ``torchrun --max-restarts`` every restart runs this same code, so an error here would
+    fail every restart the same way. (Temporaries of an interrupted save never match ``step_*.pt``;
+    an empty or torn file under the real name comes from outside, e.g. a copy or a full disk.)
+    An explicit ``--resume PATH`` must load, else one error line.
+    """
     if cfg.resume == "none":
         return None
     if cfg.resume != "auto":
-        safe_load(cfg.resume)  # an explicit path must load: else one error line
+        safe_load(cfg.resume)
         return cfg.resume
     for path in sorted(Path(cfg.checkpoint_dir).glob("step_*.pt"), reverse=True):
         try:
             safe_load(path)
             return str(path)
         except UsageError as exc:
-            log.warning(f"skipping {exc}")
+            log.warning(f"skipping {exc}; trying an older checkpoint")
     return None
 
 
@@ -258,6 +300,10 @@ def resume(cfg, ctx, log, model, optimizer, scheduler, scaler) -> tuple[int, lis
     """Restore every piece of state; returns (next step, loss history)."""
     path = [None]
     if ctx.is_main:  # rank 0 decides; an error travels to every rank instead of leaving them waiting
+        # A save killed mid-write leaves a torn temporary behind; remove those whose writer is gone
+        # (before this run's first save, so never one of ours).
+        for stale in remove_stale_temporaries(cfg.checkpoint_dir):
+            log.warning(f"removed {stale}: a temporary file left by a save that was killed mid-write")
         try:
             path[0] = find_resume_checkpoint(cfg, log)
         except UsageError as exc:
@@ -273,7 +319,7 @@ def resume(cfg, ctx, log, model, optimizer, scheduler, scaler) -> tuple[int, lis
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     if state["world_size"] == ctx.world_size:
-        set_rng_state(state["rng_per_rank"][ctx.rank])
+        set_rng_state(state["rng_per_rank"][ctx.rank], ctx.device)
     else:
         log.warning(f"checkpoint was written by {state['world_size']} ranks, now {ctx.world_size}: "
                     "RNG streams restart from the seed")
@@ -282,11 +328,49 @@ def resume(cfg, ctx, log, model, optimizer, scheduler, scaler) -> tuple[int, lis
     return state["step"], list(state["loss_history"])
 
 
-def train(cli: argparse.Namespace) -> None:
+# ---- milestone timestamps, so a restart's recovery time can be measured phase by phase ----
+
+def process_start_time() -> float | None:
+    """When the OS created this process (Unix time, ~10 ms resolution), from Linux's /proc; else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Events:
+    """Appends ``{"event", "rank", "attempt", "t"}`` JSON lines to ``<log_dir>/events.jsonl``.
+
+    ``attempt`` is torchrun's restart count. ``recovery_report.py`` turns a crashed run's events
+    into recovery phases (detection, restart, rendezvous, checkpoint load, first step).
+    """
+
+    def __init__(self, log_dir: str, rank: int):
+        self.path, self.rank = Path(log_dir) / "events.jsonl", rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def __call__(self, event: str, t: float | None = None) -> None:
+        line = json.dumps({"event": event, "rank": self.rank, "attempt": self.attempt,
+                           "t": time.time() if t is None else t})
+        with open(self.path, "a") as f:  # one short append per line: ranks do not interleave
+            f.write(line + "\n")
+
+
+def train(cli: argparse.Namespace, started_at: float) -> None:
     wall_start = time.perf_counter()
     with distributed(cli) as ctx:
+        group_ready_at = time.time()
         cfg = share_config(cli, ctx)
         log = setup_logging(ctx.rank, os.path.join(cfg.log_dir, "train.log"), per_rank_dir=cfg.log_dir)
+        events = Events(cfg.log_dir, ctx.rank)
+        if process_start_time() is not None:
+            events("process_start", process_start_time())
+        events("main_entry", started_at)  # interpreter up, torch imported
+        events("process_group_ready", group_ready_at)
         gpt = gpt_config(cfg.model_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                          seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
         if cfg.precision == "fp16" and ctx.device.type != "cuda":
@@ -299,7 +383,7 @@ def train(cli: argparse.Namespace) -> None:
         model = TinyGPT(gpt).to(ctx.device)  # same seed on every rank; DDP broadcasts rank 0's anyway
         if cfg.sync_batchnorm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        model = DDP(model, device_ids=ctx.device_ids,
                     bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
                     find_unused_parameters=cfg.find_unused_parameters,
                     gradient_as_bucket_view=cfg.gradient_as_bucket_view)
@@ -310,7 +394,9 @@ def train(cli: argparse.Namespace) -> None:
         autocast = (nullcontext() if cfg.precision == "fp32" else torch.autocast(
             ctx.device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16))
 
+        events("model_ready")
         start_step, losses = resume(cfg, ctx, log, model, optimizer, scheduler, scaler)
+        events("checkpoint_loaded")
         param_count = sum(p.numel() for p in model.parameters())
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=cfg.warmup_steps,
                           config={"script": "ddp_training", "model_size": cfg.model_size,
@@ -321,37 +407,44 @@ def train(cli: argparse.Namespace) -> None:
                                   "model": gpt.to_dict()})
         task = TokenTask(gpt, num_sequences=cfg.num_sequences, seed=cli.seed)
 
-        for step in progress(range(start_step, cfg.steps), ctx.rank, initial=start_step,
-                             total=cfg.steps, desc="train"):
-            if cfg.crash_at_step == step and ctx.rank == cfg.crash_rank and first_attempt():
-                log.warning(f"fault injection: rank {ctx.rank} sends itself SIGKILL at step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
-            inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size)
-                               for t in task.global_batch(step, cfg.global_batch_size))
-            step_loss = torch.zeros((), device=ctx.device)
-            with harness.step(samples=cfg.global_batch_size, tokens=cfg.global_batch_size * gpt.seq_len):
-                optimizer.zero_grad(set_to_none=True)
-                chunks = list(zip(inputs.chunk(cfg.grad_accum_steps), targets.chunk(cfg.grad_accum_steps)))
-                for i, (x, y) in enumerate(chunks):
-                    # no_sync: accumulate locally; only the last micro-batch's backward all-reduces.
-                    with nullcontext() if i == len(chunks) - 1 else model.no_sync():
-                        with autocast:
-                            loss = lm_loss(model(x.to(ctx.device)), y.to(ctx.device)) / len(chunks)
-                        scaler.scale(loss).backward()
-                    step_loss += loss.detach()
-                scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-            dist.all_reduce(step_loss)  # the job's mean loss, for logging (outside the measured step)
-            losses.append(step_loss.item() / ctx.world_size)
-            done = step + 1
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                log.info(f"step {done}/{cfg.steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e}")
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                save_checkpoint(cfg, ctx, log, done, model, optimizer, scheduler, scaler, losses)
+        try:
+            for step in progress(range(start_step, cfg.steps), ctx.rank, initial=start_step,
+                                 total=cfg.steps, desc="train"):
+                if cfg.crash_at_step == step and ctx.rank == cfg.crash_rank and first_attempt():
+                    log.warning(f"fault injection: rank {ctx.rank} sends itself SIGKILL at step {step}")
+                    events("fault_injected")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size)
+                                   for t in task.global_batch(step, cfg.global_batch_size))
+                step_loss = torch.zeros((), device=ctx.device)
+                with harness.step(samples=cfg.global_batch_size, tokens=cfg.global_batch_size * gpt.seq_len):
+                    optimizer.zero_grad(set_to_none=True)
+                    chunks = list(zip(inputs.chunk(cfg.grad_accum_steps), targets.chunk(cfg.grad_accum_steps)))
+                    for i, (x, y) in enumerate(chunks):
+                        # no_sync: accumulate locally; only the last micro-batch's backward all-reduces.
+                        with nullcontext() if i == len(chunks) - 1 else model.no_sync():
+                            with autocast:
+                                loss = lm_loss(model(x.to(ctx.device)), y.to(ctx.device)) / len(chunks)
+                            scaler.scale(loss).backward()
+                        step_loss += loss.detach()
+                    scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+                    if cfg.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    scheduler.step()
+                dist.all_reduce(step_loss)  # the job's mean loss, for logging (outside the measured step)
+                losses.append(step_loss.item() / ctx.world_size)
+                if step == start_step:
+                    events("first_step_done")
+                done = step + 1
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    log.info(f"step {done}/{cfg.steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e}")
+                if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                    save_checkpoint(cfg, ctx, log, done, model, optimizer, scheduler, scaler, losses)
+        except RuntimeError:  # a peer died or hung (the recovery measurement's "detection")
+            events("collective_failed")
+            raise
 
         if start_step >= cfg.steps:
             log.info(f"checkpoint already at step {start_step} >= --steps {cfg.steps}: nothing to train "
@@ -372,8 +465,9 @@ def train(cli: argparse.Namespace) -> None:
 
 @record  # an uncaught exception is written where torchrun reports it, naming the failing rank
 def main() -> None:
+    started_at = time.time()
     cli = parse_cli()
-    run_main(lambda: train(cli))
+    run_main(lambda: train(cli, started_at))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, run_main
+from distkit.flags import positive_int
 from distkit.runtime import init_distributed, launched_rank, shutdown_distributed
 
 ENV_PREFIXES = ("MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -44,7 +45,7 @@ def parse_args():
         description="Validate a distributed set-up: process group, device binding, backends, "
                     "collectives, GPU peer access. Prints PASS/FAIL per check; exits 1 on any FAIL.",
         epilog="example: torchrun --standalone --nproc_per_node=4 01-ddp-basics/validate_distributed.py")
-    parser.add_argument("--numel", type=int, default=1 << 16,
+    parser.add_argument("--numel", type=positive_int, default=1 << 16,
                         help="elements per tensor in the collective checks (default: 65536)")
     add_runtime_args(parser)
     return parser.parse_args()
