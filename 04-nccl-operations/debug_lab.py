@@ -11,7 +11,12 @@
 * ``missing-rank``: the last rank never reaches the all_reduce (stuck elsewhere). The process-group
   timeout ends the wait; ``monitored_barrier`` then names the missing rank.
 * ``crash``: the last rank dies in the middle of training. The survivors' next collective fails (the
-  peer's sockets closed) and torchrun stops the job with the dead rank's exit code.
+  peer's sockets closed, or the timeout fired) and torchrun stops the job with the dead rank's exit code.
+
+The failing collectives of ``missing-rank`` and ``crash`` run on the job's own backend with tensors on
+``ctx.device`` (NCCL and GPU tensors on a GPU job). ``mismatch`` and the roll call run on gloo side
+groups whatever the backend: a mismatched NCCL all_reduce can read past a buffer, and
+``monitored_barrier`` exists only on gloo.
 
 Every scenario exits non-zero on purpose. Each rank also writes ``rank<N>.log`` under ``--log-dir``:
 per-rank logs are the first thing to read when one rank misbehaves.
@@ -27,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distkit import ArgumentParser, add_runtime_args, distributed
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.logs import setup_logging
 
 SCENARIOS = ("mismatch", "missing-rank", "crash")
@@ -42,11 +47,20 @@ def parse_args():
     parser.add_argument("--scenario", choices=SCENARIOS, required=True, help="which failure to stage")
     parser.add_argument("--log-dir", default="runs/debug_lab", help="per-rank logs go here (default: runs/debug_lab)")
     add_runtime_args(parser)
-    parser.set_defaults(timeout_s=LAB_TIMEOUT_S)  # a lab should fail in seconds, not in 5 minutes
-    args = parser.parse_args()
-    if args.timeout_s <= 0:
-        parser.error("--timeout-s must be positive")
-    return args
+    set_timeout_default(parser, LAB_TIMEOUT_S)  # a lab should fail in seconds, not in 5 minutes
+    return parser.parse_args()
+
+
+def set_timeout_default(parser, seconds):
+    """Make ``--timeout-s`` default to ``seconds``, in its ``--help`` text too.
+
+    ``add_runtime_args`` writes the shared default (300 s) into the help string itself, so
+    ``parser.set_defaults`` alone would leave ``--help`` promising 300 s while the lab waits 10 s.
+    """
+    for action in parser._actions:  # argparse keeps no public handle on an added argument
+        if action.dest == "timeout_s":
+            action.default = seconds
+            action.help = re.sub(r"\(default: [^)]*\)", f"(default: {seconds:g})", action.help)
 
 
 def short(exc: BaseException, limit: int = 160) -> str:
@@ -115,9 +129,13 @@ def missing_rank(ctx, log):
         return 1
     start = time.perf_counter()
     try:
-        dist.all_reduce(torch.ones(4))
+        # On the job's backend and device. With TORCH_NCCL_BLOCKING_WAIT=1 (set in main) an NCCL
+        # collective waits on the host like a gloo one, so the clock below measures the wait itself,
+        # not just the kernel launch.
+        dist.all_reduce(torch.ones(4, device=ctx.device))
         outcome = "all_reduce returned (unexpected)"
-    except RuntimeError as exc:  # gloo: "Timed out waiting ...ms for recv operation to complete"
+    except RuntimeError as exc:  # gloo: "Timed out waiting ...ms for recv operation to complete";
+        # NCCL: "Watchdog caught collective operation timeout: WorkNCCL(... OpType=ALLREDUCE ...)"
         outcome = f"all_reduce timed out after {time.perf_counter() - start:.1f} s: {short(exc, 80)}"
     log.info(outcome)
     # Who is missing? monitored_barrier (gloo only) waits for every rank and names the absent ones.
@@ -141,9 +159,12 @@ def crash(ctx, log):
             print(f"[rank {r}] step {step}: simulated crash (os._exit(3), as if a kernel or an assert failed)",
                   flush=True)
             os._exit(3)  # dies without goodbye: no barrier, no destroy_process_group
-        start = time.perf_counter()
+        tensor, start = torch.ones(1024, device=ctx.device), time.perf_counter()
         try:
-            dist.all_reduce(torch.ones(1024))
+            dist.all_reduce(tensor)
+            # Reading the sum makes the step really finished on any backend (a GPU would otherwise
+            # still be running, or waiting for, the kernel when the log says "ok").
+            total = tensor[0].item()
         except RuntimeError as exc:
             message = (f"step {step}: all_reduce failed after {time.perf_counter() - start:.1f} s: "
                        f"{short(exc)}")
@@ -155,21 +176,26 @@ def crash(ctx, log):
                 print(f"error: [rank 0] lost a peer at step {step}; it crashed (see its exit code above)",
                       file=sys.stderr)
             return 1
-        log.info(f"step {step}: all_reduce ok")
+        log.info(f"step {step}: all_reduce ok" if total == n else f"step {step}: all_reduce gave {total:g}, not {n}")
     return 0
 
 
 def main():
     args = parse_args()
+    # An NCCL collective returns once its kernel is queued; a missing or dead peer then surfaces only
+    # in NCCL's background watchdog, which takes the process down after the timeout before this
+    # script can say anything. With TORCH_NCCL_BLOCKING_WAIT=1 each NCCL collective waits on the host
+    # and raises the timeout (or the peer's failure) here, where the lab times and reports it. It is
+    # read when the process group is created, so it is set first; gloo ignores it. (No watchdog also
+    # means no flight-recorder dump: for that, see nccl_debugging.md.)
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     with distributed(args) as ctx:
+        if ctx.world_size < 2:
+            raise UsageError("the lab needs at least 2 ranks (torchrun --nproc_per_node=4 ...)")
         log = setup_logging(ctx.rank, per_rank_dir=args.log_dir, all_ranks=False)
         if ctx.is_main:
             print(f"scenario {args.scenario} | world size {ctx.world_size} | backend {ctx.backend} "
                   f"| timeout {ctx.timeout_s:g} s | per-rank logs in {args.log_dir}/", flush=True)
-        if ctx.world_size < 2:
-            print("error: the lab needs at least 2 ranks (torchrun --nproc_per_node=4 ...)", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(2)
         code = {"mismatch": mismatch, "missing-rank": missing_rank, "crash": crash}[args.scenario](ctx, log)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -178,4 +204,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
