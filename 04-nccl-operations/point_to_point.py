@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.harness import bus_factor
+from distkit.flags import positive_float, positive_int
+from distkit.harness import RegionTimer, bus_factor
 
 
 def parse_args():
@@ -30,16 +31,16 @@ def parse_args():
                             "and a deadlock that ends on a timeout.",
                             epilog="example: torchrun --standalone --nproc_per_node=4 "
                                    "04-nccl-operations/point_to_point.py")
-    parser.add_argument("--numel", type=int, default=1_000_000,
+    parser.add_argument("--numel", type=positive_int, default=1_000_000,
                         help="elements of the ring all-reduce's float32 vector (default: 1000000 = 4 MB)")
-    parser.add_argument("--deadlock-timeout-s", type=float, default=3.0,
+    parser.add_argument("--iters", type=positive_int, default=3,
+                        help="timed calls of the ring and of dist.all_reduce, after the checked warm-up "
+                             "call (default: 3)")
+    parser.add_argument("--deadlock-timeout-s", type=positive_float, default=3.0,
                         help="timeout of the side group the deadlock runs on (default: 3)")
     parser.add_argument("--no-deadlock", action="store_true", help="skip the deadlock demonstration")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.numel < 1 or args.deadlock_timeout_s <= 0:
-        parser.error("--numel and --deadlock-timeout-s must be positive")
-    return args
+    return parser.parse_args()
 
 
 def show(ctx, title, line):
@@ -87,12 +88,15 @@ def ring_all_reduce(tensor, ctx):
 def deadlock(ctx, timeout_s):
     """Every rank waits to receive from its left neighbour before sending to its right: nobody sends.
 
-    It runs on a side gloo group with CPU tensors and a short timeout. (On NCCL a timed-out operation
-    makes the watchdog abort the whole process, so the safe demonstration always uses gloo.)
+    It runs on a side gloo group with a short timeout, whatever the job's backend: on NCCL a timed-out
+    operation makes the watchdog abort the whole process, so the safe demonstration always uses gloo.
+    Its tensors are therefore CPU tensors on purpose, not ``ctx.device``: gloo's send/recv move host
+    memory.
     """
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     n, r = ctx.world_size, ctx.rank
-    inbox, outbox = torch.zeros(4), torch.full((4,), float(r))
+    side_device = torch.device("cpu")  # the side group is gloo (see above)
+    inbox, outbox = torch.zeros(4, device=side_device), torch.full((4,), float(r), device=side_device)
     start = time.perf_counter()
     try:
         dist.recv(inbox, src=(r - 1) % n, group=side)  # blocks: the left neighbour is blocked too
@@ -132,9 +136,15 @@ def main():
         show(ctx, "send/recv: even rank r sends to rank r+1 (blocking, matched pairs)", line)
 
         # 2. isend/irecv around a ring: post both, then wait. A blocking send-then-recv ring could stall.
+        # Even ranks post the send first, odd ranks the receive. gloo would not mind either order, but
+        # on NCCL single (unbatched) sends and receives of one process group share one stream and
+        # connect two GPUs on first use, so a ring in which every rank sends first can wait on itself;
+        # the alternation breaks that cycle on any ring size (batch_isend_irecv in 3 has no such issue).
         right, left = (r + 1) % n, (r - 1) % n
         inbox = torch.empty(3, device=dev)
-        requests = [dist.isend(payload, dst=right), dist.irecv(inbox, src=left)]
+        post_send = lambda: dist.isend(payload, dst=right)  # noqa: E731
+        post_recv = lambda: dist.irecv(inbox, src=left)  # noqa: E731
+        requests = [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]
         for request in requests:
             request.wait()  # until wait() returns, neither buffer may be touched
         ok = torch.equal(inbox, torch.arange(3, device=dev) + 100 * left)
@@ -156,22 +166,31 @@ def main():
         # 4. Ring all-reduce from point-to-point vs the library all_reduce, on the same random vector.
         torch.manual_seed(1000 + r)
         data = torch.randn(args.numel, device=dev)
-        expected = data.clone()
-        start = time.perf_counter()
+        expected, mine = data.clone(), data.clone()
         dist.all_reduce(expected)
-        library_s = time.perf_counter() - start
-        mine = data.clone()
-        start = time.perf_counter()
         sent = ring_all_reduce(mine, ctx)
-        ring_s = time.perf_counter() - start
         max_diff = (mine - expected).abs().max().item()
+        # Timing. The checked calls above were the warm-up: they paid the one-time costs (NCCL
+        # connects a pair of GPUs on their first send/recv). On a GPU a call returns once its
+        # kernels are queued, so a host clock would time the launch only: RegionTimer records CUDA
+        # events around each call and reads them after a synchronisation (perf_counter on CPU).
+        library, ring = RegionTimer(dev), RegionTimer(dev)
+        for _ in range(args.iters):
+            scratch = data.clone()
+            with library.region():
+                dist.all_reduce(scratch)
+            scratch = data.clone()
+            with ring.region():
+                ring_all_reduce(scratch, ctx)
+        library_s, ring_s = library.total_s / args.iters, ring.total_s / args.iters
         tolerance = 1e-5 * n  # fp32 sums in another order: a few ulp of values of size ~sqrt(n)
         size = data.numel() * data.element_size()
         show(ctx, f"ring all-reduce from send/recv vs dist.all_reduce ({size / 1e6:.1f} MB float32)",
              f"max |ring - all_reduce| = {max_diff:.2e} (tolerance {tolerance:.0e}) "
              f"{'PASS' if max_diff <= tolerance else 'FAIL'} | sent {sent} B = {sent / size:.4f} x size "
              f"(bus factor 2(n-1)/n = {bus_factor('all_reduce', n):.4f}) "
-             f"| ring {ring_s * 1e3:.0f} ms, library {library_s * 1e3:.0f} ms")
+             f"| ring {ring_s * 1e3:.1f} ms, library {library_s * 1e3:.1f} ms per call "
+             f"(mean of {args.iters} after a warm-up)")
 
         # 5. The classic deadlock, made safe by a timeout.
         if not args.no_deadlock:
