@@ -10,16 +10,21 @@ after a few steps bf16 compute drifts a few 1e-2 from fp32 on CPU, expected and 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import math
+import os
 import shlex
 import shutil
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run
+from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run, torchrun
 
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
@@ -83,7 +88,8 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     Units: one per block, then the root (the rest). Each parameter's dim 0 is padded to a multiple of
     the shard-group size s. All-gather payload = padded unit size, twice per block unit when resharded
     after forward (forward + backward), once for the root (never resharded) and for SHARD_GRAD_OP.
-    Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s).
+    Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s),
+    issued by DDP and by every 2D (replicate, shard) mesh even when a group is one rank (world 1).
     """
     model = TinyGPT(gpt_config("tiny", vocab_size=65))
     s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
@@ -100,7 +106,7 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
         gathers = 2 if strategy in ("full_shard", "hybrid_shard") else 1
         comm["all_gather"] = (gathers * blocks + root) * gather_bytes
         comm["reduce_scatter"] = every * 4
-    if replicas > 1:
+    if strategy in ("ddp", "no_shard", "hybrid_shard"):
         comm["all_reduce"] = every // s * 4
     state = every // s * 4
     return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
@@ -253,8 +259,29 @@ def test_table_script_writes_markdown_and_plots(strategies_run, tmp_path):
                "--plots-dir", str(tmp_path))
     text = markdown.read_text()
     assert "| fsdp_full_shard |" in text and "| ddp |" in text
+    assert "| peak RSS MiB (max rank) |" in text  # CPU records measured process RSS
     assert (tmp_path / "strategies_memory.png").stat().st_size > 0
     assert (tmp_path / "strategies_comm.png").stat().st_size > 0
+
+    # A results file that also holds a later run of another kind (here: the same records marked as
+    # a 2-strategy GPU run, as a GPU host writes them) gives a table of that run alone, its peak
+    # labelled as the GPU allocator's figure, never "peak RSS" and never mixed with the CPU rows.
+    mixed = tmp_path / "mixed.jsonl"
+    lines = (records / "records.jsonl").read_text().splitlines()
+    gpu_like = []
+    for line in lines:
+        record = json.loads(line)
+        if record["strategy"] in ("fsdp_full_shard", "ddp"):
+            record.update(device="cuda", backend="nccl")
+            record["metrics"]["peak_memory_kind"] = "cuda_max_allocated"
+            gpu_like.append(json.dumps(record))
+    mixed.write_text("\n".join(lines + gpu_like) + "\n")
+    shutil.copy(CHAPTER / "sharding_strategies.md", markdown)
+    run_readme(readme_command("make_strategies_table.py"), tmp_path, "--results", str(mixed),
+               "--markdown", str(markdown), "--plots-dir", str(tmp_path))
+    text = markdown.read_text()
+    assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
+    assert "| fsdp_full_shard |" in text and "| ddp |" in text and "| fsdp_no_shard |" not in text
 
 
 def test_bad_input_gives_one_error_line(tmp_path):
@@ -274,6 +301,109 @@ def test_bad_input_gives_one_error_line(tmp_path):
                           "is from a different model")
     assert_one_line_error(python(CHAPTER / "fsdp_basics.py", "--n-head", "3", tmp_path=tmp_path, check=False),
                           "divisible by the head count 3")
+
+
+def load_script(name: str):
+    """Import a chapter script as a module (its parse_args is then called in this process)."""
+    if str(CHAPTER) not in sys.path:
+        sys.path.insert(0, str(CHAPTER))  # the scripts import fsdp_common from their own folder
+    spec = importlib.util.spec_from_file_location(f"ch02_{name}", CHAPTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script,argv,expected", [
+    ("fsdp_basics", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    ("fsdp_basics", ["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer"),
+    ("fsdp_basics", ["--global-batch-size", "-8"], "argument --global-batch-size: must be a positive integer"),
+    ("fsdp_basics", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    ("fsdp_basics", ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    ("fsdp_basics", ["--lr", "nan"], "argument --lr: must be a positive number"),
+    ("fsdp_basics", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0"),
+    ("fsdp_basics", ["--n-head", "0"], "argument --n-head: must be a positive integer, got 0"),
+    ("fsdp_transformer", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    ("fsdp_transformer", ["--global-batch-size", "-1"], "argument --global-batch-size: must be a positive"),
+    ("fsdp_transformer", ["--hsdp-shard-size", "0"], "argument --hsdp-shard-size: must be a positive integer"),
+    ("fsdp_transformer", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    ("fsdp_transformer", ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
+    ("fsdp_transformer", ["--warmup-steps", "x"], "argument --warmup-steps: must be an integer >= 0, got 'x'"),
+    ("fsdp_transformer", ["--n-embd", "-64"], "argument --n-embd: must be a positive integer, got -64"),
+    ("fsdp_checkpoint", ["--steps", "-1"], "argument --steps: must be an integer >= 0, got -1"),
+    ("fsdp_checkpoint", ["--global-batch-size", "0"], "argument --global-batch-size: must be a positive"),
+    ("fsdp_checkpoint", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    ("fsdp_checkpoint", ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    ("fsdp_checkpoint", ["--vocab-size", "0"], "argument --vocab-size: must be a positive integer, got 0"),
+])
+def test_numeric_flags_are_range_checked_where_defined(script, argv, expected, capsys, monkeypatch):
+    """Each bad number is rejected by argparse (exit 2, one error line), before any process group."""
+    monkeypatch.delenv("RANK", raising=False)  # rank 0 is the one that prints
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(script).parse_args(argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], errors
+
+
+def test_flag_ranges_keep_valid_values():
+    assert load_script("fsdp_checkpoint").parse_args(["--steps", "0"]).steps == 0  # saves step 0
+    args = load_script("fsdp_basics").parse_args(["--warmup-steps", "0", "--lr", "1e-4"])
+    assert args.warmup_steps == 0 and args.lr == 1e-4
+
+
+def dead_pid() -> int:
+    """The PID of a process that has just exited (a writer killed mid-save)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_bad_full_checkpoint_is_one_line_and_stale_temporaries_go(tmp_path):
+    """2 ranks: rank 0 finds the 0-byte file and tells rank 1 (no hang); stale temporaries of a dead
+    writer are removed at start, a live writer's are kept."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    empty = folder / "full.pt"
+    empty.touch()
+    host = socket.gethostname()
+    stale = folder / f"full.pt.tmp.{host}.{dead_pid()}.abc123"
+    live = folder / f"full.pt.tmp.{host}.{os.getpid()}.def456"  # this test process is alive
+    stale.write_bytes(b"torn")
+    live.write_bytes(b"being written")
+    result = torchrun(CHAPTER / "fsdp_checkpoint.py", "--resume", "full", "--full-checkpoint", empty,
+                      "--dcp-dir", folder / "dcp", "--save", "none", *TINY, nproc=2, tmp_path=tmp_path,
+                      check=False)
+    assert_one_line_error(result, f"checkpoint {empty} is empty (0 bytes)")
+    assert not stale.exists() and live.exists()
+    assert f"removed 1 temporary file(s) left by an interrupted save: {stale.name}" in result.stdout
+
+
+def test_dcp_checkpoint_of_another_model_is_one_line(tmp_path):
+    """A DCP folder saved by another model: named from trainer_state.json when it records the model;
+    when it does not (older saves), DCP's CheckpointException (a BaseException) still becomes one
+    line on 2 ranks; a damaged trainer_state.json too. (The saved model has fewer blocks: DCP itself
+    loads a *larger* model's folder without complaint, reading only the keys asked for, which is
+    why trainer_state.json records the model.)"""
+    dcp_dir = tmp_path / "dcp"
+    python(CHAPTER / "fsdp_checkpoint.py", *TINY, "--n-layer", "1", "--steps", "1", "--save", "dcp",
+           "--dcp-dir", dcp_dir, tmp_path=tmp_path)
+    meta_path = dcp_dir / "trainer_state.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["step"] == 1 and meta["model"]["n_layer"] == 1
+    assert not list(dcp_dir.glob("*.tmp*")) and not list(tmp_path.glob("dcp.*"))  # no leftovers
+
+    resume = ("--resume", "dcp", "--dcp-dir", dcp_dir, "--save", "none", "--steps", "2", *TINY)
+    assert_one_line_error(torchrun(CHAPTER / "fsdp_checkpoint.py", *resume, nproc=2, tmp_path=tmp_path,
+                                   check=False),
+                          f"DCP checkpoint {dcp_dir} is from a different model (n_layer 1 there, 2 here)")
+    del meta["model"]
+    meta_path.write_text(json.dumps(meta))
+    assert_one_line_error(torchrun(CHAPTER / "fsdp_checkpoint.py", *resume, nproc=2, tmp_path=tmp_path,
+                                   check=False),
+                          "does not fit this model or is damaged")
+    meta_path.write_text("{not json")
+    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", *resume, tmp_path=tmp_path, check=False),
+                          "trainer_state.json is unreadable (JSONDecodeError")
 
 
 def test_every_readme_command_is_run_by_a_test():
