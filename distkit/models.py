@@ -215,18 +215,34 @@ def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def add_gpt_args(parser) -> None:
-    """Model flags shared by the transformer chapters: a size preset plus optional overrides."""
+    """Model flags shared by the transformer chapters: a size preset plus optional overrides.
+
+    The overrides are range-checked where they are defined (``--n-head 0`` is argparse's one-line
+    error); :func:`gpt_config_from_args` checks what only the combination can tell.
+    """
+    from .flags import positive_int
+
     group = parser.add_argument_group("model")
     group.add_argument("--model-size", choices=sorted(GPT_PRESETS), default="small",
                        help="transformer size preset (default: small)")
-    group.add_argument("--n-layer", type=int, default=None, help="override the preset's layer count")
-    group.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
-    group.add_argument("--n-head", type=int, default=None, help="override the preset's head count")
-    group.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
-    group.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    group.add_argument("--n-layer", type=positive_int, default=None, help="override the preset's layer count")
+    group.add_argument("--n-embd", type=positive_int, default=None, help="override the preset's width")
+    group.add_argument("--n-head", type=positive_int, default=None, help="override the preset's head count")
+    group.add_argument("--seq-len", type=positive_int, default=None,
+                       help="override the preset's sequence length")
+    group.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary")
 
 
 def gpt_config_from_args(args) -> GPTConfig:
-    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe."""
-    return gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                      seq_len=args.seq_len, vocab_size=args.vocab_size)
+    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe.
+
+    Raises :class:`distkit.UsageError` (one line) when the width does not split into the heads.
+    """
+    from .runtime import UsageError
+
+    cfg = gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                     seq_len=args.seq_len, vocab_size=args.vocab_size)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"the width {cfg.n_embd} (--n-embd) must be divisible by the head count "
+                         f"{cfg.n_head} (--n-head)")
+    return cfg
