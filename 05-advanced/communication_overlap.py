@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 
@@ -45,28 +47,25 @@ def parse_args():
         description="Profile DDP's communication/computation overlap, sweep bucket_cap_mb, and time an "
                     "async all-reduce overlapping independent compute.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/communication_overlap.py --bucket-mb 0.1 1 25")
-    parser.add_argument("--layers", type=int, default=48,
+    parser.add_argument("--layers", type=positive_int, default=48,
                         help="linear layers of the model: many small tensors make per-call latency and "
                              "bucketing visible (default: 48, i.e. 96 parameter tensors)")
-    parser.add_argument("--width", type=int, default=128, help="width of each layer (default: 128)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default: 64)")
-    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[0.05, 0.25, 1.0, 25.0],
+    parser.add_argument("--width", type=positive_int, default=128, help="width of each layer (default: 128)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default: 64)")
+    parser.add_argument("--bucket-mb", type=positive_float, nargs="+", default=[0.05, 0.25, 1.0, 25.0],
                         help="bucket_cap_mb values to sweep (default: 0.05 0.25 1 25)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per sweep point (default: 12)")
-    parser.add_argument("--profile-bucket-mb", type=float, default=0.25,
+    parser.add_argument("--steps", type=positive_int, default=12, help="steps per sweep point (default: 12)")
+    parser.add_argument("--profile-bucket-mb", type=positive_float, default=0.25,
                         help="bucket_cap_mb of the profiled step (default: 0.25)")
     parser.add_argument("--trace", default="runs/ddp_overlap_trace.json",
                         help="rank 0's Chrome trace of one DDP step (default: runs/ddp_overlap_trace.json)")
-    parser.add_argument("--async-mib", type=float, default=4.0,
+    parser.add_argument("--async-mib", type=positive_float, default=4.0,
                         help="size of the tensor all-reduced in the async demo, MiB (default: 4)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="one harness record per bucket size appended here (default: runs/results.jsonl)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if min(args.layers, args.width, args.batch_size, args.steps) < 1 or min(args.bucket_mb) <= 0:
-        parser.error("--layers, --width, --batch-size, --steps and --bucket-mb must be positive")
-    return args
+    return parser.parse_args()
 
 
 def many_tensor_model(layers: int, width: int) -> nn.Module:
@@ -95,17 +94,35 @@ def covered(intervals, cover) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in intervals for s2, e2 in cover)
 
 
-def overlap_from_profile(prof) -> dict[str, float]:
+def is_nccl_kernel(name: str) -> bool:
+    """NCCL's GPU kernels are named ``ncclDevKernel_AllReduce_Sum_f32_RING_LL(...)`` (older NCCL:
+    ``ncclKernel_...``); the profiler may print a demangled ``void `` prefix."""
+    return "nccl" in name.lower()
+
+
+def overlap_from_profile(events, device_type: str) -> dict[str, float]:
     """Communication time hidden under backward compute, from the profiler's events.
 
-    gloo runs each all-reduce on its own worker thread (``gloo:all_reduce`` events; NCCL kernels
-    show as ``nccl...`` on the GPU), while backward runs as ``autograd::engine::evaluate_function``
-    events. hidden = |comm ∩ compute| / |comm|.
+    Both sides must come from the same timeline:
+
+    * CPU/gloo: gloo runs each all-reduce on its own worker thread (``gloo:all_reduce`` events) while
+      backward computes on the autograd thread (``autograd::engine::evaluate_function`` events):
+      both are host spans, and the host is where the work happens.
+    * GPU/NCCL: the host spans only *launch* work, so they say nothing about when it ran. Both sides
+      are device events (``DeviceType.CUDA``, what the GPU really executed): NCCL kernels on the
+      communication stream against every other kernel (backward's compute; forward ends before the
+      first bucket is ready and the optimizer waits for the last one, so only backward can overlap).
+
+    hidden = |comm ∩ compute| / |comm|.
     """
     comm, compute = [], []
-    for event in prof.events():
+    for event in events:
         span = (event.time_range.start, event.time_range.end)
-        if event.name.startswith("gloo:") or "nccl" in event.name.lower() and "kernel" in event.name.lower():
+        if device_type == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue  # host-side spans: launch times, not execution
+            (comm if is_nccl_kernel(event.name) else compute).append(span)
+        elif event.name.startswith("gloo:"):
             comm.append(span)
         elif event.name.startswith("autograd::engine::evaluate_function"):
             compute.append(span)
@@ -128,23 +145,29 @@ def async_demo(ctx, mib: float, reps: int = 5) -> tuple[float, float]:
         return out
 
     def sync():
-        dist.all_reduce(payload)          # blocks until the data has crossed the network
+        # gloo: the host blocks until the data has crossed the network. NCCL: the host returns at
+        # once, but the compute stream waits for the all-reduce before running what comes next.
+        dist.all_reduce(payload)
         independent_compute()
 
     def overlapped():
-        work = dist.all_reduce(payload, async_op=True)  # returns at once; gloo works in the background
+        work = dist.all_reduce(payload, async_op=True)  # gloo: a worker thread; NCCL: its own stream
         independent_compute()             # does not touch `payload`, so it may run meanwhile
-        work.wait()                       # only now do we need the reduced values
+        work.wait()                       # only now do we need the reduced values (NCCL: stream wait)
+
+    def finish_device_work():  # GPU kernels run after the calls return: wait for them at both ends
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
 
     timings = {}
     for name, fn in (("sync", sync), ("async", overlapped)):
         samples = []
         for _ in range(reps + 1):
             dist.barrier()
+            finish_device_work()
             start = time.perf_counter()
             fn()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            finish_device_work()
             samples.append(time.perf_counter() - start)
         timings[name] = sorted(samples[1:])[reps // 2]
     return timings["sync"], timings["async"]
@@ -154,7 +177,6 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         x = torch.randn(args.batch_size, args.width, device=ctx.device)
         params = sum(p.numel() for p in many_tensor_model(args.layers, args.width).parameters())
         log.info(f"model: {args.layers} linear layers x {args.width} -> {2 * args.layers} tensors, "
@@ -162,7 +184,7 @@ def main():
 
         # 1. Profile one step and compute how much of the all-reduce time backward hid.
         seed_everything(args.seed)
-        model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=device_ids,
+        model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=ctx.device_ids,
                     bucket_cap_mb=args.profile_bucket_mb)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         for _ in range(2):  # warm up: DDP rebuilds its buckets after the first step
@@ -170,7 +192,9 @@ def main():
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             ddp_step(model, optimizer, x)
-        overlap = overlap_from_profile(prof)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)  # every kernel of the step inside the trace
+        overlap = overlap_from_profile(prof.events(), ctx.device.type)
         if ctx.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
             prof.export_chrome_trace(args.trace)
@@ -185,7 +209,7 @@ def main():
         log.info(f"{'bucket_cap_mb':>13} {'all-reduces/step':>16} {'samples/s':>10} {'ms/step':>8}")
         for bucket_mb in args.bucket_mb:
             seed_everything(args.seed)
-            model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=device_ids,
+            model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=ctx.device_ids,
                         bucket_cap_mb=bucket_mb)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,

@@ -29,6 +29,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.checkpoint import atomic_save
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
@@ -41,29 +42,26 @@ def parse_args():
                     "no_sync(), and compare the communication per optimizer step.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --accumulation-steps 8")
     add_gpt_args(parser)
-    parser.add_argument("--accumulation-steps", type=int, default=4,
+    parser.add_argument("--accumulation-steps", type=positive_int, default=4,
                         help="micro-batches whose gradients are summed per optimizer step (default: 4)")
-    parser.add_argument("--micro-batch-size", type=int, default=4,
+    parser.add_argument("--micro-batch-size", type=positive_int, default=4,
                         help="sequences per rank per micro-batch (default: 4)")
     parser.add_argument("--sync", choices=["no_sync", "every_micro_batch", "both"], default="both",
                         help="no_sync: all-reduce on the last micro-batch only; every_micro_batch: after "
                              "each backward; both: train once each and compare (default: both)")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps (default: 10)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="adamw (default) or plain sgd (update proportional to the gradient, so a "
                              "forgotten 1/k shows; used by the tests)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="one harness record per mode appended here (default: runs/results.jsonl)")
     parser.add_argument("--checkpoint", default="checkpoints/gradient_accumulation_{sync}.pt",
                         help="rank 0 saves each mode's trained model here "
                              "(default: checkpoints/gradient_accumulation_{sync}.pt)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if min(args.accumulation_steps, args.micro_batch_size, args.steps) < 1:
-        parser.error("--accumulation-steps, --micro-batch-size and --steps must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def train(args, ctx, cfg, use_no_sync: bool):
@@ -71,8 +69,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
     k = args.accumulation_steps
     effective_batch = args.micro_batch_size * k * ctx.world_size
     seed_everything(args.seed)  # both modes start from the same weights
-    model = DDP(TinyGPT(cfg).to(ctx.device),
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
     sync_name = "no_sync" if use_no_sync else "every_micro_batch"
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.checkpoint import atomic_save
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
@@ -46,28 +47,25 @@ def parse_args():
     parser.add_argument("--mode", choices=["2d", "hsdp"], default="2d",
                         help="2d = FSDP2 across --dp, TP across --tp; hsdp = FSDP2 within --shard, "
                              "replicas across --replicate (default: 2d)")
-    parser.add_argument("--dp", type=int, default=None, help="2d: data-parallel (FSDP) size (default: ranks / tp)")
-    parser.add_argument("--tp", type=int, default=2, help="2d: tensor-parallel size (default: 2)")
-    parser.add_argument("--replicate", type=int, default=None,
+    parser.add_argument("--dp", type=positive_int, default=None, help="2d: data-parallel (FSDP) size (default: ranks / tp)")
+    parser.add_argument("--tp", type=positive_int, default=2, help="2d: tensor-parallel size (default: 2)")
+    parser.add_argument("--replicate", type=positive_int, default=None,
                         help="hsdp: number of replicas (default: ranks / shard)")
-    parser.add_argument("--shard", type=int, default=2, help="hsdp: ranks that shard one replica (default: 2)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--global-batch-size", type=int, default=16,
+    parser.add_argument("--shard", type=positive_int, default=2, help="hsdp: ranks that shard one replica (default: 2)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16,
                         help="sequences per optimizer step over all data-parallel ranks (default: 16)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="adamw (default) or plain sgd (update proportional to the gradient; used by "
                              "the equivalence tests)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="harness record appended here (default: runs/results.jsonl)")
     parser.add_argument("--checkpoint", default="checkpoints/hybrid_{mode}.pt",
                         help="rank 0 saves the trained, gathered model here (default: checkpoints/hybrid_{mode}.pt)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1 or args.global_batch_size < 1:
-        parser.error("--steps and --global-batch-size must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def mesh_shape(args, world_size: int) -> tuple[tuple[int, int], tuple[str, str]]:

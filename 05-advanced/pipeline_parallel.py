@@ -26,7 +26,6 @@ split it at marked points, which is handy for models you cannot edit.
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
 from distkit.checkpoint import atomic_save
-from distkit.harness import Harness, model_state_bytes
+from distkit.flags import positive_float, positive_int, non_negative_int
+from distkit.harness import Harness, RegionTimer, fresh_memory_peak, model_state_bytes
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
 
@@ -52,28 +52,25 @@ def parse_args():
     add_gpt_args(parser)
     parser.add_argument("--schedule", nargs="+", choices=sorted(SCHEDULES), default=["1f1b"],
                         help="pipeline schedule(s) to run (default: 1f1b)")
-    parser.add_argument("--microbatches", nargs="+", type=int, default=[8],
+    parser.add_argument("--microbatches", nargs="+", type=positive_int, default=[8],
                         help="micro-batches per step; several values are run in turn (default: 8)")
-    parser.add_argument("--stages-per-rank", type=int, default=2,
+    parser.add_argument("--stages-per-rank", type=positive_int, default=2,
                         help="interleaved_1f1b only: stages (model chunks) per rank (default: 2)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: 20)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per run (default: 20)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step, split into micro-batches (default: 32)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="adamw (default) or plain sgd (update proportional to the gradient; used by "
                              "the equivalence tests)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="one harness record per run appended here (default: runs/results.jsonl)")
     parser.add_argument("--checkpoint", default="checkpoints/pipeline_{schedule}_m{microbatches}.pt",
                         help="rank 0 saves the trained model of each run, gathered from all stages, here "
                              "(default: checkpoints/pipeline_{schedule}_m{microbatches}.pt)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1 or args.global_batch_size < 1 or min(args.microbatches) < 1 or args.stages_per_rank < 1:
-        parser.error("--steps, --global-batch-size, --microbatches and --stages-per-rank must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 class TimedStage(PipelineStage):
@@ -81,23 +78,21 @@ class TimedStage(PipelineStage):
 
     The schedule calls these two methods for the compute only (sends and receives happen around
     them), so ``step time - busy time`` is the time this rank waited: its share of the bubble.
+    ``busy`` is a :class:`distkit.harness.RegionTimer` shared by this rank's stages: on a GPU these
+    calls only *queue* kernels and return long before the kernels run, so the host clock around
+    them would measure launch overhead, not compute; the timer records CUDA events on the stream
+    instead (on CPU the work is synchronous and it reads ``time.perf_counter``).
     """
 
-    busy_s = 0.0
+    busy: RegionTimer
 
     def forward_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
+        with self.busy.region():
             return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
 
     def backward_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
+        with self.busy.region():
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
 
 
 def make_stage_module(full: TinyGPT, stage: int, num_stages: int) -> TinyGPT:
@@ -139,6 +134,9 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
         raise UsageError(f"interleaved 1F1B needs the micro-batch count to be a multiple of "
                          f"{rounds} (micro-batches // stages); got {microbatches}")
 
+    # A clean slate for this run's peak memory: the previous run's stages, optimizer and schedule
+    # are unreachable now (gc collects their reference cycles, CUDA's cache is emptied).
+    fresh_memory_peak(ctx.device)
     seed_everything(args.seed)  # every run starts from the same weights
     full = TinyGPT(cfg)
     param_count = sum(p.numel() for p in full.parameters())
@@ -147,6 +145,9 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     stages = [TimedStage(make_stage_module(full, index, num_stages).to(ctx.device), index, num_stages, ctx.device)
               for index in my_stages]
     del full
+    busy, step_clock = RegionTimer(ctx.device), RegionTimer(ctx.device)
+    for stage in stages:
+        stage.busy = busy
     params = [p for stage in stages for p in stage.submod.parameters()]
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](params, lr=args.lr)
 
@@ -173,19 +174,21 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     for step in progress(range(args.steps), ctx.rank, desc=f"{schedule_name} m={microbatches}"):
         inputs, targets = task.global_batch(step, args.global_batch_size)
         inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
-        busy_before = sum(stage.busy_s for stage in stages)
-        start = time.perf_counter()
+        busy_before, step_before = busy.total_s, step_clock.total_s
         with harness.step(samples=args.global_batch_size, tokens=inputs.numel()):
             optimizer.zero_grad(set_to_none=True)
             micro_losses = [] if holds_last else None
             # Only the first stage gets the batch and only the last stage the targets; the schedule
             # splits them into micro-batches and runs its forward/backward order.
-            schedule.step(*([inputs] if holds_first else []),
-                          target=targets if holds_last else None, losses=micro_losses)
+            with step_clock.region():  # the schedule's span: compute chunks + waiting for peers
+                schedule.step(*([inputs] if holds_first else []),
+                              target=targets if holds_last else None, losses=micro_losses)
             optimizer.step()
-        elapsed = time.perf_counter() - start
         if step >= args.warmup_steps + harness.comm_steps:  # timed steps only
-            bubbles.append(1 - (sum(stage.busy_s for stage in stages) - busy_before) / elapsed)
+            # Both clocks measure the same way (CUDA events on GPU, perf_counter on CPU); reading
+            # total_s synchronises once, outside the timed step.
+            elapsed = step_clock.total_s - step_before
+            bubbles.append(1 - (busy.total_s - busy_before) / elapsed)
         # The loss exists on the last stage only: send its mean to everyone so rank 0 can print it.
         loss = torch.stack(micro_losses).mean().detach() if holds_last else torch.zeros((), device=ctx.device)
         dist.broadcast(loss, src=last_rank)

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.checkpoint import atomic_save
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
@@ -42,26 +43,23 @@ def parse_args():
                     "1/world_size of each block's weights and sees the whole batch).",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--global-batch-size", type=int, default=16,
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16,
                         help="sequences per optimizer step; every TP rank sees all of them (default: 16)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="adamw (default) or plain sgd, whose update is proportional to the gradient, "
                              "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also split norms, residuals and embeddings along the sequence (SP)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="harness record appended here (default: runs/results.jsonl)")
     parser.add_argument("--checkpoint", default="checkpoints/tensor_parallel.pt",
                         help="rank 0 saves the trained, gathered (unsharded) model here "
                              "(default: checkpoints/tensor_parallel.pt)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1 or args.global_batch_size < 1:
-        parser.error("--steps and --global-batch-size must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def check_divisible(cfg, tp: int, sequence_parallel: bool) -> None:

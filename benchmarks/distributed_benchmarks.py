@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from distkit import ArgumentParser, UsageError, run_main
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import append_record, read_records
 from distkit.logs import progress
 from distkit.models import GPT_PRESETS, gpt_config
@@ -38,36 +39,38 @@ from distkit.models import GPT_PRESETS, gpt_config
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
 
-# strategy -> (chapter script, flags that select the strategy, smallest world size, notes).
+# strategy -> (chapter script, flags that select the strategy, smallest world size).
 # {scratch} is the cell's temporary folder (checkpoints and logs the scripts write go there).
+# Most strategies also run on one rank (collectives over a group of one: a world-size-1 cell is what
+# a single-GPU machine can run on NCCL); the 2 x 2 meshes need 4.
 STRATEGY_COMMANDS: dict[str, tuple[str, list[str], int]] = {
     "ddp": ("01-ddp-basics/ddp_training.py",
             ["--resume", "none", "--checkpoint-dir", "{scratch}/ckpt", "--checkpoint-every", "1000000",
-             "--log-dir", "{scratch}/logs"], 2),
-    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "{scratch}/model.pt"], 2),
-    "fsdp_full_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 2),
-    "fsdp_shard_grad_op": ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 2),
-    "fsdp_no_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 2),
+             "--log-dir", "{scratch}/logs"], 1),
+    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "{scratch}/model.pt"], 1),
+    "fsdp_full_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 1),
+    "fsdp_shard_grad_op": ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 1),
+    "fsdp_no_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 1),
     "fsdp_hybrid_shard": ("02-fsdp/fsdp_transformer.py",
                           ["--sharding", "hybrid_shard", "--hsdp-shard-size", "2"], 4),
     "zero1": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero1_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
     "zero2": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero2_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
     "zero3": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero3_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
+              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
     "zero3_offload": ("03-deepspeed/deepspeed_train.py",
                       ["--deepspeed_config", "03-deepspeed/configs/zero3_offload_config.json",
-                       "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 2),
-    "tp": ("05-advanced/tensor_parallel.py", ["--checkpoint", "{scratch}/tp.pt"], 2),
-    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--checkpoint", "{scratch}/tp.pt"], 2),
+                       "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
+    "tp": ("05-advanced/tensor_parallel.py", ["--checkpoint", "{scratch}/tp.pt"], 1),
+    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--checkpoint", "{scratch}/tp.pt"], 1),
     "pp_gpipe": ("05-advanced/pipeline_parallel.py",
-                 ["--schedule", "gpipe", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 2),
+                 ["--schedule", "gpipe", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 1),
     "pp_1f1b": ("05-advanced/pipeline_parallel.py",
-                ["--schedule", "1f1b", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 2),
+                ["--schedule", "1f1b", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 1),
     "pp_interleaved_1f1b": ("05-advanced/pipeline_parallel.py",
                             ["--schedule", "interleaved_1f1b", "--stages-per-rank", "2", "--microbatches", "4",
-                             "--checkpoint", "{scratch}/pp.pt"], 2),
+                             "--checkpoint", "{scratch}/pp.pt"], 1),
     "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py",
                    ["--mode", "2d", "--tp", "2", "--checkpoint", "{scratch}/2d.pt"], 4),
     "hsdp": ("05-advanced/hybrid_parallelism.py",
@@ -90,6 +93,17 @@ GROUPS = {
 }
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a launch runs: the ``--backend``/``--device`` it gets, whether the GPUs are hidden from
+    it, and why it runs somewhere else than asked (None when it runs as asked)."""
+
+    backend: str
+    device: str
+    hide_gpus: bool = False
+    note: str | None = None
+
+
 @dataclass
 class Cell:
     """One launch: a script, its world size and model, and the strategies it will record."""
@@ -100,6 +114,7 @@ class Cell:
     world_size: int
     model_size: str
     model_flags: list[str] = field(default_factory=list)
+    placement: Placement = field(default_factory=lambda: Placement("auto", "auto"))
 
     @property
     def label(self) -> str:
@@ -113,26 +128,27 @@ def parse_args(argv=None):
                     "in one JSON-lines results file (then run benchmarks/plot.py).",
         epilog="example: python benchmarks/distributed_benchmarks.py --world-sizes 2 4 --model-size tiny small")
     parser.add_argument("--quick", action="store_true",
-                        help="small CI matrix: tiny model (4 blocks), 2 ranks (4 for 2-D meshes), "
-                             f"{QUICK_STEPS} steps, cells of one script share a launch")
+                        help="small CI matrix: tiny model (4 blocks), 2 ranks unless --world-sizes says "
+                             f"otherwise (4 for 2-D meshes), {QUICK_STEPS} steps, cells of one script share a launch")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_COMMANDS), metavar="NAME",
                         help=f"strategies to run (default: all): {' '.join(STRATEGY_COMMANDS)}")
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], metavar="N",
-                        help="ranks per cell (default: 2 4); strategies that need a 2-D mesh skip N < 4")
+    parser.add_argument("--world-sizes", nargs="+", type=positive_int, default=None, metavar="N",
+                        help="ranks per cell (default: 2 4; --quick: 2); strategies that need a 2-D mesh "
+                             "skip N < 4 (--quick runs them at 4)")
     parser.add_argument("--model-size", nargs="+", default=["tiny"], choices=sorted(GPT_PRESETS),
                         help="transformer presets (default: tiny)")
-    parser.add_argument("--n-layer", type=int, default=None,
+    parser.add_argument("--n-layer", type=positive_int, default=None,
                         help="override the preset's block count in every cell (the pipeline needs at least "
                              "one block per stage, interleaved two per rank)")
-    parser.add_argument("--steps", type=int, default=10,
+    parser.add_argument("--steps", type=positive_int, default=10,
                         help="optimizer steps per cell, incl. warm-up and the counted step (default: 10)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed warm-up steps (default: 2)")
-    parser.add_argument("--global-batch-size", type=int, default=16,
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed warm-up steps (default: 2)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16,
                         help="sequences per step across all ranks; must divide by every world size and "
                              "by the 4 pipeline micro-batches (default: 16)")
     parser.add_argument("--results", default=DEFAULT_RESULTS,
                         help=f"records of every cell are appended here (default: {DEFAULT_RESULTS})")
-    parser.add_argument("--cell-timeout-s", type=float, default=900,
+    parser.add_argument("--cell-timeout-s", type=positive_float, default=900,
                         help="a cell running longer is killed and recorded as failed (default: 900)")
     parser.add_argument("--bandwidth", action="store_true",
                         help="also run the chapter-04 collective bandwidth sweep at every world size "
@@ -143,21 +159,21 @@ def parse_args(argv=None):
                         help="passed to every cell (default: auto = NCCL on GPUs, else gloo)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="passed to every cell (default: auto)")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="on a GPU machine, skip the cells that need more GPUs than it has (one GPU per "
+                             "NCCL rank) instead of running them on CPU/gloo")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     unknown = [s for s in args.strategies if s not in STRATEGY_COMMANDS]
     if unknown:
         parser.error(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGY_COMMANDS)}")
-    if any(n < 1 for n in args.world_sizes):
-        parser.error("--world-sizes must be at least 1")
+    if args.quick:
+        args.model_size, args.steps, args.global_batch_size = [QUICK_MODEL[0]], QUICK_STEPS, QUICK_BATCH
     if args.steps <= args.warmup_steps + 1:
         parser.error(f"--steps {args.steps} leaves no timed step after {args.warmup_steps} warm-up "
                      "steps and the counted step; use at least --warmup-steps + 2")
-    if args.n_layer is not None and args.n_layer < 1:
-        parser.error("--n-layer must be at least 1")
-    if args.quick:
-        args.model_size, args.steps, args.global_batch_size = [QUICK_MODEL[0]], QUICK_STEPS, QUICK_BATCH
-        args.world_sizes = [2]
+    if args.world_sizes is None:
+        args.world_sizes = [2] if args.quick else [2, 4]
     for n in args.world_sizes:
         if args.global_batch_size % n or args.global_batch_size % 4:
             parser.error(f"--global-batch-size {args.global_batch_size} must divide by every world size "
@@ -165,10 +181,40 @@ def parse_args(argv=None):
     return args
 
 
-def plan_cells(args) -> tuple[list[Cell], list[dict]]:
-    """The launches to make, and the cells skipped (with their reason) before launching."""
+def visible_gpus(args) -> int:
+    """GPUs the cells may use: none when the run is told to stay on CPU/gloo."""
+    if args.device == "cpu" or args.backend == "gloo" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def place(world: int, args, gpus: int) -> Placement | str:
+    """Where a ``world``-rank launch runs, or the reason it cannot run (a string).
+
+    NCCL needs one GPU per rank. With ``--backend``/``--device`` on auto, a launch with more ranks
+    than this machine has GPUs runs on CPU/gloo instead (with the GPUs hidden from it, so every
+    library in it, DeepSpeed's accelerator included, takes the CPU path) and says so in its record;
+    ``--gpu-only`` skips it instead. A forced ``--backend nccl`` / ``--device cuda`` cannot fall back.
+    """
+    if gpus == 0 or world <= gpus:
+        return Placement(args.backend, args.device)
+    need = f"{world} ranks need {world} GPUs (one per NCCL rank), this machine has {gpus}"
+    if args.backend == "nccl" or args.device == "cuda":
+        return need
+    if args.gpu_only:
+        return f"{need} (--gpu-only)"
+    return Placement("gloo", "cpu", hide_gpus=True, note=f"ran on CPU/gloo: {need}")
+
+
+def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
+    """The launches to make, and the cells skipped (with their reason) before launching.
+
+    ``gpus`` defaults to what this machine has (:func:`visible_gpus`); passing it makes the plan a
+    pure function of the arguments (the tests do).
+    """
     cells, skipped = [], []
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() and args.device != "cpu" else 0
+    if gpus is None:
+        gpus = visible_gpus(args)
     for model_size in args.model_size:
         model_flags = list(QUICK_MODEL[1]) if args.quick else []
         if args.n_layer is not None:
@@ -176,32 +222,38 @@ def plan_cells(args) -> tuple[list[Cell], list[dict]]:
         cfg = gpt_config(model_size, n_layer=int(model_flags[1]) if model_flags else None)
         for world in args.world_sizes:
             pending = list(args.strategies)
+            placements = {}
             for strategy in args.strategies:
                 script, flags, min_world = STRATEGY_COMMANDS[strategy]
                 reason = None
                 world_here = max(world, min_world) if args.quick else world
+                where = place(world_here, args, gpus)
                 if world_here < min_world:
-                    reason = f"needs at least {min_world} ranks (a 2 x 2 mesh)"
+                    reason = f"needs at least {min_world} ranks" + (" (a 2 x 2 mesh)" if min_world == 4 else "")
                 elif strategy == "pp_interleaved_1f1b" and cfg.n_layer < 2 * world_here:
                     reason = f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, {model_size} has {cfg.n_layer}"
                 elif strategy.startswith("pp_") and cfg.n_layer < world_here:
                     reason = f"{world_here} pipeline stages need {world_here} blocks, {model_size} has {cfg.n_layer}"
-                elif gpus and world_here > gpus and args.backend != "gloo":
-                    reason = f"{world_here} ranks need {world_here} GPUs, this machine has {gpus}"
+                elif isinstance(where, str):
+                    reason = where
                 if reason:
                     pending.remove(strategy)
                     skipped.append({"strategy": strategy, "world_size": world_here, "model_size": model_size,
                                     "status": "skipped", "error": reason})
+                else:
+                    placements[strategy] = where
             if args.quick:
                 for _, (members, script, make_flags) in GROUPS.items():
                     together = tuple(s for s in members if s in pending)
-                    if len(together) > 1:
-                        cells.append(Cell(together, script, make_flags(together), world, model_size, model_flags))
+                    if len(together) > 1:  # grouped strategies share one world size, so one placement
+                        cells.append(Cell(together, script, make_flags(together), world, model_size, model_flags,
+                                          placements[together[0]]))
                         pending = [s for s in pending if s not in together]
             for strategy in pending:
                 script, flags, min_world = STRATEGY_COMMANDS[strategy]
                 world_here = max(world, min_world) if args.quick else world
-                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, model_flags))
+                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, model_flags,
+                                  placements[strategy]))
     return cells, skipped
 
 
@@ -211,13 +263,15 @@ def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
             cell.script, *flags, "--model-size", cell.model_size, *cell.model_flags,
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
             "--global-batch-size", str(args.global_batch_size), "--results", str(results),
-            "--backend", args.backend, "--device", args.device]
+            "--backend", cell.placement.backend, "--device", cell.placement.device]
 
 
-def launch(cmd: list[str], scratch: Path, timeout: float) -> tuple[int, str, float]:
+def launch(cmd: list[str], scratch: Path, timeout: float, hide_gpus: bool = False) -> tuple[int, str, float]:
     """Run one cell in its own process group (killed whole on timeout); returns (rc, output, seconds)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch), DISTKIT_NO_PROGRESS="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share the cores; one thread each
+    if hide_gpus:  # a CPU/gloo cell on a GPU machine: nothing in it may pick the GPU by itself
+        env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -251,12 +305,15 @@ def run_cell(cell: Cell, args, results_file: Path) -> list[dict]:
         scratch = Path(tmp)
         cell_results = scratch / "records.jsonl"
         cmd = cell_command(cell, args, scratch, cell_results)
-        rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s)
+        rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s, cell.placement.hide_gpus)
         records = read_records(cell_results) if cell_results.exists() else []
     shown = shlex.join(cmd[1:]).replace(str(scratch), "$SCRATCH")
     cfg = gpt_config(cell.model_size, n_layer=int(cell.model_flags[1]) if cell.model_flags else None)
     cell_info = {"command": "python " + shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
-                 "gpt": cfg.to_dict(), "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None}
+                 "gpt": cfg.to_dict(), "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
+                 # what the runner asked for; the record's own "backend"/"device" say what ran
+                 "placement": {"backend": cell.placement.backend, "device": cell.placement.device,
+                               "gpus_hidden": cell.placement.hide_gpus, "note": cell.placement.note}}
     found = {r["strategy"] for r in records}
     out = []
     for record in records:
@@ -273,31 +330,40 @@ def run_cell(cell: Cell, args, results_file: Path) -> list[dict]:
     return out
 
 
-def run_bandwidth(world: int, args, results_file: Path) -> dict:
+def run_bandwidth(world: int, args, results_file: Path, gpus: int) -> dict:
     """The chapter-04 bandwidth sweep at ``world`` ranks, its records appended to the results file."""
+    where = place(world, args, gpus)
+    if isinstance(where, str):
+        return {"world_size": world, "ok": False, "error": f"skipped: {where}", "note": None, "seconds": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench_bw_") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
                "reduce_scatter", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
-               "--plot", str(Path(tmp) / "bw.png"), "--backend", args.backend, "--device", args.device]
-        rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s)
+               "--plot", str(Path(tmp) / "bw.png"), "--backend", where.backend, "--device", where.device]
+        rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s, where.hide_gpus)
     return {"world_size": world, "ok": rc == 0, "error": None if rc == 0 else error_line(output),
-            "seconds": seconds}
+            "note": where.note, "seconds": seconds}
 
 
 def main(argv=None):
     args = parse_args(argv)
     results_file = Path(args.results)
-    cells, skipped = plan_cells(args)
+    gpus = visible_gpus(args)
+    cells, skipped = plan_cells(args, gpus)
     if args.dry_run:
         for cell in cells:
-            print(shlex.join(["python", *cell_command(cell, args, Path("$SCRATCH"), results_file)[1:]]))
+            if cell.placement.note:
+                print(f"# {cell.placement.note}")
+            prefix = ["CUDA_VISIBLE_DEVICES="] if cell.placement.hide_gpus else []
+            print(shlex.join([*prefix, "python", *cell_command(cell, args, Path("$SCRATCH"), results_file)[1:]]))
         for entry in skipped:
             print(f"# skipped {entry['strategy']} at {entry['world_size']} ranks: {entry['error']}")
         return
     results_file.parent.mkdir(parents=True, exist_ok=True)
+    on_cpu = sum(len(c.strategies) for c in cells if c.placement.hide_gpus)
     print(f"{len(cells)} launches ({sum(len(c.strategies) for c in cells)} cells, {len(skipped)} skipped) "
-          f"-> {results_file}", flush=True)
+          f"-> {results_file}" + (f"; {on_cpu} cells run on CPU/gloo: more ranks than this machine's {gpus} "
+                                  "GPU(s) (--gpu-only skips them)" if on_cpu else ""), flush=True)
     summary = []
     for entry in skipped:
         entry["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -315,12 +381,14 @@ def main(argv=None):
                          f"{comm / 2**20:7.3f} MiB/step")
             else:
                 line += f"FAILED: {record['error']}"
+            if cell.placement.note:
+                line += f" | {cell.placement.note}"
             print(line, flush=True)
     if args.bandwidth:
         for world in sorted(set(args.world_sizes)):
-            result = run_bandwidth(world, args, results_file)
-            print(f"bandwidth sweep | {world} ranks | " + ("ok" if result["ok"] else f"FAILED: {result['error']}"),
-                  flush=True)
+            result = run_bandwidth(world, args, results_file, gpus)
+            print(f"bandwidth sweep | {world} ranks | " + ("ok" if result["ok"] else f"FAILED: {result['error']}")
+                  + (f" | {result['note']}" if result["note"] else ""), flush=True)
     failed = [r for r in summary if r["status"] != "ok"]
     print(f"{len(summary) - len(failed)} cells ok, {len(failed)} failed, {len(skipped)} skipped; "
           f"records in {results_file}; plots: python benchmarks/plot.py --results {results_file}", flush=True)

@@ -20,6 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.flags import positive_int
 from distkit.harness import Harness
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
@@ -29,14 +30,11 @@ def parse_args():
                             epilog="example: python benchmarks/harness_overhead.py --model-size small")
     add_gpt_args(parser)
     parser.set_defaults(model_size="tiny")
-    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds (default: 6)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round and mode (default: 20)")
-    parser.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (default: 16)")
+    parser.add_argument("--rounds", type=positive_int, default=6, help="alternating rounds (default: 6)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per round and mode (default: 20)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16, help="sequences per step (default: 16)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1:
-        parser.error("--rounds and --steps must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def main():
@@ -44,7 +42,7 @@ def main():
     with distributed(args) as ctx:
         cfg = gpt_config_from_args(args)
         model = TinyGPT(cfg).to(ctx.device)
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        model = DDP(model, device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         task = TokenTask(cfg, seed=args.seed)
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=2)

@@ -108,6 +108,10 @@ def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
         assert metrics["timed_steps"] >= 2 and metrics["step_time_s_median"] > 0  # warm-up excluded
         assert metrics["comm_per_step"], f"{record['strategy']}: no collective counted"
         assert record["benchmark"]["gpt"]["n_layer"] == 4
+        # no GPU here: every cell ran where it was asked to (auto -> gloo on CPU), nothing to explain
+        assert record["benchmark"]["placement"] == {"backend": "auto", "device": "auto",
+                                                    "gpus_hidden": False, "note": None}
+        assert (record["backend"], record["device"]) == ("gloo", "cpu")
     _check_bars(records)
 
 
@@ -133,6 +137,38 @@ def test_committed_cpu_results_meet_the_bars_and_plots_exist():
         assert (BENCH / "figures" / name).stat().st_size > 1000, name
 
 
+# ---------------------------------------------------------------- where cells run (no launch)
+
+def test_cells_beyond_the_gpus_are_planned_on_cpu_not_skipped():
+    """The plan for a machine with one GPU: the 1-rank cells run as asked (NCCL on the GPU), the
+    2-rank cells on CPU/gloo with the GPUs hidden and a note; --gpu-only or a forced --backend nccl
+    skips them with the reason. Without GPUs nothing changes. (The GPU suite launches such cells.)"""
+    bench = _load("distributed_benchmarks")
+    argv = ["--strategies", "ddp", "pp_1f1b", "hsdp", "--world-sizes", "1", "2", "--n-layer", "4",
+            "--global-batch-size", "8"]
+    cells, skipped = bench.plan_cells(bench.parse_args(argv), gpus=1)
+    by_world = {(c.strategies, c.world_size): c for c in cells}
+    assert set(by_world) == {(("ddp",), 1), (("pp_1f1b",), 1), (("ddp",), 2), (("pp_1f1b",), 2)}
+    assert [(s["strategy"], s["world_size"]) for s in skipped] == [("hsdp", 1), ("hsdp", 2)]
+    for (_, world), cell in by_world.items():
+        command = bench.cell_command(cell, bench.parse_args(argv), Path("/s"), Path("/r.jsonl"))
+        backend_device = command[command.index("--backend") + 1], command[command.index("--device") + 1]
+        if world == 1:
+            assert cell.placement == bench.Placement("auto", "auto") and backend_device == ("auto", "auto")
+        else:
+            assert cell.placement.hide_gpus and backend_device == ("gloo", "cpu")
+            assert cell.placement.note == "ran on CPU/gloo: 2 ranks need 2 GPUs (one per NCCL rank), this machine has 1"
+
+    cells, skipped = bench.plan_cells(bench.parse_args([*argv, "--gpu-only"]), gpus=1)
+    assert {c.world_size for c in cells} == {1}
+    assert {s["error"] for s in skipped if s["strategy"] == "ddp"} == {
+        "2 ranks need 2 GPUs (one per NCCL rank), this machine has 1 (--gpu-only)"}
+    cells, skipped = bench.plan_cells(bench.parse_args([*argv, "--backend", "nccl"]), gpus=1)
+    assert {c.world_size for c in cells} == {1} and all(c.placement.backend == "nccl" for c in cells)
+    cells, _ = bench.plan_cells(bench.parse_args(argv), gpus=0)
+    assert all(c.placement == bench.Placement("auto", "auto") for c in cells) and len(cells) == 4
+
+
 # ---------------------------------------------------------------- failures and bad input
 
 def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
@@ -153,6 +189,13 @@ def test_bad_input_is_one_line(tmp_path):
     bad = python(BENCH / "distributed_benchmarks.py", "--world-sizes", "3", "--global-batch-size", "16",
                  check=False, tmp_path=tmp_path)
     assert_one_line_error(bad, "must divide by every world size")
+    # numeric flags are range-checked where they are defined (distkit.flags)
+    bad = python(BENCH / "distributed_benchmarks.py", "--world-sizes", "2", "0", check=False, tmp_path=tmp_path)
+    assert_one_line_error(bad, "argument --world-sizes: must be a positive integer, got 0")
+    bad = python(BENCH / "distributed_benchmarks.py", "--cell-timeout-s", "-5", check=False, tmp_path=tmp_path)
+    assert_one_line_error(bad, "argument --cell-timeout-s: must be a positive number, got -5")
+    bad = python(BENCH / "harness_overhead.py", "--rounds", "0", check=False, tmp_path=tmp_path)
+    assert_one_line_error(bad, "argument --rounds: must be a positive integer, got 0")
     missing = python(BENCH / "plot.py", "--results", tmp_path / "missing.jsonl", check=False, tmp_path=tmp_path)
     assert_one_line_error(missing, "does not exist")
     (tmp_path / "garbage.jsonl").write_text("not json\n")

@@ -13,7 +13,9 @@ The distributed runs differ from the reference only in the order of floating-poi
 """
 from __future__ import annotations
 
+import importlib.util
 import shlex
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,3 +173,50 @@ def test_communication_overlap_and_plots(tmp_path):
     assert calls[25] == 1 and calls[0.02] > 1  # 16 x 128 x 128 fp32 = 1 MiB: one bucket vs many
     plot(results, tmp_path, tmp_path)
     assert (tmp_path / "bucket_sweep.png").stat().st_size > 0
+
+
+def _load_script(name: str):
+    """Import 05-advanced/<name>.py as a module (its functions, without running main)."""
+    spec = importlib.util.spec_from_file_location(f"ch05_{name}", REPO / "05-advanced" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overlap_is_measured_on_one_timeline():
+    """On CPU, gloo's worker-thread spans against autograd's; on GPU, NCCL kernels against the other
+    *kernels* only: the host spans there are launch times, and a host span covering everything
+    must not make communication look hidden."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    overlap = _load_script("communication_overlap")
+
+    def event(name, start, end, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=Interval(start, end), device_type=device)
+
+    host_backward = event("autograd::engine::evaluate_function: AddmmBackward0", 0, 1000)
+    gpu = [host_backward,
+           event("void at::native::gemm_kernel", 0, 50, DeviceType.CUDA),
+           event("void at::native::gemm_kernel", 60, 100, DeviceType.CUDA),
+           event("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 40, 80,
+                 DeviceType.CUDA),
+           event("record_param_comms", 40, 41)]  # host side of the launch: ignored on GPU
+    result = overlap.overlap_from_profile(gpu, "cuda")
+    assert result["comm_ms"] == pytest.approx(0.040)  # profiler times are microseconds
+    assert result["hidden_fraction"] == pytest.approx(30 / 40)  # [40,50] and [60,80] under kernels
+    cpu = [event("gloo:all_reduce", 0, 10), event("gloo:all_reduce", 20, 30),
+           event("autograd::engine::evaluate_function: AddmmBackward0", 5, 25)]
+    assert overlap.overlap_from_profile(cpu, "cpu")["hidden_fraction"] == pytest.approx(10 / 20)
+
+
+def test_numeric_flags_are_range_checked(tmp_path):
+    """A bad number is one argparse line before any process group exists (distkit.flags types)."""
+    cases = [("pipeline_parallel.py", ["--microbatches", "4", "0"], "argument --microbatches: must be a positive integer, got 0"),
+             ("communication_overlap.py", ["--bucket-mb", "0"], "argument --bucket-mb: must be a positive number, got 0"),
+             ("hybrid_parallelism.py", ["--tp", "-2"], "argument --tp: must be a positive integer, got -2"),
+             ("gradient_accumulation.py", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0, got -1"),
+             ("tensor_parallel.py", ["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'")]
+    for script, args, expected in cases:
+        result = python(REPO / "05-advanced" / script, *args, tmp_path=tmp_path, check=False)
+        assert_one_line_error(result, expected)

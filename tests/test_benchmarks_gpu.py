@@ -1,0 +1,110 @@
+"""benchmarks/ on GPUs (``pytest -m gpu``): a small matrix on NCCL, checked against theory.py the way
+the CPU suite checks its quick matrix, and the cells that need more GPUs than the machine has run on
+CPU/gloo with a note in their record instead of being skipped.
+
+At world size 1 only the model state is compared with theory.py: over a group of one the
+implementations skip some collectives (DTensor, FSDP2's gathers) and keep others (DDP's
+all-reduce), which theory.py does not model, and every bus byte is zero anyway. ZeRO cells are
+checked for placement and memory but not against the byte bars on GPU: DeepSpeed's GPU path may pick
+other collectives than the CPU/gloo path theory.py models (see the README's ZeRO row).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch import job_env, gpu_count, python, require_gpus
+from test_benchmarks import BENCH, BYTES_TOLERANCE, STATE_TOLERANCE, theory
+
+pytestmark = pytest.mark.gpu
+
+SMALL = ("--n-layer", "4", "--steps", "5", "--warmup-steps", "1", "--global-batch-size", "8")
+
+
+def matrix(tmp_path, *flags: str) -> tuple[list[dict], str]:
+    results = tmp_path / "r.jsonl"
+    out = python(BENCH / "distributed_benchmarks.py", *SMALL, *flags, "--results", results,
+                 env=job_env(tmp_path, gpu=True), tmp_path=tmp_path, timeout=1200)
+    return [json.loads(line) for line in results.read_text().splitlines()], out.stdout
+
+
+def assert_gpu_cell(record: dict, world_size: int) -> None:
+    assert record["status"] == "ok", record.get("error")
+    assert (record["backend"], record["device"], record["world_size"]) == ("nccl", "cuda", world_size)
+    assert record["benchmark"]["placement"]["note"] is None
+    metrics = record["metrics"]
+    assert metrics["peak_memory_kind"] == "cuda_max_allocated"
+    for peak, state in zip(metrics["peak_memory_bytes_per_rank"], metrics["model_state_bytes_per_rank"],
+                           strict=True):
+        # Parameters, gradients and optimizer state all sit on the GPU (zero3_offload keeps its
+        # optimizer state in CPU memory, so its state exceeds nothing here but the params); the tiny
+        # model with activations of 8 sequences stays far below 1 GiB.
+        on_gpu = state["params"] if record["strategy"] == "zero3_offload" else sum(state.values())
+        assert on_gpu <= peak < 2**30, (record["strategy"], peak, state)
+    assert metrics["timed_steps"] >= 2 and metrics["step_time_s_median"] > 0
+
+
+def test_single_gpu_matrix_runs_on_nccl_and_matches_theory(tmp_path):
+    require_gpus(1)
+    strategies = ["ddp", "fsdp_full_shard", "fsdp_no_shard", "zero2", "tp", "pp_1f1b"]
+    records, stdout = matrix(tmp_path, "--world-sizes", "1", "--strategies", *strategies)
+    assert [r["strategy"] for r in records] == strategies, stdout[-3000:]
+    for record in records:
+        assert_gpu_cell(record, 1)
+        comparison = theory.compare_record(record)
+        assert comparison["state_error"] <= STATE_TOLERANCE, (record["strategy"], comparison["state"])
+
+
+def test_two_gpu_matrix_meets_the_byte_bars(tmp_path):
+    require_gpus(2, "one GPU per NCCL rank")
+    strategies = ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "tp", "tp_sp", "pp_gpipe", "zero3"]
+    records, stdout = matrix(tmp_path, "--world-sizes", "2", "--strategies", *strategies)
+    assert {r["strategy"] for r in records} == set(strategies), stdout[-3000:]
+    for record in records:
+        assert_gpu_cell(record, 2)
+        comparison = theory.compare_record(record)
+        assert comparison["state_error"] <= STATE_TOLERANCE, (record["strategy"], comparison["state"])
+        if not record["strategy"].startswith("zero"):
+            assert comparison["comm_error"] <= BYTES_TOLERANCE, (record["strategy"], comparison["comm"])
+
+
+def test_quick_groups_free_gpu_memory_between_strategies(tmp_path):
+    """--quick runs several strategies in one process (FSDP's shardings, the pipeline schedules):
+    each one's peak starts on a clean slate, so it is not the previous strategy's peak."""
+    require_gpus(1)
+    records, stdout = matrix(tmp_path, "--world-sizes", "1", "--strategies", "pp_gpipe", "pp_1f1b",
+                             "pp_interleaved_1f1b", "fsdp_full_shard", "fsdp_no_shard")
+    assert len(records) == 5, stdout[-3000:]
+    # Not grouped without --quick: run the same strategies grouped, then compare per strategy.
+    grouped, stdout = matrix(tmp_path / "grouped", "--quick", "--world-sizes", "1", "--n-layer", "4",
+                             "--strategies", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b",
+                             "fsdp_full_shard", "fsdp_no_shard")
+    alone = {r["strategy"]: max(r["metrics"]["peak_memory_bytes_per_rank"]) for r in records}
+    for record in grouped:
+        if record["strategy"] not in alone:
+            continue
+        assert record["benchmark"]["grouped_with"], record["strategy"]
+        peak = max(record["metrics"]["peak_memory_bytes_per_rank"])
+        # The quick matrix uses its own batch (8) and steps, the same as SMALL here: the grouped
+        # peak may differ by allocator rounding, not by a whole earlier model.
+        assert peak <= 1.25 * alone[record["strategy"]] + 2**20, (record["strategy"], peak, alone)
+
+
+def test_cells_beyond_the_gpus_run_on_cpu_with_a_note(tmp_path):
+    """A cell with one rank more than the machine has GPUs: on CPU/gloo (GPUs hidden from it), its
+    record saying so; with --gpu-only it is skipped instead."""
+    require_gpus(1)
+    ranks = gpu_count() + 1
+    records, stdout = matrix(tmp_path, "--world-sizes", str(ranks), "--strategies", "ddp",
+                             "--global-batch-size", str(4 * ranks))
+    (record,) = records
+    assert record["status"] == "ok", record.get("error")
+    assert (record["backend"], record["device"], record["world_size"]) == ("gloo", "cpu", ranks)
+    placement = record["benchmark"]["placement"]
+    assert placement["gpus_hidden"] and f"{ranks} ranks need {ranks} GPUs" in placement["note"]
+    assert "ran on CPU/gloo" in stdout and "cells run on CPU/gloo" in stdout
+    skipped, stdout = matrix(tmp_path / "gpu_only", "--world-sizes", str(ranks), "--strategies", "ddp",
+                             "--global-batch-size", str(4 * ranks), "--gpu-only")
+    (record,) = skipped
+    assert record["status"] == "skipped" and "--gpu-only" in record["error"], stdout[-2000:]
