@@ -359,6 +359,16 @@ class Events:
         with open(self.path, "a") as f:  # one short append per line: ranks do not interleave
             f.write(line + "\n")
 
+    def stamp_stop_signal(self) -> None:
+        """Record when torchrun's SIGTERM (it stops the whole group when one worker dies) arrives,
+        then die of it exactly as without this handler. A rank busy computing when a peer dies
+        gets this signal before its next collective could fail."""
+        def handler(signum, frame):
+            self("stop_signal")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        signal.signal(signal.SIGTERM, handler)
+
 
 def train(cli: argparse.Namespace, started_at: float) -> None:
     wall_start = time.perf_counter()
@@ -371,6 +381,7 @@ def train(cli: argparse.Namespace, started_at: float) -> None:
             events("process_start", process_start_time())
         events("main_entry", started_at)  # interpreter up, torch imported
         events("process_group_ready", group_ready_at)
+        events.stamp_stop_signal()
         gpt = gpt_config(cfg.model_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                          seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
         if cfg.precision == "fp16" and ctx.device.type != "cuda":

@@ -2,11 +2,18 @@
 script, the scaling benchmark, the launchers, and one clear error line for each bad input."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 import yaml
 
 from distkit.checkpoint import atomic_save
@@ -28,6 +35,7 @@ COVERED = {
     "ddp_benchmark.py": "test_scaling_benchmark",
     "launch_ddp.sh": "test_launchers",
     "ddp_spawn.py": "test_launchers",
+    "recovery_report.py": "test_recovery_table_in_readme_is_generated_from_the_record",
 }
 
 
@@ -95,6 +103,10 @@ def test_bad_inputs_give_one_error_line(tmp_path):
     """Each bad input: non-zero exit, one `error:` line, no traceback. Run side by side (one process each)."""
     bad_config = tmp_path / "bad.yaml"
     bad_config.write_text("steps: 10\nlearning_rate: 0.1\n")
+    negative_batch = tmp_path / "negative.yaml"
+    negative_batch.write_text("global_batch_size: -4\n")
+    empty = tmp_path / "empty.pt"
+    empty.touch()
     other_model = tmp_path / "other" / "step_000004.pt"
     atomic_save({"model": {"weight": torch.zeros(3)}, "step": 4}, other_model)
     garbage = tmp_path / "garbage.pt"
@@ -111,8 +123,14 @@ def test_bad_inputs_give_one_error_line(tmp_path):
         ([TRAINING, "--config", bad_config, *common], {}, "unknown key 'learning_rate'"),
         ([TRAINING, "--resume", other_model, *common], {}, "is from a different model"),
         ([TRAINING, "--resume", garbage, *common], {}, "is unreadable"),
+        ([TRAINING, "--resume", empty, *common], {}, "is empty (0 bytes)"),
+        ([TRAINING, "--config", negative_batch, *common], {}, "global_batch_size: must be a positive integer, got -4"),
+        ([TRAINING, "--num-sequences", "8", *common], {}, "--num-sequences 8 must be at least --global-batch-size 32"),
         ([TRAINING, *common], {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy_port)}, "already in use"),
-        ([TRAINING, "--backend", "nccl", *common], {}, "no NCCL"),
+        # GPUs are hidden from every CPU-suite job: a CPU build has no NCCL at all, a CUDA build has
+        # NCCL but no visible GPU (distkit.runtime.choose_backend_and_device words the two apart).
+        ([TRAINING, "--backend", "nccl", *common], {},
+         "1 local ranks need 1 GPUs but this machine has 0" if dist.is_nccl_available() else "no NCCL"),
         ([TRAINING, "--device", "cuda", *common], {}, "GPUs but this machine has 0"),
         ([TRAINING, "--precision", "fp16", *common], {}, "fp16 needs a GPU"),
         ([TRAINING, "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
@@ -126,15 +144,178 @@ def test_bad_inputs_give_one_error_line(tmp_path):
         argv, extra, _ = case
         return python(*map(str, argv), env=job_env(tmp_path, **extra), timeout=240, check=False)
 
+    # torchrun itself hosts the rendezvous store on --master_port: a busy port fails in torchrun,
+    # before any of this repository's code runs, with torchrun's own traceback (the README says so).
+    torchrun_busy = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1",
+                     f"--master_port={busy_port}", str(TRAINING), *common]
     try:
         with ThreadPoolExecutor(max_workers=3) as pool:
             # validate_distributed reports a missing backend as a FAIL line with a hint, exit 1.
             validate = pool.submit(python, CHAPTER / "validate_distributed.py", "--backend", "nccl",
                                    env=job_env(tmp_path), timeout=240, check=False)
+            busy_torchrun = pool.submit(run, torchrun_busy, env=job_env(tmp_path), timeout=240, check=False)
             results = list(pool.map(attempt, cases))
-            validated = validate.result()
+            validated, busy_torchrun = validate.result(), busy_torchrun.result()
     finally:
         busy.close()
     for (argv, _, expected), result in zip(cases, results):
         assert_one_line_error(result, expected)
     assert validated.returncode == 1 and "FAIL  process group" in validated.stdout and "hint:" in validated.stdout
+    assert busy_torchrun.returncode != 0
+    assert "DistNetworkError" in busy_torchrun.stdout and "address already in use" in busy_torchrun.stdout
+    assert "[rank 0]" not in busy_torchrun.stdout  # no worker ever started
+
+
+def load_script(name: str):
+    """Import a chapter script as a module (its main() does not run), to call its argument parsing."""
+    spec = importlib.util.spec_from_file_location(f"ch01_{name}", CHAPTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_error(monkeypatch, capsys, parse, argv) -> str:
+    """Run a script's argument parsing on ``argv`` in this process; it must exit 2 with one error line."""
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        parse()
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
+    """Every count, size and rate is range-checked where its flag is defined (argparse, before any
+    process group) and, for ddp_training.py, the same check applies to config-file values."""
+    training = load_script("ddp_training")
+    for argv, expected in [
+        (["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer, got 0"),
+        (["--global-batch-size", "-8"], "argument --global-batch-size: must be a positive integer, got -8"),
+        (["--grad-accum-steps", "0"], "argument --grad-accum-steps: must be a positive integer, got 0"),
+        (["--base-batch-size", "0"], "argument --base-batch-size: must be a positive integer, got 0"),
+        (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+        (["--num-sequences", "0"], "argument --num-sequences: must be a positive integer, got 0"),
+        (["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+        (["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'"),
+        (["--keep-checkpoints", "0"], "argument --keep-checkpoints: must be a positive integer, got 0"),
+        (["--grad-clip", "-1"], "argument --grad-clip: must be a number >= 0, got -1"),
+    ]:
+        assert expected in parse_error(monkeypatch, capsys, training.parse_cli, argv)
+
+    def config_error(text: str, world_size: int = 4, *flags: str) -> str:
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        monkeypatch.setattr(sys, "argv", ["ddp_training.py", "--config", str(path), *flags])
+        with pytest.raises(training.UsageError) as exc:
+            training.build_config(training.parse_cli(), world_size)
+        return str(exc.value)
+
+    assert config_error("global_batch_size: 0\n").endswith("global_batch_size: must be a positive integer, got 0")
+    assert config_error("grad_accum_steps: 0\n").endswith("grad_accum_steps: must be a positive integer, got 0")
+    assert config_error("base_batch_size: -32\n").endswith("must be a positive integer, got -32")
+    assert config_error("lr: -1\n").endswith("lr: must be a positive number, got -1")
+    assert config_error("log_every: 0\n").endswith("log_every: must be a positive integer, got 0")
+    assert config_error("steps: 2.5\n").endswith("steps: must be a positive integer, got '2.5'")
+    assert config_error("static_graph: 1\n").endswith("'static_graph' must be true or false, got 1")
+    assert config_error("precision: fp8\n").endswith("'precision' must be one of ['fp32', 'bf16', 'fp16'], got 'fp8'")
+    assert "must be at least --global-batch-size 32" in config_error("num_sequences: 16\n")
+    assert "must divide by world size x --grad-accum-steps = 12" in config_error("grad_accum_steps: 3\n")
+    assert "--crash-rank 4 is not a rank of this 4-rank job" in config_error("crash_at_step: 3\ncrash_rank: 4\n")
+    assert "must divide by its head count 3" in config_error("model_size: tiny\nn_head: 3\n")
+    # the example config file is valid; a flag overrides it
+    monkeypatch.setattr(sys, "argv", ["ddp_training.py", "--config", str(CHAPTER / "ddp_training.yaml"),
+                                      "--steps", "7"])
+    assert training.build_config(training.parse_cli(), 4).steps == 7
+
+    # The other chapter scripts' counts and rates, the same way.
+    spawn, scratch, bench = load_script("ddp_spawn"), load_script("ddp_from_scratch"), load_script("ddp_benchmark")
+    validate = load_script("validate_distributed")
+    for parse, argv, expected in [
+        (spawn.parse_args, ["--nproc", "0"], "argument --nproc: must be a positive integer, got 0"),
+        (spawn.parse_args, ["--nproc", "3"], "--nproc 3 must divide --global-batch-size 32"),
+        (spawn.parse_args, ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
+        (scratch.parse_args, ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+        (scratch.parse_args, ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+        (scratch.parse_args, ["--bucket-mb", "-1"], "argument --bucket-mb: must be a number >= 0, got -1"),
+        (bench.parse_args, ["--world-sizes", "1", "0"], "argument --world-sizes: must be a positive integer, got 0"),
+        (bench.parse_args, ["--steps", "3"], "--steps 3 must be > --warmup-steps + 1 = 3"),
+        (validate.parse_args, ["--numel", "0"], "argument --numel: must be a positive integer, got 0"),
+    ]:
+        assert expected in parse_error(monkeypatch, capsys, parse, argv)
+
+
+def dead_pid() -> int:
+    """The PID of a process that has already exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_auto_resume_skips_an_empty_checkpoint_and_removes_stale_temporaries(tmp_path):
+    """A restart loop must not die on what a crash left behind: an empty newest ``step_*.pt`` is
+    skipped with a warning (the previous good one is used), a torn temporary whose writer is dead is
+    removed before the first save, and one whose writer still runs is left alone."""
+    ck = tmp_path / "ck"
+    flags = ["--model-size", "tiny", "--global-batch-size", "4", "--checkpoint-every", "2",
+             "--checkpoint-dir", ck, "--log-dir", tmp_path / "logs", "--results", tmp_path / "r.jsonl"]
+    python(TRAINING, *flags, "--steps", "2", env=job_env(tmp_path), timeout=240)
+    (ck / "step_000004.pt").touch()  # a save that never got its bytes (a full disk, a bad copy)
+    host = socket.gethostname()
+    dead = ck / f"step_000004.pt.tmp.{host}.{dead_pid()}.abc123"
+    live = ck / f"step_000004.pt.tmp.{host}.{os.getpid()}.def456"  # this test process: alive
+    for tmp in (dead, live):
+        tmp.write_bytes(b"half a checkpoint")
+    out = python(TRAINING, *flags, "--steps", "4", env=job_env(tmp_path), timeout=240)
+    assert f"skipping checkpoint {ck / 'step_000004.pt'} is empty (0 bytes)" in out.stdout
+    assert f"resumed from {ck / 'step_000002.pt'} at step 2" in out.stdout
+    assert f"removed {dead}" in out.stdout and not dead.exists()
+    assert live.exists()
+    assert torch.load(ck / "step_000004.pt", weights_only=True)["step"] == 4  # the empty file was replaced
+
+
+def test_launch_ddp_counts_only_visible_gpus_and_checks_its_options(tmp_path):
+    """`launch_ddp.sh` counts GPUs as the workers will see them: with CUDA_VISIBLE_DEVICES empty (as
+    every CPU-suite job has it, on a GPU host too) it launches 4 CPU ranks, never one per hidden GPU."""
+    launcher = CHAPTER / "launch_ddp.sh"
+    env = job_env(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    out = run(["bash", str(launcher), "--dry-run", str(TRAINING)], env=env)
+    assert "no GPU: CPU + gloo" in out.stdout and "--nproc_per_node=4" in out.stdout
+    out = run(["bash", str(launcher), "--dry-run", "--nnodes", "2", "--join-timeout", "45", str(TRAINING)], env=env)
+    assert "--rdzv-conf=join_timeout=45" in out.stdout
+    for options, expected in [(["--nnodes", "two"], "--nnodes must be an integer >= 1, got 'two'"),
+                              (["--join-timeout", "0"], "--join-timeout must be an integer >= 1, got '0'"),
+                              (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 must be below --nnodes 2"),
+                              (["--nproc", "0"], "--gpus/--nproc must be a positive integer or auto"),
+                              (["--master-port", "x"], "--master-port must be an integer >= 1, got 'x'")]:
+        result = run(["bash", str(launcher), "--dry-run", *options, str(TRAINING)], env=env, check=False)
+        assert_one_line_error(result, expected)
+    result = run(["bash", str(launcher), "--dry-run", "--master-port"], env=env, check=False)
+    assert_one_line_error(result, "launcher option --master-port needs a value")
+
+
+def test_missing_node_ends_the_rendezvous_with_one_line(tmp_path):
+    """`--nnodes 3` but only 2 agents start: both end after the join timeout with a non-zero exit
+    and one line saying why, instead of waiting silently for torchrun's default 600 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    join_timeout = 5
+    argv = lambda rank: ["bash", str(CHAPTER / "launch_ddp.sh"), "--nnodes", "3", "--node-rank", str(rank),
+                         "--master-port", str(port), "--join-timeout", str(join_timeout), "--nproc", "1",
+                         str(TRAINING), "--model-size", "tiny", "--steps", "1"]
+    started = time.monotonic()
+    # run()'s timeout is the bound: agents that waited for the default join timeout would hit it.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        agents = list(pool.map(lambda rank: run(argv(rank), env=job_env(tmp_path), timeout=join_timeout + 60,
+                                                check=False), (0, 1)))
+    print(f"both agents ended after {time.monotonic() - started:.1f} s (join timeout {join_timeout} s)")
+    for rank, agent in enumerate(agents):
+        assert f"node {rank} of 3: waiting up to {join_timeout} s" in agent.stdout
+        assert agent.returncode != 0
+        errors = [line for line in agent.stdout.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "rendezvous" in errors[0], agent.stdout[-3000:]
+    assert any(f"not all 3 nodes joined within {join_timeout} s" in agent.stdout for agent in agents)
