@@ -8,7 +8,9 @@ events on GPU, ``time.perf_counter`` on CPU), the time averaged over ranks, then
 * ``busbw = algbw x factor``: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
   broadcast, reduce, sendrecv 1 (``distkit.harness.bus_factor``, the same definition the harness uses
   to count bytes). busbw is comparable with the link speed whatever the collective and rank count;
-* ``#wrong``: elements that differ from the definition in a separate, untimed run on fresh data.
+* ``#wrong``: elements that differ from the definition in a separate, untimed run on fresh data
+  (exactly; for sums whose partial results a low-precision dtype cannot hold exactly, beyond the
+  rounding that summation order allows).
 
 Output: a table per collective in the nccl-tests layout, one JSON record per collective (through the
 harness's ``append_record``) and a PNG of busbw vs size stamped with device, backend and world size.
@@ -22,18 +24,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from argparse import BooleanOptionalAction
+from argparse import ArgumentTypeError, BooleanOptionalAction
 
 import torch
 import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit.flags import non_negative_int, positive_int
 from distkit.harness import append_record, bus_factor, machine_info
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "sendrecv"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HARNESS_NAME = {"sendrecv": "send"}  # distkit.harness names the point-to-point factor "send"
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+CHECK_SLICE = 2**24  # elements compared at a time by the #wrong check (bounds its extra memory)
 
 
 def parse_size(text: str) -> int:
@@ -46,6 +51,24 @@ def parse_size(text: str) -> int:
         return None
 
 
+def byte_size(text: str) -> int:
+    """argparse type: a message size of at least one byte, written like 4096, 64K, 64M or 2G."""
+    size = parse_size(text)
+    if size is None:
+        raise ArgumentTypeError(f"{text!r}: write bytes like 4096, 64K, 64M or 2G")
+    if size < 1:
+        raise ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
+
+
+def step_factor(text: str) -> int:
+    """argparse type: the factor between consecutive sizes, an integer >= 2."""
+    value = positive_int(text)
+    if value < 2:
+        raise ArgumentTypeError(f"must be an integer >= 2, got {value}")
+    return value
+
+
 def parse_args():
     parser = ArgumentParser(description="Sweep message sizes for each collective and report time, algbw, "
                             "busbw (nccl-tests definitions) and wrong elements; write JSON records and a plot.",
@@ -53,45 +76,50 @@ def parse_args():
                                    "bandwidth_test.py --max-bytes 16M")
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
                         help="which collectives to test (default: all)")
-    parser.add_argument("--min-bytes", default="1K", help="smallest message, e.g. 1K (default: 1K)")
-    parser.add_argument("--max-bytes", default=None,
-                        help="largest message (default: 64M on CPU; on GPU 4G or less if memory is short)")
-    parser.add_argument("--step-factor", type=int, default=None,
+    parser.add_argument("--min-bytes", type=byte_size, default="1K", help="smallest message, e.g. 1K (default: 1K)")
+    parser.add_argument("--max-bytes", type=byte_size, default=None,
+                        help="largest message (default: 64M on CPU; on GPU 4G, or less when the GPU "
+                             "with the least free memory is short of it)")
+    parser.add_argument("--step-factor", type=step_factor, default=None,
                         help="multiply the size by this between rows (default: 4 on CPU, 2 on GPU)")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
-    parser.add_argument("--warmup-iters", type=int, default=5, help="untimed iterations before (default: 5)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per size (default: 20)")
+    parser.add_argument("--warmup-iters", type=non_negative_int, default=5,
+                        help="untimed iterations before (default: 5)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="element type (default: float32)")
     parser.add_argument("--p2p-matrix", action=BooleanOptionalAction, default=None,
                         help="also measure send/recv bandwidth between every pair of ranks "
                              "(default: on when there are several GPUs)")
-    parser.add_argument("--p2p-bytes", default=None, help="message size of the pair matrix (default: 4M CPU, 256M GPU)")
+    parser.add_argument("--p2p-bytes", type=byte_size, default=None,
+                        help="message size of the pair matrix (default: 4M CPU, 256M GPU)")
     parser.add_argument("--results", default="runs/bandwidth.jsonl",
                         help="JSON-lines file the records are appended to (default: runs/bandwidth.jsonl)")
     parser.add_argument("--plot", default=None,
                         help="PNG of busbw vs size (default: runs/bandwidth_<device>_<backend>_<n>ranks.png)")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.iters < 1 or args.warmup_iters < 0 or (args.step_factor is not None and args.step_factor < 2):
-        parser.error("--iters must be >= 1, --warmup-iters >= 0 and --step-factor >= 2")
-    for flag in ("min_bytes", "max_bytes", "p2p_bytes"):
-        value = getattr(args, flag)
-        if value is not None and parse_size(value) is None:
-            parser.error(f"--{flag.replace('_', '-')} {value!r}: write bytes like 4096, 64K, 64M or 2G")
-    return args
+    return parser.parse_args()
 
 
 def size_sweep(args, ctx, elem):
-    """The message sizes in bytes, each a whole number of elements divisible by the world size."""
+    """The message sizes in bytes, each a whole number of elements divisible by the world size.
+
+    Every rank gets the same list: the largest size is agreed on by all ranks (see below)."""
     gpu = ctx.device.type == "cuda"
     if args.max_bytes is not None:
-        top = parse_size(args.max_bytes)
-    elif gpu:  # a few GiB, but all_gather needs input + output + a check buffer: stay under 1/6 of free
+        top = args.max_bytes
+    elif gpu:  # a few GiB; a case holds about 5 buffers of the message size (make_case): stay under 1/6
         top = min(4 * 2**30, torch.cuda.mem_get_info(ctx.device)[0] // 6)
     else:
         top = 64 * 2**20
-    low, factor = parse_size(args.min_bytes), args.step_factor or (2 if gpu else 4)
-    if low < 1 or top < low:
-        raise UsageError(f"need 0 < --min-bytes <= --max-bytes (got {low} and {top})")
+    # Each rank read its own GPU's free memory, which differs from GPU to GPU (other processes, NCCL's
+    # buffers). Ranks with different size lists would soon call different collectives and hang, so
+    # they agree on the smallest limit.
+    agreed = torch.tensor([top], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    top = int(agreed.item())
+    low, factor = args.min_bytes, args.step_factor or (2 if gpu else 4)
+    if top < low:
+        where = "--max-bytes" if args.max_bytes is not None else "the size the GPU memory allows"
+        raise UsageError(f"--min-bytes ({low} B) is larger than {where} ({top} B)")
     unit = elem * ctx.world_size
     sizes, size = [], low
     while size <= top:
@@ -106,39 +134,43 @@ def make_case(collective, count, dtype, ctx):
     """Buffers, the call to time, and a function returning #wrong after one run on fresh data.
 
     Rank q's input element i is (q+1) * pattern[i] with pattern = 1..7 repeating, so every result is
-    a small integer multiple of the pattern and exact in every dtype."""
+    a small integer multiple of the pattern. Everything is built in ``dtype`` on ``ctx.device``: an
+    int64 index vector of ``count`` elements would take 2-8x the message on the GPU. A case holds the
+    pattern, the collective's buffers and, while checking, one expected result: about 4-5x the message.
+    """
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     block = count // n
-    pattern = (torch.arange(count, device=dev) % 7 + 1).to(dtype)
+    pattern = torch.arange(1, 8, dtype=dtype, device=dev).repeat(-(-count // 7))[:count]
+    mine = pattern[r * block:(r + 1) * block]  # the pattern at this rank's block position
+    weights = torch.arange(1, n + 1, dtype=dtype, device=dev).view(n, 1)  # (q+1) for q = 0..n-1
     total = n * (n + 1) // 2  # sum over ranks of (q+1)
     right, left = (r + 1) % n, (r - 1) % n
 
     if collective == "all_reduce":
         buf = torch.empty(count, dtype=dtype, device=dev)
         call = lambda: dist.all_reduce(buf)  # noqa: E731
-        fill, result, expected = lambda: buf.copy_(pattern * (r + 1)), lambda: buf, lambda: pattern * total
+        fill, result, expected = lambda: torch.mul(pattern, r + 1, out=buf), lambda: buf, lambda: pattern * total
     elif collective == "all_gather":
         inp, out = torch.empty(block, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
         call = lambda: dist.all_gather_single(out, inp)  # noqa: E731
-        fill, result = lambda: inp.copy_(pattern[r * block:(r + 1) * block] * (r + 1)), lambda: out
-        owner = torch.arange(count, device=dev) // block + 1  # which rank (+1) each output element came from
-        expected = lambda: pattern * owner.to(dtype)  # noqa: E731
+        fill, result = lambda: torch.mul(mine, r + 1, out=inp), lambda: out
+        # output block q came from rank q: the pattern there times (q+1)
+        expected = lambda: (pattern.view(n, block) * weights).view(-1)  # noqa: E731
     elif collective == "reduce_scatter":
         inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(block, dtype=dtype, device=dev)
         call = lambda: dist.reduce_scatter_single(out, inp)  # noqa: E731
-        fill, result = lambda: inp.copy_(pattern * (r + 1)), lambda: out
-        expected = lambda: pattern[r * block:(r + 1) * block] * total  # noqa: E731
+        fill, result = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out
+        expected = lambda: mine * total  # noqa: E731
     elif collective == "all_to_all":
         inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
         call = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
-        fill, result = lambda: inp.copy_(pattern * (r + 1)), lambda: out
-        sender = torch.arange(count, device=dev) // block + 1  # block s of the output came from rank s
-        mine = pattern[r * block:(r + 1) * block].repeat(n)  # ... and is block r of the sender's input
-        expected = lambda: mine * sender.to(dtype)  # noqa: E731
+        fill, result = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out
+        # block s of the output is block r of rank s's input: this rank's pattern block times (s+1)
+        expected = lambda: (mine.unsqueeze(0) * weights).view(-1)  # noqa: E731
     elif collective in ("broadcast", "reduce"):
         buf = torch.empty(count, dtype=dtype, device=dev)
         call = (lambda: dist.broadcast(buf, src=0)) if collective == "broadcast" else (lambda: dist.reduce(buf, dst=0))
-        fill, result = lambda: buf.copy_(pattern * (r + 1)), lambda: buf
+        fill, result = lambda: torch.mul(pattern, r + 1, out=buf), lambda: buf
         if collective == "broadcast":
             expected = lambda: pattern  # noqa: E731
         else:  # only the root's buffer is defined
@@ -150,15 +182,43 @@ def make_case(collective, count, dtype, ctx):
             ops = [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-        fill, result, expected = lambda: inp.copy_(pattern * (r + 1)), lambda: out, lambda: pattern * (left + 1)
+        fill, result, expected = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out, lambda: pattern * (left + 1)
+
+    rtol = summation_rtol(dtype, n) if collective in REDUCING else 0.0
 
     def wrong():
         fill()
         call()
         if expected is None:
             return 0
-        return int((result() != expected()).sum().item())
+        return count_wrong(result(), expected(), rtol)
     return call, wrong
+
+
+def summation_rtol(dtype, n):
+    """Relative error a correct sum over ``n`` ranks may show in ``dtype`` (0: it must be exact).
+
+    The largest partial sum is 7 x (1+2+...+n). While that is an integer the dtype holds exactly
+    (up to 2/eps: 2^24 in float32, 2^11 in float16, 2^8 in bfloat16) every order of summation gives
+    the exact result. Beyond it -- bfloat16 from 9 ranks, float16 from 24 -- each of the n-1 additions
+    may round by half an ulp, in an order the library picks (ring, tree, NVLS), and the expected value
+    is rounded once more: n x eps bounds both.
+    """
+    eps = torch.finfo(dtype).eps
+    return 0.0 if 7 * n * (n + 1) // 2 <= 2 / eps else n * eps
+
+
+def count_wrong(result, expected, rtol):
+    """Elements of ``result`` that differ from ``expected`` (by more than ``rtol`` relative when it is
+    not 0), compared a slice at a time so the check needs little memory beyond the two buffers."""
+    bad = torch.zeros((), dtype=torch.int64, device=result.device)
+    for got, want in zip(result.split(CHECK_SLICE), expected.split(CHECK_SLICE)):
+        if rtol == 0:
+            bad += (got != want).sum()
+        else:
+            got, want = got.double(), want.double()
+            bad += ((got - want).abs() > rtol * want.abs()).sum()
+    return int(bad.item())
 
 
 def timed(call, ctx, iters, warmup):
@@ -186,10 +246,16 @@ def run_collective(collective, sizes, args, ctx, dtype):
     n, elem = ctx.world_size, torch.tensor([], dtype=dtype).element_size()
     rows = []
     for size in sizes:
-        call, wrong = make_case(collective, size // elem, dtype, ctx)
         try:
+            call, wrong = make_case(collective, size // elem, dtype, ctx)
             seconds = timed(call, ctx, args.iters, args.warmup_iters)
             bad = wrong()
+            call = wrong = None  # free this size's buffers before the next, larger one is allocated
+        except torch.OutOfMemoryError:
+            # Only this rank may have run out: carrying on would leave the others waiting in a
+            # collective it never joins. End the job with one line instead.
+            raise UsageError(f"{collective}: out of memory at {size} B messages; pass a smaller "
+                             "--max-bytes", every_rank=False) from None
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             # e.g. a dtype this backend cannot reduce: every rank fails alike before sending anything
             if ctx.is_main:
@@ -223,7 +289,7 @@ def print_table(collective, rows, ctx, args):
 def p2p_matrix(ctx, size, args):
     """GB/s of blocking send/recv from rank i to rank j, one pair at a time, measured on the receiver."""
     n, r = ctx.world_size, ctx.rank
-    buf = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)
+    buf = torch.ones(size, dtype=torch.uint8, device=ctx.device)  # bytes: any --p2p-bytes is exact
     matrix = torch.zeros(n, n, dtype=torch.float64, device=ctx.device)
     for src in range(n):
         for dst in range(n):
@@ -313,7 +379,7 @@ def main():
 
         want_matrix = args.p2p_matrix if args.p2p_matrix is not None else (ctx.device.type == "cuda" and n > 1)
         if want_matrix and n > 1:
-            size = parse_size(args.p2p_bytes or ("256M" if ctx.device.type == "cuda" else "4M"))
+            size = args.p2p_bytes or parse_size("256M" if ctx.device.type == "cuda" else "4M")
             matrix = p2p_matrix(ctx, size, args)
             if ctx.is_main:
                 print(f"\n# send/recv bandwidth matrix, GB/s (row: sender, column: receiver), {size} B messages")
