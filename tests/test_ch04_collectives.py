@@ -1,12 +1,26 @@
 """Chapter 04 on 2 ranks and with bad input: every collective checked against its definition on a
-second world size, a deliberately wrong result reported as FAIL, and one-line errors for bad flags."""
+second world size, a deliberately wrong result reported as FAIL, low-precision sums judged by their
+rounding (not failed for a last-bit difference, still failed for a real error), the bandwidth test's
+#wrong check, and one-line errors for bad flags."""
 from __future__ import annotations
 
+import importlib.util
 import re
+
+import pytest
+import torch
 
 from launch import REPO, assert_one_line_error, python, torchrun
 
 CHAPTER = REPO / "04-nccl-operations"
+
+
+def chapter_module(name: str):
+    """Import a chapter script as a module (its folder name is not a package name)."""
+    spec = importlib.util.spec_from_file_location(f"ch04_{name}", CHAPTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_every_collective_on_two_ranks_and_a_wrong_result_fails(tmp_path):
@@ -29,7 +43,107 @@ def test_bad_input_gives_one_error_line(tmp_path):
     assert_one_line_error(python(CHAPTER / "collective_ops.py", "--only", "allreduce", tmp_path=tmp_path,
                                  check=False), "unknown demo 'allreduce'")
     assert_one_line_error(python(CHAPTER / "bandwidth_test.py", "--max-bytes", "12Q", tmp_path=tmp_path,
-                                 check=False), "--max-bytes '12Q'")
+                                 check=False), "argument --max-bytes: '12Q': write bytes like")
     # a world of one cannot do point-to-point: the process group starts, then a clear error ends it
     assert_one_line_error(python(CHAPTER / "point_to_point.py", tmp_path=tmp_path, check=False),
                           "point-to-point needs at least 2 ranks")
+
+
+def test_numeric_flags_are_range_checked_where_defined(tmp_path):
+    # argparse rejects these before any process group exists: one line each, exit code 2
+    cases = [
+        ("collective_ops.py", ["--numel", "0"], "argument --numel: must be a positive integer, got 0"),
+        ("point_to_point.py", ["--deadlock-timeout-s", "0"],
+         "argument --deadlock-timeout-s: must be a positive number, got 0"),
+        ("bandwidth_test.py", ["--iters", "0"], "argument --iters: must be a positive integer, got 0"),
+        ("bandwidth_test.py", ["--step-factor", "1"], "argument --step-factor: must be an integer >= 2, got 1"),
+        ("bandwidth_test.py", ["--min-bytes", "0"], "argument --min-bytes: must be at least 1 byte, got '0'"),
+        ("debug_lab.py", ["--scenario", "crash", "--timeout-s", "-1"],
+         "argument --timeout-s: must be a positive number, got -1"),
+    ]
+    for script, args, expected in cases:
+        result = python(CHAPTER / script, *args, tmp_path=tmp_path, check=False)
+        assert result.returncode == 2, (script, args, result.stdout[-2000:])
+        assert_one_line_error(result, expected)
+    # the lab's --help tells the default it really uses (10 s), not the shared 300 s
+    help_text = " ".join(python(CHAPTER / "debug_lab.py", "--help", tmp_path=tmp_path).stdout.split())
+    assert "(default: 10)" in help_text and "(default: 300)" not in help_text
+
+
+def test_bfloat16_sums_judged_by_their_rounding_and_a_real_error_still_fails(tmp_path):
+    # bfloat16 holds integers exactly only up to 256. With --numel 64 the reduce-scatter sums on 4 ranks
+    # pass 256, gloo's sequential additions round differently from the exact sum: that used to be a FAIL.
+    # Element 0 of all_reduce(SUM) is 60, exact in bfloat16: the last rank's +1 there must still FAIL.
+    result = torchrun(CHAPTER / "collective_ops.py", "--dtype", "bfloat16", "--numel", "64",
+                      "--corrupt", "all_reduce(SUM)", nproc=4, tmp_path=tmp_path, timeout=240, check=False)
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    assert "14 passed, 1 failed, 0 skipped" in out, out[-3000:]
+    assert re.search(r"^   FAIL all_reduce\(SUM\): rank 3 holds \[61, 64, ", out, flags=re.M), out[-3000:]
+    passes = re.findall(r"^   PASS (\S+)", out, flags=re.M)
+    assert {"reduce_scatter(list)", "reduce_scatter_single", "all_reduce(AVG)", "reduce(SUM)"} <= set(passes)
+
+
+def simulated_sums(values: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The sum of ``values`` as a library may compute it in ``dtype``: rounding after every addition,
+    in three orders (forward as a ring, backward, pairwise as a tree)."""
+    forward = values[0].to(dtype)
+    for v in values[1:]:
+        forward = forward + v.to(dtype)
+    backward = values[-1].to(dtype)
+    for v in reversed(values[:-1]):
+        backward = backward + v.to(dtype)
+    level = [v.to(dtype) for v in values]
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
+    return [forward, backward, level[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_bandwidth_wrong_check_allows_rounding_only_where_sums_are_inexact(dtype):
+    bw = chapter_module("bandwidth_test")
+    pattern = (torch.arange(7 * 64) % 7 + 1).double()  # the test's pattern 1..7
+    for n in range(2, 33):
+        inputs = [pattern * (q + 1) for q in range(n)]  # rank q's input
+        expected = (pattern * (n * (n + 1) // 2)).to(dtype)
+        rtol = bw.summation_rtol(dtype, n)
+        exact = 7 * n * (n + 1) // 2 <= 2 / torch.finfo(dtype).eps
+        assert (rtol == 0) == exact
+        for got in simulated_sums(inputs, dtype):
+            assert bw.count_wrong(got, expected, rtol) == 0, (dtype, n)
+            if exact:  # then even the smallest error counts: one element off by one
+                bad = got.clone()
+                bad[3] += 1
+                assert bw.count_wrong(bad, expected, rtol) == 1
+            else:  # a gross error still counts
+                bad = got.clone()
+                bad[3] *= 1.5
+                assert bw.count_wrong(bad, expected, rtol) == 1
+    # bfloat16 stops being exact after 8 ranks, float16 after 23: the documented limits
+    if dtype == torch.bfloat16:
+        assert bw.summation_rtol(dtype, 8) == 0 < bw.summation_rtol(dtype, 9)
+    if dtype == torch.float16:
+        assert bw.summation_rtol(dtype, 23) == 0 < bw.summation_rtol(dtype, 24)
+
+
+def test_collective_ops_rounding_slack_covers_averages_on_odd_rank_counts():
+    ops = chapter_module("collective_ops")
+    for dtype in (torch.float16, torch.bfloat16):
+        for n in range(2, 9):
+            inputs = [ops.rank_input(q, 64, torch.float64, torch.device("cpu")) for q in range(n)]
+            exact_sum = sum(inputs)
+            for op, expected in (("sum", exact_sum.to(dtype)), ("avg", (exact_sum / n).to(dtype))):
+                slack = ops.rounding_slack(dtype, n, expected, op)
+                for got in simulated_sums(inputs if op == "sum" else
+                                          # NCCL's AVG: every input scaled by 1/n (rounded), then summed
+                                          [(v.to(dtype) * torch.tensor(1 / n, dtype=dtype)).double()
+                                           for v in inputs], dtype):
+                    assert ops.same(got, expected, slack), (dtype, n, op)
+            # where a sum is exact in the dtype there is no slack: an element off by one fails
+            sum_slack = ops.rounding_slack(dtype, n, exact_sum.to(dtype), "sum")
+            exact = exact_sum <= 2 / torch.finfo(dtype).eps
+            assert bool((sum_slack[exact] == 0).all()) and bool((sum_slack[~exact] > 0).all())
+            if exact[0]:
+                bad = exact_sum.to(dtype).clone()
+                bad[0] += 1
+                assert not ops.same(bad, exact_sum.to(dtype), sum_slack)
