@@ -39,7 +39,7 @@ def plot_bubble(records: list[dict], path: str) -> bool:
         ax.plot(ms, [r["bubble"]["measured"] for _, r in points], "o-", color=color, label=f"{schedule} measured")
         ax.plot(ms, [r["bubble"]["theory"] for _, r in points], "--", color=color, label=f"{schedule} theory")
     ax.set_xlabel("micro-batches per step (m)")
-    ax.set_ylabel("idle fraction of a step")
+    ax.set_ylabel("idle fraction of schedule.step()")
     ax.set_ylim(0, 1)
     ax.set_title(f"Pipeline bubble: {where(next(iter(runs.values())))}", fontsize=9)
     ax.legend(fontsize=7)

@@ -8,6 +8,11 @@ state and peak memory, measured bars with the theory.py prediction as a marker),
 world size), ``bandwidth.png`` (bus bandwidth vs message size, when the results hold chapter-04
 sweeps) and ``summary.md``. Every PNG is stamped with the device, backend, world sizes, torch
 version and date the numbers come from. When a cell was run several times the newest record counts.
+
+A results file may hold cells that ran on different devices (``distributed_benchmarks.py`` on a
+machine with fewer GPUs than a cell's ranks runs that cell on CPU/gloo): GPU and CPU numbers are
+then never drawn in one panel nor compared in one scaling curve, and the table gets a column saying
+where each cell ran.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
             if "rows" in record:
                 bandwidth[(strategy, record["world_size"], record.get("device"))] = record
             continue
-        key = (strategy, record.get("world_size"), model_size(record))
+        key = (strategy, record.get("world_size"), model_size(record), where(record))
         if record.get("status", "ok") == "ok" and "metrics" in record:
             cells[key] = record
             problems.pop(key, None)
@@ -57,6 +62,18 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
     order = {name: i for i, name in enumerate(theory.STRATEGIES)}
     sort = lambda r: (model_size(r), order.get(r["strategy"], 99), r["world_size"])  # noqa: E731
     return sorted(cells.values(), key=sort), sorted(problems.values(), key=sort), list(bandwidth.values())
+
+
+def where(record: dict) -> str:
+    """Where a cell ran, e.g. ``cuda/nccl`` or ``cpu/gloo`` (``?`` for a cell that never started)."""
+    if "device" not in record:
+        return "?"
+    return f"{record['device']}/{record.get('backend', '?')}"
+
+
+def mixed(records: list[dict]) -> bool:
+    """True when the records come from more than one device/backend."""
+    return len({where(r) for r in records if where(r) != "?"}) > 1
 
 
 def model_size(record: dict) -> str:
@@ -69,10 +86,15 @@ def stamp(fig, records: list[dict], source: str) -> None:
     if not records:
         return
     first = records[0]
-    machine = first.get("machine", {})
-    device = machine.get("device_name", first.get("device", "?"))
-    if first.get("device") == "cpu":
-        device = f"{machine.get('cpu_cores', '?')}-core CPU ({machine.get('cpu', 'unknown CPU')})"
+    devices = []
+    for record in records:  # every device the numbers come from, in order of appearance
+        machine = record.get("machine", {})
+        device = machine.get("device_name", record.get("device", "?"))
+        if record.get("device") == "cpu":
+            device = f"{machine.get('cpu_cores', '?')}-core CPU ({machine.get('cpu', 'unknown CPU')})"
+        if device not in devices:
+            devices.append(device)
+    device = " + ".join(devices)
     worlds = sorted({r["world_size"] for r in records})
     dates = sorted(r.get("timestamp", "")[:10] for r in records if r.get("timestamp"))
     backends = sorted({r.get("backend", "?") for r in records})
@@ -109,9 +131,11 @@ def _grouped(ax, records, value, ylabel, predicted=None, log=False):
 
 
 def _by_model(records):
+    """Panels: one per model size, and per device/backend when the records mix them."""
+    split = mixed(records)
     groups = defaultdict(list)
     for r in records:
-        groups[model_size(r)].append(r)
+        groups[f"{model_size(r)} on {where(r)}" if split else model_size(r)].append(r)
     return groups
 
 
@@ -219,9 +243,12 @@ def _save(fig, records, path, source):
 
 def summary_table(records: list[dict], problems: list[dict]) -> str:
     """Markdown: one row per cell, measured next to predicted, and the cells that failed."""
+    split = mixed(records)
     lines = ["| strategy | ranks | model | step ms | tokens/s | model state MiB/rank (theory) | "
              "bus MiB/step rank 0 (theory) | peak MiB/rank |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
+    if split:  # say where each cell ran; peak memory is GPU-allocated on one, process RSS on the other
+        lines = [lines[0].replace("| model |", "| model | ran on |"), lines[1].replace("|---|---:|---|", "|---|---:|---|---|", 1)]
     preds = _predictions(records)
     for r in records:
         m, p = r["metrics"], preds[id(r)]
@@ -231,10 +258,12 @@ def summary_table(records: list[dict], problems: list[dict]) -> str:
         p_bus = f"{sum(c['bus_bytes'] for c in p['comm_per_rank'][0].values()) / MIB:.3f}" if p else "-"
         step = m["step_time_s_median"]
         lines.append(f"| {r['strategy']} | {r['world_size']} | {model_size(r)} | "
+                     + (f"{where(r)} | " if split else "") +
                      f"{step * 1e3:.1f} | {m['tokens_per_s'] or 0:,.0f} | {state:.3f} ({p_state}) | "
                      f"{bus:.3f} ({p_bus}) | {max(m['peak_memory_bytes_per_rank']) / MIB:,.0f} |")
     for r in problems:
         lines.append(f"| {r['strategy']} | {r.get('world_size', '?')} | {model_size(r)} | "
+                     + ("| " if split else "") +
                      f"{r.get('status', 'failed')}: {r.get('error', '')} | | | | |")
     return "\n".join(lines) + "\n"
 

@@ -169,6 +169,24 @@ def test_cells_beyond_the_gpus_are_planned_on_cpu_not_skipped():
     assert all(c.placement == bench.Placement("auto", "auto") for c in cells) and len(cells) == 4
 
 
+def test_plot_keeps_cells_from_different_devices_apart(tmp_path):
+    """A results file with a GPU cell next to CPU/gloo cells (what a matrix on a one-GPU machine
+    writes): both rows stay, the table says where each ran, and panels are split per device. The
+    GPU record is a relabelled copy of a CPU one: only the bookkeeping is under test here."""
+    plot = _load("plot")
+    records = [json.loads(line) for line in COMMITTED_RESULTS.read_text().splitlines()]
+    ddp = next(r for r in records if r["strategy"] == "ddp" and r["world_size"] == 2 and r.get("status") == "ok")
+    relabelled = dict(ddp, backend="nccl", device="cuda", machine=dict(ddp["machine"], device_name="GPU X"))
+    mixed_file = tmp_path / "mixed.jsonl"
+    mixed_file.write_text("".join(json.dumps(r) + "\n" for r in (ddp, relabelled)))
+    cells, _, _ = plot.load(mixed_file)
+    assert [plot.where(r) for r in cells] == ["cpu/gloo", "cuda/nccl"]
+    table = plot.summary_table(cells, [])
+    assert "| ran on |" in table and "| ddp | 2 | tiny | cpu/gloo |" in table and "| ddp | 2 | tiny | cuda/nccl |" in table
+    assert set(plot._by_model(cells)) == {"tiny on cpu/gloo", "tiny on cuda/nccl"}
+    assert "| ran on |" not in plot.summary_table([ddp], [])  # one device: the table as before
+
+
 # ---------------------------------------------------------------- failures and bad input
 
 def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
