@@ -11,7 +11,8 @@
 * ``missing-rank``: the last rank never reaches the all_reduce (stuck elsewhere). The process-group
   timeout ends the wait; ``monitored_barrier`` then names the missing rank.
 * ``crash``: the last rank dies in the middle of training. The survivors' next collective fails (the
-  peer's sockets closed, or the timeout fired) and torchrun stops the job with the dead rank's exit code.
+  peer's sockets closed, or the timeout fired); they wait to be stopped, so torchrun names the dead
+  rank and its exit code as the first failure.
 
 The failing collectives of ``missing-rank`` and ``crash`` run on the job's own backend with tensors on
 ``ctx.device`` (NCCL and GPU tensors on a GPU job). ``mismatch`` and the roll call run on gloo side
@@ -174,7 +175,12 @@ def crash(ctx, log):
                       "closed, or the timeout fired;\ntorchrun then stops every other rank and reports the "
                       "first failure (exit code 3 of the crashed rank).")
                 print(f"error: [rank 0] lost a peer at step {step}; it crashed (see its exit code above)",
-                      file=sys.stderr)
+                      file=sys.stderr, flush=True)
+            # Let torchrun stop this rank instead of exiting first: its summary then names the rank
+            # that really crashed as the first failure (survivors that exit at once can get there
+            # first and be reported as the root cause). Bounded, in case nobody stops us.
+            sys.stdout.flush()
+            time.sleep(ctx.timeout_s)
             return 1
         log.info(f"step {step}: all_reduce ok" if total == n else f"step {step}: all_reduce gave {total:g}, not {n}")
     return 0
