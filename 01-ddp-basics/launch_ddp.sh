@@ -51,9 +51,10 @@ fi
 # GPUs are counted the way the workers will see them: through torch, so CUDA_VISIBLE_DEVICES
 # applies (`nvidia-smi -L` lists every GPU of the machine, hidden ones too). No NVIDIA driver, or
 # CUDA_VISIBLE_DEVICES set but empty, means no GPU without paying for the torch import.
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
 GPU_COUNT=0
 if command -v nvidia-smi >/dev/null 2>&1 && [[ "${CUDA_VISIBLE_DEVICES-unset}" != "" ]]; then
-  GPU_COUNT=$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' \
+  GPU_COUNT=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' \
               2>/dev/null || echo 0)
 fi
 if [[ "$NPROC" == auto ]]; then
@@ -83,7 +84,7 @@ if [[ "$MAX_RESTARTS" -gt 0 ]]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # Node 0 hosts the rendezvous on --master-port: if something already listens there, say so in one
 # line instead of letting torchrun fail with a traceback.
-if [[ "$NNODES" -gt 1 && "$NODE_RANK" -eq 0 && "$DRY_RUN" -eq 0 ]] && ! python - "$MASTER_ADDR_" "$MASTER_PORT_" 2>/dev/null <<'PY'
+if [[ "$NNODES" -gt 1 && "$NODE_RANK" -eq 0 && "$DRY_RUN" -eq 0 ]] && ! "$PYTHON" - "$MASTER_ADDR_" "$MASTER_PORT_" 2>/dev/null <<'PY'
 import socket, sys
 with socket.socket() as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,7 +104,7 @@ else
         --rdzv-endpoint="$MASTER_ADDR_:$MASTER_PORT_" --rdzv-id="${RDZV_ID:-ddp-job}"
         --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
 fi
-if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=(python -m torch.distributed.run); fi
+if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=("$PYTHON" -m torch.distributed.run); fi
 CMD=("${TORCHRUN[@]}" "${RDZV[@]}" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" "$@")
 
 echo "launching $NNODES node(s) x $NPROC processes ($([[ $GPU_COUNT -gt 0 ]] && echo "$GPU_COUNT GPUs here" || echo "no GPU: CPU + gloo")):"
@@ -141,4 +142,4 @@ elif code != 0 and keys[1] in seen:
           "be reached (see node 0's output)", file=sys.stderr, flush=True)
 sys.exit(code if code >= 0 else 128 - code)
 PY
-exec python -c "$WATCH" "$MASTER_ADDR_:$MASTER_PORT_" "$NNODES" "$JOIN_TIMEOUT" "${CMD[@]}"
+exec "$PYTHON" -c "$WATCH" "$MASTER_ADDR_:$MASTER_PORT_" "$NNODES" "$JOIN_TIMEOUT" "${CMD[@]}"

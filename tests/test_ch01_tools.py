@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -319,3 +320,56 @@ def test_missing_node_ends_the_rendezvous_with_one_line(tmp_path):
         errors = [line for line in agent.stdout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "rendezvous" in errors[0], agent.stdout[-3000:]
     assert any(f"not all 3 nodes joined within {join_timeout} s" in agent.stdout for agent in agents)
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """``{global rank: pid}`` of the workers a torchrun agent started (its children's RANK)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                continue
+            env = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = int(entry.name)
+    return ranks
+
+
+def test_stopped_rank_ends_the_job_after_the_timeout_and_torchruns_grace(tmp_path):
+    """A rank that stops responding (SIGSTOP: a hung node, a debugger) is not a crash: the others
+    wait in their collective until --timeout-s, rank 0 then ends with one line, and torchrun's
+    SIGTERM cannot stop a stopped process, so torchrun waits its 30 s grace and SIGKILLs it."""
+    timeout_s = 5
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAINING),
+           "--model-size", "tiny", "--global-batch-size", "4", "--steps", "100000", "--checkpoint-every", "100000",
+           "--timeout-s", str(timeout_s), "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
+           "--results", str(tmp_path / "r.jsonl")]
+    agent = subprocess.Popen(cmd, env=job_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    events = tmp_path / "logs" / "events.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (events.exists() and '"first_step_done", "rank": 1' in events.read_text()):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        rank1 = worker_pids(agent.pid)[1]
+        os.kill(rank1, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        out, _ = agent.communicate(timeout=timeout_s + 30 + 90)
+        print(f"job ended {time.monotonic() - stopped_at:.1f} s after SIGSTOP (--timeout-s {timeout_s})")
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.communicate()
+    assert agent.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: [rank 0] a collective timed out: a peer rank died, hung or never arrived")
+    assert f"Timed out waiting {timeout_s * 1000}ms" in errors[0]
+    # torchrun's SIGTERM (15) cannot end a stopped process; after its 30 s grace it sends SIGKILL (9).
+    assert f"Sending process {rank1} closing signal SIGTERM" in out
+    assert f"Unable to shutdown process {rank1} via 15, forcefully exiting via 9" in out
