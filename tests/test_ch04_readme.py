@@ -105,10 +105,16 @@ def check_missing_rank(out: str, tmp_path: Path) -> None:
     assert "Ranks 3 failed to pass monitoredBarrier" in out
 
 
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank +: (\d+) .*\n"
+                        r"  exitcode +: (-?\d+)")
+
+
 def check_crash(out: str, tmp_path: Path) -> None:
     assert "[rank 3] step 3: simulated crash" in out, out[-3000:]
+    assert "[rank 0] step 2: all_reduce ok" in out  # steps before the crash really completed
     assert "error: [rank 0] lost a peer at step 3" in out
-    assert "exitcode: 3" in out or "exitcode: 1" in out  # torchrun's summary names a failed rank
+    # torchrun names the rank that crashed, with its exit code, as the first failure (not a survivor)
+    assert ROOT_CAUSE.search(out) and ROOT_CAUSE.search(out).groups() == ("3", "3"), out[-2500:]
 
 
 # README command -> (flags appended to keep it quick and inside tmp_path, expected exit, checker)
