@@ -136,10 +136,10 @@ if code != 0 and keys[0] in seen:
           "--nnodes, --master-addr and --master-port", file=sys.stderr, flush=True)
 elif code != 0 and keys[2] in seen:
     print(f"error: the rendezvous at {where} was closed by another node's agent (it timed out "
-          "waiting for the other nodes, or failed: see node 0's output)", file=sys.stderr, flush=True)
+          "waiting for the other nodes, or failed: see the other nodes' output)", file=sys.stderr, flush=True)
 elif code != 0 and keys[1] in seen:
-    print(f"error: lost the rendezvous at {where}: node 0's agent, which hosts it, exited or cannot "
-          "be reached (see node 0's output)", file=sys.stderr, flush=True)
+    print(f"error: lost the rendezvous at {where}: the agent that hosts it (on the --master-addr node) "
+          "exited or cannot be reached; see that node's output", file=sys.stderr, flush=True)
 sys.exit(code if code >= 0 else 128 - code)
 PY
 exec "$PYTHON" -c "$WATCH" "$MASTER_ADDR_:$MASTER_PORT_" "$NNODES" "$JOIN_TIMEOUT" "${CMD[@]}"

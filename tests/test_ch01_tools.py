@@ -3,6 +3,7 @@ script, the scaling benchmark, the launchers, and one clear error line for each 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -373,3 +374,22 @@ def test_stopped_rank_ends_the_job_after_the_timeout_and_torchruns_grace(tmp_pat
     # torchrun's SIGTERM (15) cannot end a stopped process; after its 30 s grace it sends SIGKILL (9).
     assert f"Sending process {rank1} closing signal SIGTERM" in out
     assert f"Unable to shutdown process {rank1} via 15, forcefully exiting via 9" in out
+
+
+def test_recovery_table_in_readme_is_generated_from_the_record(tmp_path):
+    """The README's recovery table is exactly what `recovery_report.py` prints from the committed
+    record, and every record line says what was run, where and when."""
+    record = [json.loads(line) for line in (CHAPTER / "recovery_times.jsonl").read_text().splitlines() if line]
+    assert record
+    for entry in record:
+        assert {"command", "machine", "torch_version", "date", "phases_s", "bit_identical",
+                "max_abs_diff_vs_uninterrupted"} <= entry.keys()
+    newest = [e for e in record if e["session"] == record[-1]["session"]]
+    assert {e["config"] for e in newest} == {"default flags", "--find-unused-parameters"}
+    assert all(e["bit_identical"] for e in newest if e["config"] == "--find-unused-parameters")
+    printed = run(readme_argv("recovery_report.py"), env=job_env(tmp_path)).stdout.strip()
+    text = README.read_text()
+    begin, end = "<!-- recovery_report.py output: begin -->\n", "\n<!-- recovery_report.py output: end -->"
+    assert begin in text and end in text
+    pasted = text[text.index(begin) + len(begin):text.index(end)].strip()
+    assert pasted == printed, "re-paste the output of: python 01-ddp-basics/recovery_report.py"
