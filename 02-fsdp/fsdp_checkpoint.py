@@ -199,6 +199,9 @@ def atomic_save_json(obj, path):
     folder, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{name}.tmp.{socket.gethostname()}.{os.getpid()}.")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it private (0600); readable like the shard files
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
             f.flush()
