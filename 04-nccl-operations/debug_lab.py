@@ -80,7 +80,10 @@ def group(timeout_s, debug_level):
 
 def mismatch(ctx, log):
     n, r = ctx.world_size, ctx.rank
-    numel = 5 if r == n - 1 else 4  # the bug: one rank's tensor has another shape
+    # The bug: one rank's tensor has another shape. (Shorter, not longer: a rank that receives more
+    # bytes than its own shape allows makes gloo's transport thread abort the whole process, seen on
+    # 2 and 3 ranks, which would end the lab before it can report.)
+    numel = 3 if r == n - 1 else 4
 
     # 1. With DETAIL: before running it, each collective's fingerprint is compared across ranks.
     checked = group(ctx.timeout_s, dist.DebugLevel.DETAIL)
@@ -101,7 +104,7 @@ def mismatch(ctx, log):
     tensor, start = torch.ones(numel), time.perf_counter()
     try:
         dist.all_reduce(tensor, group=unchecked)
-        verdict = "right" if bool((tensor[:4] == n).all()) else "WRONG, and nothing complains"
+        verdict = "right" if bool((tensor == n).all()) else "WRONG, and nothing complains"
         plain = f"returned {tensor.tolist()} after {time.perf_counter() - start:.1f} s ({verdict})"
     except RuntimeError as exc:
         plain = f"failed after {time.perf_counter() - start:.1f} s: {short(exc, 90)}"
