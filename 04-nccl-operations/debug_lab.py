@@ -174,9 +174,9 @@ def crash(ctx, log):
                        f"{short(exc)}")
             log.info(message)
             if ctx.is_main:
-                print(f"\nrank 0: {message}\nThe survivors ended instead of hanging: the dead rank's sockets "
-                      "closed, or the timeout fired;\ntorchrun then stops every other rank and reports the "
-                      "first failure (exit code 3 of the crashed rank).")
+                print(f"\nrank 0: {message}\nThe survivors noticed instead of hanging: the dead rank's sockets "
+                      "closed, or the timeout fired.\nThey wait for torchrun, which stops them and reports the "
+                      "first failure: the crashed rank and its exit code 3.")
                 print(f"error: [rank 0] lost a peer at step {step}; it crashed (see its exit code above)",
                       file=sys.stderr, flush=True)
             # Let torchrun stop this rank instead of exiting first: its summary then names the rank

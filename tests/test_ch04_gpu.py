@@ -180,7 +180,7 @@ def test_debug_lab_scenarios_on_two_gpus(tmp_path):
             assert waited and float(waited.group(1)) >= 0.8 * timeout_s, out[-3000:]
             assert "Ranks 1 failed to pass monitoredBarrier" in out
         else:
-            assert "[rank 0] step 2: all_reduce ok" in out, out[-3000:]  # no failure at step 1
+            assert "[rank 0] step 1: all_reduce ok" in out, out[-3000:]  # no failure at step 1
             assert "[rank 1] step 3: simulated crash" in out
             assert ROOT_CAUSE.search(out) and ROOT_CAUSE.search(out).groups() == ("1", "3"), out[-3000:]
         time.sleep(0.5)

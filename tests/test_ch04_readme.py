@@ -111,8 +111,12 @@ ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?: 
 
 def check_crash(out: str, tmp_path: Path) -> None:
     assert "[rank 3] step 3: simulated crash" in out, out[-3000:]
-    assert "[rank 0] step 2: all_reduce ok" in out  # steps before the crash really completed
-    assert "error: [rank 0] lost a peer at step 3" in out
+    # rank 3 reached step 3 only after rank 0 finished step 2, so rank 0 had logged step 1 by then
+    assert "[rank 0] step 1: all_reduce ok" in out
+    # Rank 0 reports the lost peer when it notices before torchrun (polling every 0.1 s) stops it:
+    # usually, not always on a loaded machine. When it does, it is about step 3.
+    lost = re.findall(r"^error: \[rank 0\] lost a peer at step (\d+)", out, flags=re.M)
+    assert lost in ([], ["3"]), lost
     # torchrun names the rank that crashed, with its exit code, as the first failure (not a survivor)
     assert ROOT_CAUSE.search(out) and ROOT_CAUSE.search(out).groups() == ("3", "3"), out[-2500:]
 
