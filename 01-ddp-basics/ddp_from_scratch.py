@@ -43,12 +43,15 @@ def parse_args():
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
     parser.add_argument("--lr-warmup-steps", type=non_negative_int, default=10,
                         help="linear LR warm-up, then cosine decay to 10%% (default: 10)")
-    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    parser.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="clip the gradient norm (0 = off; default: 1.0)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01,
+                        help="AdamW weight decay (default: 0.01)")
+    parser.add_argument("--grad-clip", type=non_negative_float, default=1.0,
+                        help="clip the gradient norm (0 = off; default: 1.0)")
     parser.add_argument("--bucket-mb", type=non_negative_float, default=0.0,
                         help="0 = one all-reduce per parameter tensor (default); >0 = flatten gradients "
                              "into buckets of this many MiB first, as DDP does (but still after backward)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                        help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--log-every", type=positive_int, default=20, help="log the loss every N steps (default: 20)")
     parser.add_argument("--results", default="runs/results.jsonl",
                         help="the harness appends this run's JSON record here (default: runs/results.jsonl)")
