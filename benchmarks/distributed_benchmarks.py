@@ -8,6 +8,10 @@ steps after the warm-up, counts the collectives on an untimed step and records p
 this runner only launches, collects the records into one results file and keeps going when a cell
 fails (the failure is recorded with its error line).
 
+On a GPU machine a cell runs on NCCL when the machine has one GPU per rank; a cell with more ranks
+than GPUs runs on CPU/gloo with the GPUs hidden from it, and its output line and record
+(``benchmark.placement.note``) say so (``--gpu-only`` skips such cells instead).
+
     python benchmarks/distributed_benchmarks.py --quick                 # CI: tiny model, minutes
     python benchmarks/distributed_benchmarks.py --world-sizes 2 4 --model-size tiny small
     python benchmarks/distributed_benchmarks.py --strategies ddp fsdp_full_shard zero3 --world-sizes 8 \\
