@@ -21,7 +21,6 @@ Then ``python benchmarks/plot.py`` turns the results file into the comparison pl
 """
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from distkit import ArgumentParser, UsageError, run_main
+from distkit import ArgumentParser, run_main
 from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.harness import append_record, read_records
 from distkit.logs import progress

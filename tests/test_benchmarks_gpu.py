@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from launch import job_env, gpu_count, python, require_gpus
+from distkit.harness import read_records
+from launch import REPO, gpu_count, job_env, python, require_gpus
 from test_benchmarks import BENCH, BYTES_TOLERANCE, STATE_TOLERANCE, theory
 
 pytestmark = pytest.mark.gpu
@@ -69,26 +70,27 @@ def test_two_gpu_matrix_meets_the_byte_bars(tmp_path):
             assert comparison["comm_error"] <= BYTES_TOLERANCE, (record["strategy"], comparison["comm"])
 
 
-def test_quick_groups_free_gpu_memory_between_strategies(tmp_path):
-    """--quick runs several strategies in one process (FSDP's shardings, the pipeline schedules):
-    each one's peak starts on a clean slate, so it is not the previous strategy's peak."""
+@pytest.mark.parametrize("script, strategy_flags", [
+    ("05-advanced/pipeline_parallel.py", ("--schedule", "1f1b", "1f1b", "--microbatches", "4",
+                                          "--checkpoint", "{tmp}/pp_{{schedule}}_{{microbatches}}.pt")),
+    ("02-fsdp/fsdp_transformer.py", ("--sharding", "full_shard", "full_shard")),
+], ids=["pipeline", "fsdp"])
+def test_grouped_strategies_start_on_a_clean_gpu_slate(script, strategy_flags, tmp_path):
+    """--quick runs several strategies in one process (a grouped cell). The same strategy twice in a
+    row must report the same peak: were the first one's model and AdamW state (16 bytes/parameter,
+    80 MB for the medium model) still allocated, or counted, the second peak would exceed the first
+    by about that much."""
     require_gpus(1)
-    records, stdout = matrix(tmp_path, "--world-sizes", "1", "--strategies", "pp_gpipe", "pp_1f1b",
-                             "pp_interleaved_1f1b", "fsdp_full_shard", "fsdp_no_shard")
-    assert len(records) == 5, stdout[-3000:]
-    # Not grouped without --quick: run the same strategies grouped, then compare per strategy.
-    grouped, stdout = matrix(tmp_path / "grouped", "--quick", "--world-sizes", "1", "--n-layer", "4",
-                             "--strategies", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b",
-                             "fsdp_full_shard", "fsdp_no_shard")
-    alone = {r["strategy"]: max(r["metrics"]["peak_memory_bytes_per_rank"]) for r in records}
-    for record in grouped:
-        if record["strategy"] not in alone:
-            continue
-        assert record["benchmark"]["grouped_with"], record["strategy"]
-        peak = max(record["metrics"]["peak_memory_bytes_per_rank"])
-        # The quick matrix uses its own batch (8) and steps, the same as SMALL here: the grouped
-        # peak may differ by allocator rounding, not by a whole earlier model.
-        assert peak <= 1.25 * alone[record["strategy"]] + 2**20, (record["strategy"], peak, alone)
+    results = tmp_path / "r.jsonl"
+    flags = [flag.format(tmp=tmp_path) for flag in strategy_flags]
+    python(REPO / script, *flags, "--model-size", "medium", "--steps", "3", "--warmup-steps", "1",
+           "--global-batch-size", "8", "--results", results, "--backend", "nccl",
+           env=job_env(tmp_path, gpu=True), tmp_path=tmp_path, timeout=600)
+    first, second = [r["metrics"] for r in read_records(results)]
+    state = sum(first["model_state_bytes_per_rank"][0].values())
+    (peak_1,), (peak_2,) = first["peak_memory_bytes_per_rank"], second["peak_memory_bytes_per_rank"]
+    assert state <= peak_1 and state <= peak_2
+    assert abs(peak_2 - peak_1) < 0.25 * state, (peak_1, peak_2, state)
 
 
 def test_cells_beyond_the_gpus_run_on_cpu_with_a_note(tmp_path):
