@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.checkpoint import (_temporary_prefix, atomic_save, load_model_state,
+from distkit.checkpoint import (temporary_prefix, atomic_save, load_model_state,
                                 remove_stale_temporaries, safe_load)
 from distkit.flags import check_value, non_negative_float, non_negative_int, positive_float, positive_int
 from distkit.harness import Harness
@@ -262,7 +262,7 @@ def save_checkpoint(cfg, ctx, log, step, model, optimizer, scheduler, scaler, lo
         # atomic_save's, with this host and PID, so the next start can tell its writer is dead).
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path.name))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name))
         os.write(fd, buffer.getvalue()[: len(buffer.getvalue()) // 2])
         os.fsync(fd)
         log.warning(f"fault injection: rank 0 killed while writing {tmp}")

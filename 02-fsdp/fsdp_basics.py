@@ -32,7 +32,6 @@ from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
-from fsdp_common import model_config_or_error
 
 SHOWN = ["tok_emb.weight", "blocks.0.attn.q_proj.weight", "blocks.0.ln_1.weight", "lm_head.weight"]
 
@@ -55,7 +54,7 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    model_config_or_error(parser, args)
+    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import tempfile
 import time
 
 import torch
@@ -30,13 +28,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.checkpoint import (atomic_save, dcp_errors_as_usage_errors, remove_stale_temporaries,
-                                safe_load)
+from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_usage_errors,
+                                remove_stale_temporaries, safe_load)
 from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
-from fsdp_common import model_config_or_error
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -67,7 +64,7 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    model_config_or_error(parser, args)
+    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
 
 
@@ -171,7 +168,7 @@ def save_dcp(model, optimizer, folder, step, cfg, ctx):
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
     if ctx.is_main:  # dcp.save returns on every rank once all shards and the metadata are written
         # Recording the model's shape lets a resume name the difference before DCP reads a byte.
-        atomic_save_json({"step": step, "world_size": ctx.world_size, "model": cfg.to_dict()},
+        atomic_write_json({"step": step, "world_size": ctx.world_size, "model": cfg.to_dict()},
                          os.path.join(staging, "trainer_state.json"))
         shutil.rmtree(f"{folder}.old", ignore_errors=True)
         if os.path.exists(folder):
@@ -188,29 +185,6 @@ def save_full(model, optimizer, path, step, ctx):
     model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
     if ctx.is_main:
         atomic_save({"model": model_state, "optim": optim_state, "step": step}, path)
-
-
-def atomic_save_json(obj, path):
-    """Write JSON to a unique temporary file beside ``path``, fsync, then rename it over ``path``.
-
-    The temporary is named like distkit.checkpoint.atomic_save's (``<name>.tmp.<host>.<pid>.<random>``),
-    so two writers never share one, and remove_stale_temporaries can tell a killed writer's leftover.
-    """
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{name}.tmp.{socket.gethostname()}.{os.getpid()}.")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it private (0600); readable like the shard files
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def folder_bytes(folder):

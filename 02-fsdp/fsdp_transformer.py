@@ -35,7 +35,6 @@ from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
-from fsdp_common import model_config_or_error
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
@@ -77,7 +76,7 @@ def parse_args(argv=None):
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    model_config_or_error(parser, args)
+    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
 
 

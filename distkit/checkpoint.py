@@ -7,29 +7,36 @@ and at worst a stray ``*.tmp*`` file, never a truncated checkpoint under the rea
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 from .runtime import UsageError
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Write a file atomically: ``write(f)`` fills a temporary file beside ``path``, which is then
+    flushed, fsynced and renamed over ``path``. Readers see the old file or the new one, never half.
+
+    The temporary is named ``<name>.tmp.<host>.<pid>.<random>`` so that a later start can tell a torn
+    file left by a killed writer (:func:`remove_stale_temporaries`) from one a live writer is still
+    filling. The result gets the usual permissions (0666 minus the umask), not ``mkstemp``'s 0600, so
+    other users of a shared cluster folder can read it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The writer's host and PID are in the name, so a later start can tell a torn file left by a
-    # killed writer (removable) from one that a live writer is still filling.
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path.name))
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name))
     try:
+        os.fchmod(fd, 0o666 & ~_current_umask())
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
@@ -39,7 +46,25 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def _temporary_prefix(name: str) -> str:
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` through :func:`atomic_write`: a crash mid-save never leaves a torn checkpoint."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
+    """``json.dump`` through :func:`atomic_write` (trainer state, metadata beside a checkpoint)."""
+    return atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; set it straight back
+    os.umask(mask)
+    return mask
+
+
+def temporary_prefix(name: str) -> str:
+    """The start of an in-progress temporary's name for file ``name`` written by this process:
+    ``<name>.tmp.<host>.<pid>.`` (``mkstemp`` adds a random suffix)."""
     return f"{name}.tmp.{socket.gethostname()}.{os.getpid()}."
 
 
@@ -123,8 +148,10 @@ def dcp_errors_as_usage_errors(checkpoint_dir: str | os.PathLike) -> Iterator[No
     try:
         yield
     except CheckpointException as exc:
-        causes = [f"{type(err).__name__}: {_first_line(err)}"
+        # failures maps a rank to (exception, traceback summary)
+        errors = [err[0] if isinstance(err, tuple) else err
                   for err in getattr(exc, "failures", {}).values()]
+        causes = [f"{type(err).__name__}: {_first_line(err)}" for err in errors]
         detail = causes[0] if causes else _first_line(exc)
         raise UsageError(f"DCP checkpoint {checkpoint_dir} does not fit this model or is damaged "
                          f"({detail[:200]})") from None

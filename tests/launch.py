@@ -1,6 +1,7 @@
 """Helpers the tests use to launch real multi-process jobs (torchrun subprocesses, never mocks)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -34,6 +35,7 @@ def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> di
     return env
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
     """GPUs on this machine, counted in a fresh process (the test process itself hides them when
     it runs the CPU suite)."""

@@ -305,8 +305,6 @@ def test_bad_input_gives_one_error_line(tmp_path):
 
 def load_script(name: str):
     """Import a chapter script as a module (its parse_args is then called in this process)."""
-    if str(CHAPTER) not in sys.path:
-        sys.path.insert(0, str(CHAPTER))  # the scripts import fsdp_common from their own folder
     spec = importlib.util.spec_from_file_location(f"ch02_{name}", CHAPTER / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -147,8 +147,8 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
     # A real dead writer: a child process that started an atomic_save and was killed before renaming.
     child = subprocess.Popen([sys.executable, "-c", (
         "import os, signal, tempfile, sys\n"
-        "from distkit.checkpoint import _temporary_prefix\n"
-        f"fd, name = tempfile.mkstemp(dir={str(tmp_path)!r}, prefix=_temporary_prefix('step_1.pt'))\n"
+        "from distkit.checkpoint import temporary_prefix\n"
+        f"fd, name = tempfile.mkstemp(dir={str(tmp_path)!r}, prefix=temporary_prefix('step_1.pt'))\n"
         "os.write(fd, b'torn'); print(name, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")],
         stdout=subprocess.PIPE, text=True)
     dead_tmp = child.stdout.readline().strip()
