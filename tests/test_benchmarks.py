@@ -248,4 +248,6 @@ def test_readme_commands_run(quick_results, tmp_path):
         elif argv[0] == "torchrun":
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
         result = run(argv + _quick_flags(command, tmp_path, quick_results[0]), env=job_env(tmp_path), timeout=300)
-        assert "error" not in result.stdout.lower().split("\n")[-1], result.stdout[-2000:]
+        # The last non-empty line (output ends in a newline, so split("\n")[-1] would be "").
+        lines = [line for line in result.stdout.lower().splitlines() if line.strip()]
+        assert lines and "error" not in lines[-1], result.stdout[-2000:]

@@ -220,3 +220,28 @@ def test_numeric_flags_are_range_checked(tmp_path):
     for script, args, expected in cases:
         result = python(REPO / "05-advanced" / script, *args, tmp_path=tmp_path, check=False)
         assert_one_line_error(result, expected)
+
+
+def test_every_readme_command_is_run_by_a_test():
+    """Each lookup below is one a test above makes (``launch``/``plot`` needles); together they must
+    cover the README, each command exactly once, so a command added to the README without a test
+    (or a lookup that no longer finds its command) fails here."""
+    lookups = [(("tensor_parallel.py",), "--sequence-parallel"),
+               (("tensor_parallel.py", "--sequence-parallel"), None),
+               (("pipeline_parallel.py",), None),
+               (("hybrid_parallelism.py", "--mode 2d", "nproc_per_node=4"), None),
+               (("hybrid_parallelism.py", "--mode hsdp", "nproc_per_node=4"), None),
+               (("hybrid_parallelism.py", "nproc_per_node=2"), None),
+               (("gradient_accumulation.py",), None),
+               (("communication_overlap.py",), None),
+               (("plot_results.py",), None)]
+
+    def matches(command, needles, without):
+        return all(n in command for n in needles) and (without is None or without not in command)
+
+    commands = readme_commands(README)
+    assert commands, "05-advanced/README.md shows no command"
+    for command in commands:
+        assert sum(matches(command, *lookup) for lookup in lookups) == 1, command
+    for lookup in lookups:
+        assert sum(matches(command, *lookup) for command in commands) == 1, lookup
