@@ -142,7 +142,13 @@ def make_case(collective, count, dtype, ctx):
     block = count // n
     pattern = torch.arange(1, 8, dtype=dtype, device=dev).repeat(-(-count // 7))[:count]
     mine = pattern[r * block:(r + 1) * block]  # the pattern at this rank's block position
-    weights = torch.arange(1, n + 1, dtype=dtype, device=dev).view(n, 1)  # (q+1) for q = 0..n-1
+
+    def by_block(source):
+        """n blocks, block q = source(q) x (q+1), computed exactly as rank q computes its input."""
+        out = torch.empty(count, dtype=dtype, device=dev)
+        for q in range(n):
+            torch.mul(source(q), q + 1, out=out[q * block:(q + 1) * block])
+        return out
     total = n * (n + 1) // 2  # sum over ranks of (q+1)
     right, left = (r + 1) % n, (r - 1) % n
 
@@ -155,7 +161,7 @@ def make_case(collective, count, dtype, ctx):
         call = lambda: dist.all_gather_single(out, inp)  # noqa: E731
         fill, result = lambda: torch.mul(mine, r + 1, out=inp), lambda: out
         # output block q came from rank q: the pattern there times (q+1)
-        expected = lambda: (pattern.view(n, block) * weights).view(-1)  # noqa: E731
+        expected = lambda: by_block(lambda q: pattern[q * block:(q + 1) * block])  # noqa: E731
     elif collective == "reduce_scatter":
         inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(block, dtype=dtype, device=dev)
         call = lambda: dist.reduce_scatter_single(out, inp)  # noqa: E731
@@ -166,7 +172,7 @@ def make_case(collective, count, dtype, ctx):
         call = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
         fill, result = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out
         # block s of the output is block r of rank s's input: this rank's pattern block times (s+1)
-        expected = lambda: (mine.unsqueeze(0) * weights).view(-1)  # noqa: E731
+        expected = lambda: by_block(lambda s: mine)  # noqa: E731
     elif collective in ("broadcast", "reduce"):
         buf = torch.empty(count, dtype=dtype, device=dev)
         call = (lambda: dist.broadcast(buf, src=0)) if collective == "broadcast" else (lambda: dist.reduce(buf, dst=0))
