@@ -5,8 +5,9 @@
 That file is a plain PyTorch checkpoint: it loads into ``TinyGPT`` without DeepSpeed. Here DeepSpeed's
 inference engine wraps the model: on a GPU it can cast to fp16 and, for architectures it has kernel
 policies for (GPT-2, BERT, LLaMA ... from Hugging Face), swap in fused kernels
-(``replace_with_kernel_inject``). ``TinyGPT`` has no such policy and the CPU has no such kernels, so
-on CPU the engine runs the plain module in fp32.
+(``replace_with_kernel_inject``). ``TinyGPT`` has no such policy, so ``--kernel-inject`` stops with
+one line saying so (DeepSpeed itself would end in ``AssertionError: No default policy found!`` or
+leave the model untouched); without it, the engine runs the plain module, in fp32 on CPU.
 
 The synthetic task is a Markov chain (each token has two possible successors), so the output is
 checkable: the script reports the share of generated transitions that are valid.
@@ -19,11 +20,11 @@ import torch
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import load_model_state, safe_load
+from distkit.flags import positive_int
 from distkit.logs import setup_logging
 from distkit.models import GPTConfig, TinyGPT, TokenTask, lm_loss
 
 from ds_common import EVAL_BATCH, EVAL_STEP, import_deepspeed
-
 
 
 def parse_args():
@@ -33,17 +34,41 @@ def parse_args():
     parser.add_argument("--checkpoint", default="checkpoints/ch03/zero3_fp32.pt",
                         help="consolidated state dict written by deepspeed_train.py "
                              "(default: checkpoints/ch03/zero3_fp32.pt)")
-    parser.add_argument("--new-tokens", type=int, default=24, help="tokens to generate per prompt (default: 24)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts (held-out sequences) (default: 4)")
-    parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (default: 8)")
+    parser.add_argument("--new-tokens", type=positive_int, default=24, help="tokens to generate per prompt (default: 24)")
+    parser.add_argument("--prompts", type=positive_int, default=4, help="prompts (held-out sequences) (default: 4)")
+    parser.add_argument("--prompt-len", type=positive_int, default=8, help="prompt tokens per sequence (default: 8)")
     parser.add_argument("--kernel-inject", action="store_true",
-                        help="ask DeepSpeed for fused inference kernels (CUDA only; TinyGPT has no "
-                             "injection policy, so it keeps its own modules)")
+                        help="ask DeepSpeed for fused inference kernels (CUDA only). They replace "
+                             "layers DeepSpeed has a policy for (Hugging Face BERT, GPT-2, OPT, LLaMA "
+                             "...); TinyGPT has none, so the script stops with one line saying so")
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.new_tokens < 1 or args.prompts < 1 or args.prompt_len < 1:
-        parser.error("--new-tokens, --prompts and --prompt-len must be at least 1")
-    return args
+    return parser.parse_args()
+
+
+def kernel_injection_layers(deepspeed, model: torch.nn.Module) -> list[str]:
+    """Names of the model's layer classes that DeepSpeed can replace with fused inference kernels.
+
+    Found the way ``init_inference(replace_with_kernel_inject=True)`` finds them
+    (``deepspeed.module_inject.replace_module``): each policy in ``replace_policies`` is instantiated
+    once, which sets its ``_orig_layer_class`` when its library (e.g. ``transformers``) imports, and
+    a layer is replaced only when its class is exactly one of those. With no class known at all,
+    DeepSpeed stops with ``AssertionError: No default policy found!``; with classes known but none
+    in the model, it silently leaves the model as it is.
+    """
+    from deepspeed.module_inject.replace_policy import replace_policies
+
+    known: set[type] = set()
+    for policy in replace_policies:
+        try:
+            policy(None)
+        except Exception:  # noqa: BLE001 - a policy whose library is broken matches nothing
+            continue
+        layer_class = getattr(policy, "_orig_layer_class", None)
+        if isinstance(layer_class, (list, tuple)):
+            known.update(layer_class)
+        elif layer_class is not None:
+            known.add(layer_class)
+    return sorted({type(m).__name__ for m in model.modules() if type(m) in known})
 
 
 @torch.no_grad()
@@ -62,8 +87,6 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        if args.kernel_inject and ctx.device.type != "cuda":
-            raise UsageError("--kernel-inject needs CUDA GPUs: DeepSpeed's fused inference kernels are GPU kernels")
         checkpoint = safe_load(args.checkpoint)
         if not isinstance(checkpoint, dict) or "model" not in checkpoint or "gpt_config" not in checkpoint:
             raise UsageError(f"checkpoint {args.checkpoint} is not a consolidated checkpoint from "
@@ -72,14 +95,27 @@ def main():
         model = TinyGPT(cfg)
         load_model_state(model, checkpoint["model"], args.checkpoint)  # plain PyTorch: no DeepSpeed needed
         model.eval()
+        task = TokenTask(cfg, seed=checkpoint.get("seed", 0))
+        sequences, length = task.tokens.shape
+        if args.prompts > sequences or args.prompt_len > length:
+            raise UsageError(f"--prompts {args.prompts} / --prompt-len {args.prompt_len}: the task has "
+                             f"{sequences} sequences of {length} tokens")
 
         deepspeed = import_deepspeed(ctx.device)
+        if args.kernel_inject:
+            if not kernel_injection_layers(deepspeed, model):
+                raise UsageError(f"--kernel-inject: DeepSpeed {deepspeed.__version__} has no kernel-injection "
+                                 f"policy for any layer of {type(model).__name__} (its policies replace "
+                                 "Hugging Face BERT, GPT-2, GPT-Neo/J/NeoX, OPT, BLOOM, LLaMA ... layers); "
+                                 "run without --kernel-inject")
+            if ctx.device.type != "cuda":
+                raise UsageError("--kernel-inject needs CUDA GPUs: DeepSpeed's fused inference kernels "
+                                 "are GPU kernels")
         dtype = torch.float16 if ctx.device.type == "cuda" else torch.float32
         engine = deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=args.kernel_inject,
                                           tensor_parallel={"tp_size": 1})
         device = next(engine.module.parameters()).device
 
-        task = TokenTask(cfg, seed=checkpoint.get("seed", 0))
         eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
         with torch.no_grad():
             eval_loss = lm_loss(engine(eval_inputs.to(device)).float(), eval_targets.to(device)).item()

@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
+from distkit.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
 
 from ds_common import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepspeed, load_ds_config,
-                       strategy_name, zero_harness, zero_stage)
-
+                       release_engine, resolve_auto, strategy_name, zero_harness, zero_stage)
 
 
 def parse_args():
@@ -39,17 +39,17 @@ def parse_args():
                         default="03-deepspeed/configs/zero2_config.json",
                         help="DeepSpeed JSON config; its zero_optimization block picks the stage "
                              "(default: 03-deepspeed/configs/zero2_config.json)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps to reach (default: 200)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to reach (default: 200)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=None,
                         help="sequences per optimizer step across all ranks (default: the config's "
                              "train_batch_size)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.01,
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01,
                         help="AdamW weight decay (default: 0.01, torch's default)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="DeepSpeed checkpoint folder (default: checkpoints/ch03/<strategy>)")
-    parser.add_argument("--save-every", type=int, default=0,
+    parser.add_argument("--save-every", type=non_negative_int, default=0,
                         help="also save a checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
                         help="continue from a checkpoint in --checkpoint-dir: the latest one, or TAG "
@@ -63,10 +63,7 @@ def parse_args():
                         help=argparse.SUPPRESS)  # the deepspeed launcher passes it; LOCAL_RANK is used
     add_gpt_args(parser)
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1 or args.save_every < 0:
-        parser.error("--steps must be at least 1 and --save-every at least 0")
-    return args
+    return parser.parse_args()
 
 
 def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -97,6 +94,9 @@ def main():
         torch.manual_seed(args.seed)
         model = TinyGPT(cfg)  # same seed on every rank -> same initial weights
         param_count = sum(p.numel() for p in model.parameters())
+        # "auto" buckets are sized from the model (Ψ / N elements, not DeepSpeed's 2 GB default);
+        # "auto" overlap and pinning follow the device (on for CUDA, off for CPU).
+        resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)
         # A torch optimizer as the client optimizer: DeepSpeed wraps it (ZeRO partitions its state)
         # instead of JIT-compiling FusedAdam / DeepSpeedCPUAdam.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -176,7 +176,7 @@ def main():
                      f"{sum(state.values()) / 2**20:.2f} MiB (params {state['params'] / 2**20:.2f}, grads "
                      f"{state['grads'] / 2**20:.2f}, optimizer {state['optimizer'] / 2**20:.2f}) | "
                      f"{rate:,.0f} tokens/s | record -> {args.results}")
-        engine.destroy()
+        release_engine(engine)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the chapter-03 scripts share that is not the DeepSpeed lesson itself: reading and checking a
-DeepSpeed JSON config, importing DeepSpeed for the device the runtime chose, and counting the
-model-state bytes a ZeRO engine keeps (which live inside DeepSpeed, not in ``model.parameters()``).
+DeepSpeed JSON config, resolving its ``"auto"`` values for the model and device at hand, importing
+DeepSpeed for the device the runtime chose, and counting the model-state bytes a ZeRO engine keeps
+(which live inside DeepSpeed, not in ``model.parameters()``).
 
 The scripts import it as a sibling module (``python 03-deepspeed/x.py`` puts this folder on the path).
 """
@@ -8,19 +9,45 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from distkit import UsageError
-from distkit.harness import Harness, append_record
+from distkit.flags import check_value, positive_float, positive_int
+from distkit.harness import Harness, append_record, fresh_memory_peak
 
 STAGES = (0, 1, 2, 3)
 # The held-out batch both the trainer and the inference script score: TokenTask.global_batch(EVAL_STEP,
 # EVAL_BATCH) is never a training batch of these short runs.
 EVAL_STEP, EVAL_BATCH = 10_000, 32
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+# Element counts that size a transient buffer or a window of gathered parameters. "auto" (see
+# resolve_auto) sizes them from the model; a number is used as given.
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+               "stage3_max_live_parameters", "stage3_max_reuse_distance")
+# DeepSpeed's own default for the bucket sizes: "auto" never goes above it.
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000
+
+
+def _check_auto_or(path, name: str, value, kind: str):
+    """A config value that is "auto" or of ``kind`` ("count" or "bool"); one error line otherwise."""
+    if value == "auto":
+        return
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise UsageError(f"DeepSpeed config {path}: {name} must be true, false or \"auto\", not {value!r}")
+        return
+    if isinstance(value, str):
+        raise UsageError(f"DeepSpeed config {path}: {name} must be a number or \"auto\", not {value!r}")
+    count = check_value(f"DeepSpeed config {path}: {name}", value, positive_float)
+    if count != int(count):
+        raise UsageError(f"DeepSpeed config {path}: {name} must be a whole number of elements, not {value!r}")
 
 
 def load_ds_config(path: str | os.PathLike, global_batch_size: int | None = None) -> dict:
@@ -58,6 +85,17 @@ def load_ds_config(path: str | os.PathLike, global_batch_size: int | None = None
                              f"not {device!r}")
         if key == "offload_param" and device != "none" and stage != 3:
             raise UsageError(f"DeepSpeed config {path}: offload_param needs stage 3 (got stage {stage})")
+    for key in BUCKET_KEYS:
+        if key in zero:
+            _check_auto_or(path, f"zero_optimization.{key}", zero[key], "count")
+    if "overlap_comm" in zero:
+        _check_auto_or(path, "zero_optimization.overlap_comm", zero["overlap_comm"], "bool")
+    for key in ("offload_optimizer", "offload_param"):
+        if "pin_memory" in (zero.get(key) or {}):
+            _check_auto_or(path, f"zero_optimization.{key}.pin_memory", zero[key]["pin_memory"], "bool")
+    for key in ("train_batch_size", "gradient_accumulation_steps"):
+        if key in config and not (key == "train_batch_size" and global_batch_size is not None):
+            check_value(f"DeepSpeed config {path}: {key}", config[key], positive_int)
     if "optimizer" in config:
         raise UsageError(f"DeepSpeed config {path} has an \"optimizer\" section; these scripts pass "
                          "torch.optim.AdamW as the client optimizer (no JIT-compiled optimizer), so "
@@ -68,6 +106,45 @@ def load_ds_config(path: str | os.PathLike, global_batch_size: int | None = None
     config.pop("train_micro_batch_size_per_gpu", None)
     config.setdefault("gradient_accumulation_steps", 1)
     return config
+
+
+def resolve_auto(config: dict, device: torch.device, param_count: int, world_size: int) -> dict[str, object]:
+    """Replace the config's ``"auto"`` values (in place) with values for this model and device;
+    return what was chosen, for the run's record.
+
+    * Bucket sizes (``reduce_bucket_size``, ``allgather_bucket_size``) and ZeRO-3's windows of
+      gathered parameters (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+      ``stage3_max_reuse_distance``) become one rank's share of the model, ceil(Ψ / N) elements,
+      capped at DeepSpeed's default of 5e8. ZeRO allocates the gradient bucket in full
+      (``contiguous_gradients``: ``torch.empty(reduce_bucket_size)`` every step, twice with
+      ``overlap_comm``), so DeepSpeed's 5e8 default costs 2 GB of fp32 per rank whatever the model,
+      and a 5e8 prefetch / reuse window keeps every layer of ZeRO-3 gathered (the whole model
+      resident). Sized to Ψ / N, the buffers never outgrow the 1/N share that ZeRO keeps per rank,
+      and a backward still needs only about N reduce calls. At stages 1-3 a size the config leaves
+      out is sized the same way.
+    * ``overlap_comm`` becomes true on CUDA at stages 2-3 (the reduction runs on a side stream while
+      backward goes on) and false on CPU, where there is no second stream to overlap with and the
+      extra buffer buys nothing.
+    * ``offload_*.pin_memory`` becomes true on CUDA (page-locked host buffers: faster, asynchronous
+      GPU<->CPU copies) and false on CPU, where nothing is copied to a device.
+    """
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    cuda = device.type == "cuda"
+    share = min(math.ceil(param_count / world_size), DEEPSPEED_DEFAULT_BUCKET)
+    chosen: dict[str, object] = {}
+    for key in BUCKET_KEYS:
+        # A size left out of the config counts as "auto": DeepSpeed's 5e8 default is what this avoids.
+        applies = stage >= 1 and (stage == 3 or not key.startswith("stage3_"))
+        if zero.get(key, "auto" if applies else None) == "auto":
+            zero[key] = chosen[key] = share
+    if zero.get("overlap_comm") == "auto":
+        zero["overlap_comm"] = chosen["overlap_comm"] = cuda and stage >= 2
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key) or {}
+        if block.get("pin_memory") == "auto":
+            block["pin_memory"] = chosen[f"{key}.pin_memory"] = cuda
+    return chosen
 
 
 def check_batch(config: dict, world_size: int, path: str | os.PathLike) -> int:
@@ -120,6 +197,51 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+def release_engine(engine) -> None:
+    """Tear an engine down so that the garbage collector can free it and its device memory.
+
+    ``engine.destroy()`` removes DeepSpeed's hooks and buffers, but DeepSpeed 0.19.8's ZeRO-3 leaves
+    two module-level references behind, and through the module's hooks each keeps the engine, its
+    optimizer and all their GPU memory alive for the rest of the process (found with
+    ``gc.get_referrers`` after a second configuration's peak came out too high):
+
+    * the top module pushed onto ``FWD_MODULE_STACK`` (``deepspeed/runtime/zero/parameter_offload.py``)
+      when the engine is built, never popped;
+    * ``PartitionedParameterCoordinator.__params_to_release``, a method under
+      ``functools.lru_cache``: the cache lives on the class and keys on the coordinator and the
+      submodules, from the first step with a complete trace on.
+
+    Both are released here. The engine itself is still part of a reference cycle (engine ->
+    optimizer -> step hooks -> engine), so the caller drops its references and collects
+    (:func:`clean_slate`) before measuring the next configuration.
+    """
+    module = engine.module
+    engine.destroy()
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+    coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
+    # The lru_cache sits under DeepSpeed's NVTX decorator (a plain closure): look inside it.
+    wrapped = getattr(coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    inner = [getattr(cell, "cell_contents", None) for cell in getattr(wrapped, "__closure__", None) or ()]
+    for candidate in (wrapped, *inner):
+        if hasattr(candidate, "cache_clear"):
+            candidate.cache_clear()  # a cache only: live engines recompute their entries on demand
+
+
+def clean_slate(device: torch.device, previous_engine, log) -> None:
+    """Open the next configuration's peak-memory window on a clean slate: collect what the previous
+    engine left (a weak reference to it, or None), empty the CUDA cache, reset the peak
+    (``fresh_memory_peak``), and warn if that engine is still alive: its memory would then count in
+    the next configuration's peak."""
+    fresh_memory_peak(device)
+    if previous_engine is not None and previous_engine() is not None:
+        log.warning("the previous engine is still referenced after garbage collection: its memory "
+                    "counts in this configuration's peak")
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return (t.untyped_storage().data_ptr(), t.storage_offset())
 
@@ -154,9 +276,24 @@ class ZeroHarness(Harness):
     def attach(self, engine, client_optimizer: torch.optim.Optimizer) -> None:
         self._engine = engine
         self._snapshot: dict[str, int] = {}
+        self._counting = False
         client_optimizer.register_step_post_hook(lambda opt, args, kwargs: self._take_snapshot(opt))
 
+    @contextmanager
+    def step(self, samples: float = 0, tokens: float = 0) -> Iterator[None]:
+        """The shared step, telling the optimizer hook whether this step may be counted: walking
+        every parameter and optimizer state is only done on the untimed (warm-up and
+        communication-counting) steps, never inside a timed one."""
+        self._counting = self._steps < self.warmup_steps + self.comm_steps
+        try:
+            with super().step(samples=samples, tokens=tokens):
+                yield
+        finally:
+            self._counting = False
+
     def _take_snapshot(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._counting:
+            return
         module = self._engine.module
         weights = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # stage 3: the partition
         seen: set = set()
@@ -183,17 +320,35 @@ class ZeroHarness(Harness):
         return record
 
 
+def engine_settings(engine) -> dict[str, object]:
+    """The buffer and overlap settings as the engine parsed them (what it actually runs with)."""
+    settings = {"reduce_bucket_size": engine.zero_reduce_bucket_size(),
+                "allgather_bucket_size": engine.zero_allgather_bucket_size(),
+                "overlap_comm": engine.zero_overlap_comm()}
+    if engine.zero_optimization_stage() == 3:
+        settings.update(stage3_prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
+                        stage3_max_live_parameters=engine.zero_max_live_parameters(),
+                        stage3_max_reuse_distance=engine.zero_max_reuse_distance())
+    for key, offload in (("offload_optimizer", engine.zero_offload_optimizer()),
+                         ("offload_param", engine.zero_offload_param())):
+        if offload is not None and str(getattr(offload.device, "value", offload.device)) != "none":
+            settings[f"{key}.pin_memory"] = bool(offload.pin_memory)
+    return settings
+
+
 def zero_harness(ctx, args, engine, client_optimizer: torch.optim.Optimizer, ds_config: dict,
                  config_path: str | os.PathLike, param_count: int) -> ZeroHarness:
     """The harness for one engine, attached, with the record config every ZeRO run of the chapter
-    shares (model, batch, stage, offload devices, config file, lr). ``param_count`` is counted before
-    ``deepspeed.initialize``: a ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
+    shares (model, batch, stage, offload devices, config file, lr, the bucket/overlap/pinning
+    settings the engine runs with). ``param_count`` is counted before ``deepspeed.initialize``: a
+    ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
     harness = ZeroHarness(ctx, strategy_name(ds_config), model=engine.module, warmup_steps=args.warmup_steps,
                           config={"model_size": args.model_size,
                                   "global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
                                   "param_count": param_count, "zero_stage": zero_stage(ds_config),
                                   "offload": offload_devices(ds_config),
-                                  "deepspeed_config": Path(config_path).name, "lr": args.lr})
+                                  "deepspeed_config": Path(config_path).name, "lr": args.lr,
+                                  "engine_settings": engine_settings(engine)})
     harness.attach(engine, client_optimizer)
     return harness
 

@@ -17,6 +17,7 @@ and checks that every stage ends with the same weights (max |difference| against
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,11 +25,13 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
+from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
-from ds_common import (CONFIG_DIR, check_batch, import_deepspeed, load_ds_config, paper_state_bytes,
-                       predicted_state_bytes, strategy_name, zero_harness, zero_stage)
+from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, load_ds_config, paper_state_bytes,
+                       predicted_state_bytes, release_engine, resolve_auto, strategy_name, zero_harness,
+                       zero_stage)
 
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -42,11 +45,11 @@ def parse_args():
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
                         help="config names in 03-deepspeed/configs (<name>_config.json) or JSON paths "
                              f"(default: {' '.join(DEFAULT_CONFIGS)})")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per config (default: 8)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=8, help="optimizer steps per config (default: 8)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--out-dir", default="03-deepspeed",
                         help="where zero_memory.md / .json / .png are written (default: 03-deepspeed)")
     parser.add_argument("--params-dir", default=None,
@@ -56,10 +59,7 @@ def parse_args():
     add_gpt_args(parser)
     add_runtime_args(parser)
     parser.set_defaults(model_size="small")
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def config_path(name: str) -> Path:
@@ -68,21 +68,24 @@ def config_path(name: str) -> Path:
 
 
 def full_weights(deepspeed, engine) -> dict[str, torch.Tensor]:
-    """Every rank's copy of the full weights (ZeRO-3: all-gather the partitions for a moment)."""
+    """Every rank's copy of the full weights (ZeRO-3: all-gather the partitions for a moment), in
+    host memory: kept on the GPU, each config's copy would count in the next configs' peaks."""
     params = dict(engine.module.named_parameters())
     if zero_stage(engine.config) == 3:
         with deepspeed.zero.GatheredParameters(list(params.values())):
-            return {name: p.detach().clone() for name, p in params.items()}
-    return {name: p.detach().clone() for name, p in params.items()}
+            return {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+    return {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
 
 
 def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
-    """Train a fresh model under one config; return (harness record on rank 0, final weights)."""
+    """Train a fresh model under one config; return (harness record on rank 0, final weights, weak
+    reference to the engine)."""
     ds_config = load_ds_config(path, args.global_batch_size)
     check_batch(ds_config, ctx.world_size, path)
     torch.manual_seed(args.seed)  # identical initial weights for every config
     model = TinyGPT(cfg)
     param_count = sum(p.numel() for p in model.parameters())
+    resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)  # buckets sized Ψ / N, not 2 GB
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
@@ -99,8 +102,8 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
     weights = full_weights(deepspeed, engine)
     record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
                                                  "script": "zero_memory"})
-    engine.destroy()
-    return record, weights
+    release_engine(engine)  # freed for good by the next clean_slate's gc.collect()
+    return record, weights, weakref.ref(engine)
 
 
 def largest_layer_params(model: torch.nn.Module) -> int:
@@ -140,6 +143,11 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
             "paper_mixed_precision_total": paper_state_bytes(stage, psi, world_size),
             "deepspeed_estimator_device_bytes": estimator,
             "peak_rss_bytes_max": max(record["metrics"]["peak_rss_bytes_per_rank"]),
+            # GPU: torch.cuda.max_memory_allocated (model state + buckets + activations + gathered
+            # layers); CPU: peak RSS of the process (interpreter and libraries included).
+            "peak_memory_bytes_max": max(record["metrics"]["peak_memory_bytes_per_rank"]),
+            "peak_memory_kind": record["metrics"]["peak_memory_kind"],
+            "engine_settings": record["config"]["engine_settings"],
             "step_time_s_median": record["metrics"]["step_time_s_median"],
             "comm_per_step": record["metrics"]["comm_per_step"],
             "max_abs_diff_vs_" + reference_name: max((weights[k] - reference[k]).abs().max().item()
@@ -212,9 +220,12 @@ def main():
         cfg = gpt_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
 
-        records, weights_by_strategy = [], {}
+        records, weights_by_strategy, previous = [], {}, None
         for path in paths:
-            record, weights = train_one_config(deepspeed, ctx, args, cfg, task, path)
+            # Each config starts on a clean slate: the previous engine (a reference cycle) collected,
+            # the CUDA cache emptied, the peak (GPU memory or CPU RSS) reset.
+            clean_slate(ctx.device, previous, log)
+            record, weights, previous = train_one_config(deepspeed, ctx, args, cfg, task, path)
             strategy = strategy_name(load_ds_config(path))
             if strategy in weights_by_strategy:
                 raise UsageError(f"--configs: two configs are both {strategy}")

@@ -17,14 +17,18 @@ where DeepSpeed's offload buffers are, and what remains measurable is the cost i
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
-from ds_common import (CONFIG_DIR, check_batch, import_deepspeed, load_ds_config, zero_harness,
-                       zero_stage)
+from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, load_ds_config,
+                       release_engine, resolve_auto, zero_harness, zero_stage)
 
 
 def parse_args():
@@ -36,24 +40,21 @@ def parse_args():
                         help="config without offload (default: configs/zero3_config.json)")
     parser.add_argument("--offload-config", default=str(CONFIG_DIR / "zero3_offload_config.json"),
                         help="config with offload (default: configs/zero3_offload_config.json)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per config (default: 20)")
-    parser.add_argument("--global-batch-size", type=int, default=32,
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per config (default: 20)")
+    parser.add_argument("--global-batch-size", type=positive_int, default=32,
                         help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed harness warm-up steps (default: 2)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
     parser.add_argument("--results", default="runs/ch03_results.jsonl",
                         help="harness records are appended here (default: runs/ch03_results.jsonl)")
     add_gpt_args(parser)
     add_runtime_args(parser)
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
-    return args
+    return parser.parse_args()
 
 
 def placement(engine, client_optimizer) -> dict[str, tuple[str, int]]:
     """(device, bytes) of each piece of this rank's model state, read from the tensors themselves."""
-    partitions = [p.ds_tensor for p in engine.module.parameters()]
+    partitions = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]  # below stage 3: full
     masters = [p for group in client_optimizer.param_groups for p in group["params"]]
     adam = [v for s in client_optimizer.state.values() for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -68,25 +69,29 @@ def placement(engine, client_optimizer) -> dict[str, tuple[str, int]]:
 
 
 def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
+    """Train one config; return (record on rank 0, placement, accelerator peak, weak reference to
+    the engine, which must be dead once the caller has collected garbage)."""
     ds_config = load_ds_config(config_path, args.global_batch_size)
     check_batch(ds_config, ctx.world_size, config_path)
     torch.manual_seed(args.seed)
     model = TinyGPT(cfg)
     param_count = sum(p.numel() for p in model.parameters())
+    resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)  # pin_memory, overlap_comm, buckets
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # With offload_optimizer + a torch optimizer ("zero_force_ds_cpu_optimizer": false), DeepSpeed
     # keeps the fp32 partitions on the CPU and runs torch's AdamW there (no DeepSpeedCPUAdam build).
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
+    # The harness starts the accelerator's peak window here, once the engine holds its state: on a
+    # GPU everything ZeRO keeps on the device (or, with offload, does not) counts in the peak.
     harness = zero_harness(ctx, args, engine, optimizer, ds_config, config_path, param_count)
     where = {}
 
     def snapshot(opt, *_):
-        where.update(placement(engine, opt))  # inside the optimizer step: grads still attached
+        if not where:  # the first step only: placement never changes, and timed steps stay untouched
+            where.update(placement(engine, opt))  # inside the optimizer step: grads still attached
     optimizer.register_step_post_hook(snapshot)
 
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
     batch = args.global_batch_size
     for step in range(args.steps):
         inputs, targets = task.global_batch(step, batch)
@@ -96,12 +101,16 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
             loss = lm_loss(engine(inputs), targets)
             engine.backward(loss)  # grads reduce-scattered; with offload copied into host partitions
             engine.step()          # AdamW on the (host) partition; updated partition -> parameters
-    accelerator_peak = (torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None)
+    accelerator_peak = peak_memory_bytes(ctx.device) if ctx.device.type == "cuda" else None
     record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
                                                  "script": "zero_offload", "placement": where,
                                                  "accelerator_peak_bytes_rank0": accelerator_peak})
-    engine.destroy()
-    return record, where, accelerator_peak
+    # destroy() releases DeepSpeed's hooks and buffers (and release_engine the module ZeRO-3 leaves
+    # on a global stack); the engine itself is still held by a reference cycle (engine -> optimizer
+    # -> step hooks -> engine) that only the garbage collector frees: the caller collects before
+    # the next config's peak window opens.
+    release_engine(engine)
+    return record, where, accelerator_peak, weakref.ref(engine)
 
 
 def main():
@@ -114,11 +123,16 @@ def main():
         accelerator = deepspeed.get_accelerator().device_name()
         cfg = gpt_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
-        results = []
+        results, previous = [], None
         for path in (args.baseline_config, args.offload_config):
             if zero_stage(load_ds_config(path)) != 3:
                 log.warning(f"{path} is not ZeRO-3: the parameter partition row is the full weights")
-            results.append(train(deepspeed, ctx, args, cfg, task, path, log))
+            # A clean slate for each config: collect the previous engine, return its cached GPU
+            # blocks, reset the peak. Otherwise the first engine's device memory is still allocated
+            # while the second one runs, and "saved by offload" comes out near zero.
+            clean_slate(ctx.device, previous, log)
+            *result, previous = train(deepspeed, ctx, args, cfg, task, path, log)
+            results.append(tuple(result))
         if not ctx.is_main:
             return
         log.info(f"DeepSpeed accelerator: {accelerator} | rank 0 of {ctx.world_size} | "

@@ -1,0 +1,222 @@
+"""Chapter 03 (DeepSpeed ZeRO) on GPUs with NCCL: the README commands at small size, asserting what
+they produce, as ``test_ch03_deepspeed.py`` does on CPU.
+
+Run with ``python3 -m pytest -m gpu tests/test_ch03_gpu.py``. With one GPU the commands run at world
+size 1 (``--nproc_per_node=1`` / ``--num_gpus=1``, ``--backend nccl``); the multi-rank checks need 2
+or 4 GPUs (one GPU cannot host several NCCL ranks) and skip, saying so, on a smaller machine.
+
+Written by reading, before any GPU ran this code: where an assertion fails on a real GPU, check the
+claim before loosening it.
+
+Tolerances. GPU stages against each other: ``WEIGHT_TOL`` (5e-5) as on CPU. GPU against the CPU
+single-process reference: ``GPU_TOL`` = 5e-4 per weight after 4-6 AdamW steps at lr 3e-3: GPU kernels
+sum in another order than the CPU ones (and CUDA's embedding backward accumulates with atomics, so
+two GPU runs are not bit-identical), and Adam's normalisation magnifies that for near-zero
+gradients; a weight moves up to 3e-3 per step, so a wrong step (a missing reduction, a doubled
+gradient) still shows far above 5e-4.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distkit.checkpoint import load_model_state, safe_load
+from distkit.harness import read_records
+from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+from launch import assert_one_line_error, gpu_count, job_env, require_gpus, run
+from test_ch03_deepspeed import (CHAPTER, EVAL_BATCH, EVAL_STEP, LR, SMALL, WEIGHT_TOL, free_port,
+                                 max_diff, readme_command, reference_weights)
+
+sys.path.insert(0, str(CHAPTER))
+import ds_common  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GPU_TOL = 5e-4
+NCCL = ["--backend", "nccl"]
+# A 5e8-element bucket alone is 1.86 GiB of fp32. Everything else these tiny runs hold (model state,
+# activations, cuBLAS workspaces allocated through the caching allocator) stays far below this.
+PEAK_ALLOWANCE = 256 * 2**20
+
+
+def run_gpu(command: str, ranks: int, extra: list, tmp_path: Path, timeout: float = 600, check: bool = True,
+            fresh_start: bool = False):
+    """A README command on ``ranks`` GPUs: its launcher's rank count replaced, ``extra`` appended,
+    the GPUs visible (``job_env(gpu=True)``). ``fresh_start`` drops the command's bare ``--resume``
+    (the README's deepspeed-launcher command continues an earlier run)."""
+    argv = shlex.split(command)
+    argv = [re.sub(r"^--(nproc_per_node|num_gpus)=\d+$", rf"--\1={ranks}", arg) for arg in argv]
+    if fresh_start:
+        argv = [arg for arg in argv if arg != "--resume"]
+    if argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    elif argv[0] == "deepspeed":
+        argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", *argv[1:]]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    env = job_env(tmp_path, gpu=True, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    return run([*argv, *map(str, extra)], timeout=timeout, env=env, check=check)
+
+
+def assert_on_nccl(record: dict, world_size: int) -> None:
+    assert (record["backend"], record["device"], record["world_size"]) == ("nccl", "cuda", world_size), \
+        {k: record[k] for k in ("backend", "device", "world_size")}
+    assert record["metrics"]["peak_memory_kind"] == "cuda_max_allocated"
+
+
+def expected_state(stage: int, psi: int, n: int) -> dict[str, float]:
+    """Per-rank model-state bytes as the CPU test expects them (DeepSpeed's stage 1 keeps only its
+    gradient partition at the optimizer step, like stage 2)."""
+    expected = ds_common.predicted_state_bytes(stage, psi, n)
+    if stage == 1:
+        expected["grads"] = 4 * psi / n
+    return expected
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_gpu_zero_stages_memory_and_equivalence(tmp_path, ranks):
+    """zero_memory.py on NCCL: every stage trains the single-process model; model state per rank as
+    the fp32 formulas say; the CUDA peak holds the model state but no 2 GB bucket; overlap_comm and
+    pinned offload buffers switched on for CUDA."""
+    require_gpus(ranks, f"zero_memory.py on {ranks} NCCL rank(s)")
+    out, params, results = tmp_path / "out", tmp_path / "params", tmp_path / "results.jsonl"
+    run_gpu(readme_command("zero_memory.py"), ranks,
+            [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--out-dir", out, "--params-dir", params,
+             "--results", results], tmp_path)
+
+    strategies = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+    records = read_records(results)
+    assert [r["strategy"] for r in records] == strategies
+    reference = reference_weights(steps=4, batch=16)
+    zero0 = safe_load(params / "zero0.pt")
+    assert max_diff(zero0, reference) < GPU_TOL
+    for strategy in strategies[1:]:
+        diff = max_diff(safe_load(params / f"{strategy}.pt"), zero0)
+        assert diff < WEIGHT_TOL, f"{strategy} vs zero0 on GPU: {diff:.2e}"
+
+    psi = sum(p.numel() for p in reference.values())
+    share = math.ceil(psi / ranks)
+    for record in records:
+        assert_on_nccl(record, ranks)
+        stage, offloaded = record["config"]["zero_stage"], record["strategy"].endswith("offload")
+        expected = expected_state(stage, psi, ranks)
+        for rank, measured in enumerate(record["metrics"]["model_state_bytes_per_rank"]):
+            for key, value in expected.items():
+                assert abs(measured[key] - value) <= 0.05 * value, (record["strategy"], rank, key, measured)
+            peak = record["metrics"]["peak_memory_bytes_per_rank"][rank]
+            state = sum(measured.values())
+            if not offloaded:  # all of it lives on the GPU at the optimizer step
+                assert peak >= 0.9 * state, (record["strategy"], rank, peak, state)
+            assert peak < state + PEAK_ALLOWANCE, (record["strategy"], rank, peak, state)
+        settings = record["config"]["engine_settings"]
+        assert settings["overlap_comm"] is (stage >= 2), (record["strategy"], settings)
+        if stage >= 1:
+            assert settings["reduce_bucket_size"] == share, (record["strategy"], settings)
+        if offloaded:
+            assert settings["offload_optimizer.pin_memory"] is True
+            assert settings["offload_param.pin_memory"] is True
+
+
+def test_gpu_offload_keeps_model_state_off_the_gpu(tmp_path):
+    """zero_offload.py on one GPU: the baseline keeps every piece of model state on cuda, offload on
+    cpu; both train the same model; the CUDA peak drops by at least half of the 20Ψ bytes moved."""
+    require_gpus(1, "zero_offload.py on one NCCL rank")
+    results = tmp_path / "results.jsonl"
+    out = run_gpu(readme_command("zero_offload.py"), 1,
+                  ["--model-size", "small", "--global-batch-size", 16, "--steps", 4, *NCCL,
+                   "--results", results], tmp_path).stdout
+    base, offload = read_records(results)
+    assert (base["strategy"], offload["strategy"]) == ("zero3", "zero3_offload")
+    for record in (base, offload):
+        assert_on_nccl(record, 1)
+    assert "still referenced" not in out  # the first engine was freed before the second was measured
+    assert all(device.startswith("cuda") for device, _ in base["placement"].values()), base["placement"]
+    assert all(device == "cpu" for device, _ in offload["placement"].values()), offload["placement"]
+    assert abs(base["final_loss"] - offload["final_loss"]) < 1e-4, (base["final_loss"], offload["final_loss"])
+    psi = base["param_count"]
+    saved = base["accelerator_peak_bytes_rank0"] - offload["accelerator_peak_bytes_rank0"]
+    assert saved >= 10 * psi, f"offload saved {saved:,} B of GPU peak; 20Ψ = {20 * psi:,} B moved to the host"
+    assert f"accelerator peak memory saved by offload: {saved:,} B per rank" in out
+    assert offload["config"]["engine_settings"]["offload_param.pin_memory"] is True
+
+
+def test_gpu_train_resume_consolidate_and_generate(tmp_path):
+    """deepspeed_train.py (torchrun, then the deepspeed launcher resuming) and deepspeed_inference.py
+    on one GPU: loss falls, resume continues the same run, the consolidated weights match
+    single-process training and reproduce the engine's eval loss; fp16 inference generates."""
+    require_gpus(1, "deepspeed_train.py and deepspeed_inference.py on one NCCL rank")
+    checkpoints, results = tmp_path / "ckpt", tmp_path / "results.jsonl"
+    straight, resumed = tmp_path / "straight_fp32.pt", tmp_path / "resumed_fp32.pt"
+    common = [*SMALL, *NCCL, "--lr", LR, "--checkpoint-dir", checkpoints, "--results", results]
+    run_gpu(readme_command("torchrun", "deepspeed_train.py"), 1,
+            [*common, "--steps", 6, "--save-every", 3, "--fp32-out", straight], tmp_path)
+    out = run_gpu(readme_command("deepspeed --num_gpus", "deepspeed_train.py"), 1,
+                  [*common, "--steps", 6, "--resume", "step3", "--fp32-out", resumed], tmp_path).stdout
+    assert "resumed from" in out and "at step 3" in out
+
+    records = read_records(results)
+    assert [r["resumed_from"] for r in records] == [0, 3]
+    for record in records:
+        assert_on_nccl(record, 1)
+    first, second = safe_load(straight), safe_load(resumed)
+    assert max_diff(first["model"], second["model"]) < WEIGHT_TOL  # GPU atomics: not bit for bit
+    assert max_diff(first["model"], reference_weights(steps=6, batch=16)) < GPU_TOL
+
+    cfg = gpt_config("tiny")
+    inputs, targets = TokenTask(cfg).global_batch(EVAL_STEP, EVAL_BATCH)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    with torch.no_grad():
+        untrained = lm_loss(model(inputs), targets).item()
+        load_model_state(model, first["model"], str(straight))
+        plain_loss = lm_loss(model(inputs), targets).item()
+    assert plain_loss < untrained - 0.5, (untrained, plain_loss)  # CPU reference: 4.18 -> 3.20
+    assert abs(plain_loss - first["eval_loss"]) < 1e-4, (plain_loss, first["eval_loss"])
+
+    out = run_gpu(readme_command("deepspeed_inference.py"), 1,
+                  ["--checkpoint", straight, "--new-tokens", 8, "--prompts", 2, *NCCL], tmp_path).stdout
+    found = re.search(r"inference engine on (\S+) in torch\.float16 \| eval loss ([\d.]+)", out)
+    assert found, out[-3000:]
+    assert found.group(1).startswith("cuda")
+    assert abs(float(found.group(2)) - plain_loss) < 2e-2  # fp16 weights and activations
+    assert "valid transitions in generated tokens:" in out
+
+    result = run_gpu(readme_command("deepspeed_inference.py"), 1,
+                     ["--checkpoint", straight, "--kernel-inject", *NCCL], tmp_path, check=False)
+    assert_one_line_error(result, "--kernel-inject: DeepSpeed")
+
+
+def test_gpu_two_ranks_train_like_one_process(tmp_path):
+    """The deepspeed launcher on 2 GPUs (ZeRO-3 over NCCL) trains the single-process model."""
+    require_gpus(2, "deepspeed --num_gpus=2 on NCCL")
+    results, straight = tmp_path / "results.jsonl", tmp_path / "fp32.pt"
+    run_gpu(readme_command("deepspeed --num_gpus", "deepspeed_train.py"), 2,
+            [*SMALL, *NCCL, "--lr", LR, "--steps", 6, "--checkpoint-dir", tmp_path / "ckpt",
+             "--results", results, "--fp32-out", straight], tmp_path, fresh_start=True)
+    (record,) = read_records(results)
+    assert_on_nccl(record, 2)
+    assert max_diff(safe_load(straight)["model"], reference_weights(steps=6, batch=16)) < GPU_TOL
+
+
+def test_gpu_launcher_with_more_ranks_than_gpus(tmp_path):
+    """``deepspeed --num_gpus=<more than present>``: with --backend nccl, one error line naming
+    both counts; with the default backend, the job falls back to gloo on the CPU and trains."""
+    require_gpus(1, "a GPU host, to ask for one GPU more than it has")
+    have = gpu_count()
+    command = readme_command("deepspeed --num_gpus", "deepspeed_train.py")
+    common = [*SMALL, "--global-batch-size", 2 * (have + 1), "--steps", 2, "--checkpoint-dir", tmp_path / "ckpt",
+              "--fp32-out", tmp_path / "fp32.pt"]
+    result = run_gpu(command, have + 1, [*common, *NCCL, "--results", tmp_path / "nccl.jsonl"], tmp_path,
+                     check=False, timeout=300, fresh_start=True)
+    assert_one_line_error(result, f"--backend nccl: {have + 1} local ranks need {have + 1} GPUs")
+
+    results = tmp_path / "fallback.jsonl"
+    run_gpu(command, have + 1, [*common, "--results", results], tmp_path, timeout=600, fresh_start=True)
+    (record,) = read_records(results)
+    assert (record["backend"], record["device"], record["world_size"]) == ("gloo", "cpu", have + 1)
