@@ -47,21 +47,8 @@ def parse_args():
                                    "debug_lab.py --scenario mismatch")
     parser.add_argument("--scenario", choices=SCENARIOS, required=True, help="which failure to stage")
     parser.add_argument("--log-dir", default="runs/debug_lab", help="per-rank logs go here (default: runs/debug_lab)")
-    add_runtime_args(parser)
-    set_timeout_default(parser, LAB_TIMEOUT_S)  # a lab should fail in seconds, not in 5 minutes
+    add_runtime_args(parser, timeout_s=LAB_TIMEOUT_S)  # a lab should fail in seconds, not in 5 minutes
     return parser.parse_args()
-
-
-def set_timeout_default(parser, seconds):
-    """Make ``--timeout-s`` default to ``seconds``, in its ``--help`` text too.
-
-    ``add_runtime_args`` writes the shared default (300 s) into the help string itself, so
-    ``parser.set_defaults`` alone would leave ``--help`` promising 300 s while the lab waits 10 s.
-    """
-    for action in parser._actions:  # argparse keeps no public handle on an added argument
-        if action.dest == "timeout_s":
-            action.default = seconds
-            action.help = re.sub(r"\(default: [^)]*\)", f"(default: {seconds:g})", action.help)
 
 
 def short(exc: BaseException, limit: int = 160) -> str:

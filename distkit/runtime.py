@@ -72,17 +72,21 @@ def _let_rank0_report_first() -> None:
     time.sleep(1.0)
 
 
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every chapter script accepts: backend/device override, timeout, seed."""
+def add_runtime_args(parser: argparse.ArgumentParser, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Flags every chapter script accepts: backend/device override, timeout, seed.
+
+    ``timeout_s`` is the script's default for ``--timeout-s`` (a debugging lab wants seconds, not
+    minutes); the help text states whichever default applies.
+    """
     group = parser.add_argument_group("runtime")
     group.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                        help="communication backend; auto = nccl when every local rank gets its own GPU, "
                             "else gloo (default: auto)")
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="where tensors live; auto follows the backend (default: auto)")
-    group.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
+    group.add_argument("--timeout-s", type=positive_float, default=timeout_s,
                        help="process-group timeout in seconds: a collective that waits longer "
-                            f"(a dead or missing rank) ends the job (default: {DEFAULT_TIMEOUT_S})")
+                            f"(a dead or missing rank) ends the job (default: {timeout_s:g})")
     group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
