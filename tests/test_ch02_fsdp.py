@@ -3,9 +3,13 @@ the sharding formulas, DCP checkpoints reshard from 4 ranks to 2, and the README
 
 Tolerances (fp32, AdamW lr 3e-3, a handful of steps): a parameter may differ from single-process
 training by at most FP32_ATOL = 2e-4 (about 7% of one Adam step; what remains is summation order,
-amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision is
-compared with the same fp32 reference under BF16_ATOL = 5e-2 (bf16 keeps 8 bits of mantissa;
-after a few steps bf16 compute drifts a few 1e-2 from fp32 on CPU, expected and not a bug).
+amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision
+cannot be judged by a max-abs bound: its largest difference from the fp32 reference (1.1e-2) is as
+large as what 4 training steps move the weights (1.2e-2), so untrained weights would pass. It is
+judged by the L2 error as a fraction of the L2 movement (untrained weights score 1) under
+BF16_RELATIVE = 0.15: measured 5.2e-2 for correct bf16 and 0.75 with one rank's gradient shard
+dropped. test_ch02_negative.py proves both tolerances fail for those bugs (and for gradients summed
+instead of averaged) with the script's own sharding code.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 CHAPTER = REPO / "02-fsdp"
 README = CHAPTER / "README.md"
 FP32_ATOL = 2e-4
+BF16_RELATIVE = 0.15
+# Vacuous (above what training moves the weights): kept only because test_ch02_gpu.py still imports
+# it; that test should switch to relative_error(...) <= BF16_RELATIVE.
 BF16_ATOL = 5e-2
 LR = 3e-3
 # vocab 65 is not a multiple of 2 or 4: tok_emb and lm_head get padded rows, so the byte checks
@@ -80,6 +87,14 @@ def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, 
 def max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def relative_error(state: dict, expected: dict, initial: dict) -> float:
+    """L2 |state - expected| / L2 |expected - initial| over all weights: the error as a fraction of
+    what training moved (untrained weights score exactly 1)."""
+    err = sum(((state[k].float() - expected[k].float()) ** 2).sum().item() for k in expected)
+    moved = sum(((expected[k].float() - initial[k].float()) ** 2).sum().item() for k in expected)
+    return (err / moved) ** 0.5
 
 
 def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4) -> dict:
@@ -181,7 +196,7 @@ def test_measured_bytes_match_the_formulas(strategies_run):
 
 def test_knobs_keep_training_equal(tmp_path):
     """Root-only wrapping + activation checkpointing + CPU offload change memory, not the maths
-    (fp32 tolerance); bf16 mixed precision is checked under the looser BF16_ATOL."""
+    (fp32 tolerance); bf16 mixed precision by its error relative to the training movement."""
     initial, reference = reference_state(STEPS)
     out = tmp_path / "params"
     run_readme(readme_command("--activation-checkpointing --cpu-offload"), tmp_path, *TINY,
@@ -199,7 +214,9 @@ def test_knobs_keep_training_equal(tmp_path):
                "--results", str(tmp_path / "bf16.jsonl"), "--save-params", str(bf16))
     trained = torch.load(bf16 / "full_shard.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in trained.values())  # fp32 master weights are kept
-    assert max_diff(trained, reference) <= BF16_ATOL
+    bf16_error = relative_error(trained, reference, initial)
+    print(f"bf16 vs fp32 reference: relative error {bf16_error:.3f}, max {max_diff(trained, reference):.2e}")
+    assert bf16_error <= BF16_RELATIVE
     record = read_records(tmp_path / "bf16.jsonl")[0]
     # parameters are gathered in bf16 (half the bytes), gradients reduced in fp32
     expected = expected_bytes("full_shard", world=4, shard_size=2, gather_bytes=2)["comm"]

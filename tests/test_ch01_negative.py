@@ -1,0 +1,42 @@
+"""Negative controls for chapter 01's equivalence tests: the comparison with single-process training
+must FAIL for the bugs it exists to catch, not only pass for the correct code.
+
+Why a separate comparison: test_ch01_ddp.py checks the README runs with AdamW and gradient clipping
+at 1.0. AdamW divides each update by sqrt(v) and clipping rescales every gradient above norm 1, so a
+gradient twice too large (summed over 2 ranks instead of averaged, or an accumulated loss not divided
+by k) moves the weights exactly as the right one does: deleting the division in
+ddp_from_scratch.average_gradients passed that test. Here the worker trains with plain SGD (lr 0.5,
+3 steps, 2 ranks, tiny GPT), where a doubled gradient doubles every update, and uses the script's
+own ``average_gradients`` (per tensor and bucketed), so deleting its division now fails the
+"correct" variant. The reference trainer is written in the worker, not taken from the scripts.
+
+Measured on 2-core CPU, gloo (max |distributed - single process| over all weights; training moves
+them by up to 7.1e-2): correct variants 1.2e-7; summed instead of averaged 6.6e-2; loss not divided
+by k=2 under no_sync 6.6e-2; one of two micro-batches skipped 8.3e-2. The tolerance (the same 5e-5
+as test_ch01_ddp.py) is 400x the correct runs' difference and 1,300x below the smallest bug.
+"""
+import json
+
+from launch import WORKERS, torchrun
+from test_ch01_ddp import TOLERANCE
+
+WIDE = 100  # a bug must exceed the tolerance by at least this factor
+
+
+def test_wrong_gradient_averaging_and_accumulation_fail_the_tolerance(tmp_path):
+    out = tmp_path / "diffs.json"
+    result = torchrun(WORKERS / "negative_controls.py", "--cases", "ch01_scratch", "ch01_ddp", "accumulation",
+                      "--out", out, nproc=2, tmp_path=tmp_path)
+    print(result.stdout[-1500:])  # the measured differences, shown with -s
+    diffs = json.loads(out.read_text())
+    correct = {"ch01_scratch": ["correct", "bucketed"], "ch01_ddp": ["correct"], "accumulation": ["accumulated"]}
+    broken = {"ch01_scratch": ["summed"],  # division by the world size deleted
+              "ch01_ddp": ["summed"],  # a DDP comm hook that all-reduces without dividing
+              "accumulation": ["unscaled_loss", "skipped_micro_batch"]}  # no 1/k; a micro-batch lost
+    for case, variants in correct.items():
+        assert diffs[case]["moved"] > WIDE * TOLERANCE, case  # training moved the weights
+        for variant in variants:
+            assert diffs[case][variant] < TOLERANCE, (case, variant, diffs[case])
+    for case, variants in broken.items():
+        for variant in variants:
+            assert diffs[case][variant] > WIDE * TOLERANCE, (case, variant, diffs[case])

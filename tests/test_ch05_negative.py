@@ -1,0 +1,42 @@
+"""Negative controls for chapter 05's equivalence tests (test_ch05_advanced.py): the same comparison
+with single-process SGD training (TOLERANCE 1e-5, lr 0.5, 3 steps), run on deliberately broken
+variants, must fail it by a wide factor.
+
+One 4-rank launch of the worker; each strategy is built from the chapter script's own functions
+(tensor_parallel.apply_tensor_parallel, the hybrid layout of hybrid_parallelism.py on a 2 x 2 mesh,
+pipeline_parallel.make_stage_module with GPipe) and compared with a reference trainer in the worker.
+Bugs: accumulation without the 1/k loss scaling and with one of k=2 micro-batches skipped (the
+DDP + no_sync loop of gradient_accumulation.py); rank 1's gradient shard dropped (TP, TP+SP, 2-D,
+HSDP); gradients summed over the data-parallel ranks instead of averaged (2-D, HSDP); one of 4
+pipeline micro-batches' loss lost.
+
+Measured on 2-core CPU, gloo (max |distributed - single|; training moves weights by up to 7.1e-2,
+4.7e-2 for the 4-layer pipeline model): every correct variant 6e-8 to 1.2e-7; the bugs 3.6e-2 (2-D
+dropped shard) to 3.0e-1 (HSDP summed over 4 ranks). TOLERANCE sits ~100x above the correct runs
+and ~3,600x below the smallest bug.
+"""
+import json
+
+from launch import WORKERS, torchrun
+from test_ch05_advanced import TOLERANCE
+
+WIDE = 100  # a bug must exceed the tolerance by at least this factor
+CASES = {"accumulation": ("accumulated", ["unscaled_loss", "skipped_micro_batch"]),
+         "ch05_tp": ("correct", ["dropped_shard"]),
+         "ch05_tp_sp": ("correct", ["dropped_shard"]),
+         "ch05_2d": ("correct", ["summed", "dropped_shard"]),
+         "ch05_hsdp": ("correct", ["summed", "dropped_shard"]),
+         "ch05_pp": ("correct", ["skipped_micro_batch"])}
+
+
+def test_broken_variants_of_every_strategy_fail_the_tolerance(tmp_path):
+    out = tmp_path / "diffs.json"
+    result = torchrun(WORKERS / "negative_controls.py", "--cases", *CASES, "--out", out, nproc=4,
+                      tmp_path=tmp_path, timeout=400)
+    print(result.stdout[-2500:])  # the measured differences, shown with -s
+    diffs = json.loads(out.read_text())
+    for case, (correct, bugs) in CASES.items():
+        assert diffs[case]["moved"] > WIDE * TOLERANCE, case
+        assert diffs[case][correct] < TOLERANCE, (case, diffs[case])
+        for bug in bugs:
+            assert diffs[case][bug] > WIDE * TOLERANCE, (case, bug, diffs[case])
