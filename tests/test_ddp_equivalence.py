@@ -3,7 +3,9 @@
 Tolerance: 1e-5 absolute on every parameter after 3 SGD-momentum steps (fp32). DDP averages the
 ranks' gradients of their per-rank mean losses; with equal per-rank batches that is exactly the
 gradient of the mean loss over the concatenated global batch, so the only difference is the order
-of floating-point additions (observed differences ~1e-7).
+of floating-point additions (observed differences ~1e-7). A gradient summed instead of averaged
+moves SGD's weights by lr x (world - 1) x grad, orders of magnitude above 1e-5: test_ch01_negative.py
+shows that bug (a DDP comm hook that never divides) at 6.6e-2 on the same kind of comparison.
 """
 import json
 import sys
