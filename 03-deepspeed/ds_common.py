@@ -202,8 +202,8 @@ def release_engine(engine) -> None:
 
     ``engine.destroy()`` removes DeepSpeed's hooks and buffers, but DeepSpeed 0.19.8's ZeRO-3 leaves
     two module-level references behind, and through the module's hooks each keeps the engine, its
-    optimizer and all their GPU memory alive for the rest of the process (found with
-    ``gc.get_referrers`` after a second configuration's peak came out too high):
+    optimizer and all their GPU memory alive for the rest of the process (found by following
+    ``gc.get_referrers`` from an engine that outlived ``gc.collect()``):
 
     * the top module pushed onto ``FWD_MODULE_STACK`` (``deepspeed/runtime/zero/parameter_offload.py``)
       when the engine is built, never popped;
@@ -225,7 +225,7 @@ def release_engine(engine) -> None:
     coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
     # The lru_cache sits under DeepSpeed's NVTX decorator (a plain closure): look inside it.
     wrapped = getattr(coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
-    inner = [getattr(cell, "cell_contents", None) for cell in getattr(wrapped, "__closure__", None) or ()]
+    inner = [_cell_value(cell) for cell in getattr(wrapped, "__closure__", None) or ()]
     for candidate in (wrapped, *inner):
         if hasattr(candidate, "cache_clear"):
             candidate.cache_clear()  # a cache only: live engines recompute their entries on demand
@@ -240,6 +240,13 @@ def clean_slate(device: torch.device, previous_engine, log) -> None:
     if previous_engine is not None and previous_engine() is not None:
         log.warning("the previous engine is still referenced after garbage collection: its memory "
                     "counts in this configuration's peak")
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty closure cell
+        return None
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
