@@ -175,11 +175,9 @@ def build_config(cli: argparse.Namespace, world_size: int) -> TrainConfig:
                          f"{cfg.global_batch_size} (an epoch holds at least one step)")
     if cfg.crash_at_step is not None and cfg.crash_rank >= world_size:
         raise UsageError(f"--crash-rank {cfg.crash_rank} is not a rank of this {world_size}-rank job")
-    gpt = gpt_config(cfg.model_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                     seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
-    if gpt.n_embd % gpt.n_head:
-        raise UsageError(f"the model width {gpt.n_embd} (--n-embd) must divide by its head count "
-                         f"{gpt.n_head} (--n-head)")
+    # raises the one-line error when the width does not split into the heads
+    gpt_config(cfg.model_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     return cfg
 
 

@@ -63,12 +63,21 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 
 
 def gpt_config(preset: str = "small", **overrides) -> GPTConfig:
-    """A preset from :data:`GPT_PRESETS` with fields overridden (``None`` values are ignored)."""
+    """A preset from :data:`GPT_PRESETS` with fields overridden (``None`` values are ignored).
+
+    Raises :class:`distkit.UsageError` (one line) when the width does not split into the heads.
+    """
+    from .runtime import UsageError
+
     if preset not in GPT_PRESETS:
         raise ValueError(f"unknown model size {preset!r}; choose from {sorted(GPT_PRESETS)}")
     base = asdict(GPT_PRESETS[preset])
     base.update({k: v for k, v in overrides.items() if v is not None})
-    return GPTConfig(**base)
+    cfg = GPTConfig(**base)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"the width {cfg.n_embd} (--n-embd) must be divisible by the head count "
+                         f"{cfg.n_head} (--n-head)")
+    return cfg
 
 
 class CausalSelfAttention(nn.Module):
@@ -234,15 +243,6 @@ def add_gpt_args(parser) -> None:
 
 
 def gpt_config_from_args(args) -> GPTConfig:
-    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe.
-
-    Raises :class:`distkit.UsageError` (one line) when the width does not split into the heads.
-    """
-    from .runtime import UsageError
-
-    cfg = gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                     seq_len=args.seq_len, vocab_size=args.vocab_size)
-    if cfg.n_embd % cfg.n_head:
-        raise UsageError(f"the width {cfg.n_embd} (--n-embd) must be divisible by the head count "
-                         f"{cfg.n_head} (--n-head)")
-    return cfg
+    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe (checked by :func:`gpt_config`)."""
+    return gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                      seq_len=args.seq_len, vocab_size=args.vocab_size)

@@ -226,7 +226,7 @@ def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
     assert "must be at least --global-batch-size 32" in config_error("num_sequences: 16\n")
     assert "must divide by world size x --grad-accum-steps = 12" in config_error("grad_accum_steps: 3\n")
     assert "--crash-rank 4 is not a rank of this 4-rank job" in config_error("crash_at_step: 3\ncrash_rank: 4\n")
-    assert "must divide by its head count 3" in config_error("model_size: tiny\nn_head: 3\n")
+    assert "must be divisible by the head count 3" in config_error("model_size: tiny\nn_head: 3\n")
     # the example config file is valid; a flag overrides it
     monkeypatch.setattr(sys, "argv", ["ddp_training.py", "--config", str(CHAPTER / "ddp_training.yaml"),
                                       "--steps", "7"])
