@@ -89,3 +89,19 @@ def test_busy_rendezvous_port_in_the_launcher_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: port {port} on 127.0.0.1 is already in use (or not an address of this node); "
         "pick another --master-port"]
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--max-steps", "0", "argument --max-steps: must be a positive integer, got 0"),  # was a ZeroDivisionError
+    ("--epochs", "-1", "argument --epochs: must be a positive integer, got -1"),
+    ("--batch-size", "0", "argument --batch-size: must be a positive integer, got 0"),
+    ("--lr", "-1", "argument --lr: must be a positive number, got -1"),
+    ("--num-workers", "-2", "argument --num-workers: must be an integer >= 0, got -2"),
+    ("--timeout-s", "0", "argument --timeout-s: must be a positive number, got 0"),
+])
+def test_out_of_range_numbers_are_one_line(tmp_path, flag, value, expected):
+    from launch import python
+
+    result = python(SCRIPT, flag, value, "--offline", tmp_path=tmp_path, check=False, timeout=120)
+    assert result.returncode == 2
+    assert_one_line_error(result, expected)
