@@ -94,6 +94,34 @@ def python(script: str | Path, *args: str, tmp_path: Path | None = None, timeout
                env=env or job_env(tmp_path), check=check)
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on right now (for launchers that need one named)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command_argv(command: str, nproc: int | None = None) -> list[str]:
+    """A command as a README writes it, as argv for this interpreter.
+
+    ``torchrun`` becomes ``python -m torch.distributed.run --standalone`` (a private loopback port
+    per test), the ``deepspeed`` launcher its runner module on a free port, ``python`` this
+    interpreter. ``nproc`` replaces the command's ``--nproc_per_node=`` / ``--num_gpus=`` count.
+    """
+    argv = shlex.split(command)
+    if nproc is not None:
+        argv = [re.sub(r"^--(nproc_per_node|num_gpus)=\d+$", rf"--\g<1>={nproc}", a) for a in argv]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    if argv[0] == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", *argv[1:]]
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    return argv
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
     """A bad input ended with a non-zero exit, one ``error:`` line containing ``expected``, and no
     traceback from the repository's own code (torchrun's own failure summary may follow)."""

@@ -9,13 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run
+from launch import REPO, assert_one_line_error, command_argv, job_env, python, readme_commands, run
 
 BENCH = REPO / "benchmarks"
 COMMITTED_RESULTS = BENCH / "results_cpu.jsonl"
@@ -242,12 +241,7 @@ def test_readme_commands_run(quick_results, tmp_path):
     for command in commands:
         if "distributed_benchmarks.py --quick" in command and "--results" not in command:
             continue  # exactly what the quick_results fixture ran
-        argv = shlex.split(command)
-        if argv[0] == "python":
-            argv[0] = sys.executable
-        elif argv[0] == "torchrun":
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
-        result = run(argv + _quick_flags(command, tmp_path, quick_results[0]), env=job_env(tmp_path), timeout=300)
+        result = run(command_argv(command) + _quick_flags(command, tmp_path, quick_results[0]), env=job_env(tmp_path), timeout=300)
         # The last non-empty line (output ends in a newline, so split("\n")[-1] would be "").
         lines = [line for line in result.stdout.lower().splitlines() if line.strip()]
         assert lines and "error" not in lines[-1], result.stdout[-2000:]

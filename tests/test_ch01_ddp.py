@@ -10,7 +10,6 @@ import importlib.util
 import json
 import math
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from distkit import seed_everything
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import REPO, job_env, readme_commands, run
+from launch import REPO, free_port, job_env, readme_commands, run
 
 README = REPO / "01-ddp-basics" / "README.md"
 STEPS, GLOBAL_BATCH = 8, 16
@@ -178,12 +177,6 @@ def test_kill_while_writing_checkpoint_keeps_previous_one(uninterrupted, tmp_pat
     assert safe_load(tmp_path / "ck" / "step_000004.pt")["step"] == 4
     # 2 ranks here vs 4 in the clean run: same arithmetic, different summation order.
     assert max_diff(final_params(tmp_path), final_params(uninterrupted)) < TOLERANCE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_agents_as_two_nodes_match_one_agent(uninterrupted, tmp_path):

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import shutil
 import socket
 import subprocess
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run, torchrun
+from launch import (REPO, assert_one_line_error, command_argv, job_env, python, readme_commands, run,
+                    torchrun)
 
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
@@ -56,12 +56,7 @@ def run_readme(command: str, tmp_path: Path, *extra: str, timeout: float = 300):
     ``torchrun`` becomes ``python -m torch.distributed.run --standalone`` (a free port per test);
     ``python`` becomes this interpreter.
     """
-    argv = shlex.split(command)
-    if argv[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
-    elif argv[0] == "python":
-        argv = [sys.executable, *argv[1:]]
-    return run([*argv, *extra], timeout=timeout, env=job_env(tmp_path))
+    return run([*command_argv(command), *extra], timeout=timeout, env=job_env(tmp_path))
 
 
 @functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it

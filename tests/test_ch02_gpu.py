@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import functools
 import re
-import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import gpu_count, job_env, require_gpus, run
+from launch import command_argv, gpu_count, job_env, require_gpus, run
 from test_ch02_fsdp import (BF16_RELATIVE, CHAPTER, FP32_ATOL, LR, RECORD, STEPS, STRATEGIES, TINY,
                             expected_bytes, max_diff, readme_command, reference_state, relative_error,
                             shard_bytes)
@@ -45,16 +43,9 @@ def gpu_run(command: str, tmp_path: Path, *extra, nproc: int | None = None, back
     (default: the README's count) and ``--backend nccl`` (unless ``backend=None``); ``extra`` flags
     follow (argparse keeps the last value of a repeated flag).
     """
-    argv = shlex.split(command)
-    if argv[0] == "torchrun":
-        readme_nproc = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--nproc_per_node="))
-        rest = [a for a in argv[1:] if not a.startswith("--nproc_per_node=")]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc or readme_nproc}", *rest]
-        if backend:
-            argv += ["--backend", backend]
-    elif argv[0] == "python":
-        argv = [sys.executable, *argv[1:]]
+    argv = command_argv(command, nproc)
+    if command.startswith("torchrun") and backend:
+        argv += ["--backend", backend]
     return run([*argv, *map(str, extra)], timeout=timeout, env=job_env(tmp_path, gpu=True))
 
 

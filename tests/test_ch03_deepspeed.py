@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
-import socket
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import REPO, assert_one_line_error, job_env, readme_commands, run
+from launch import REPO, assert_one_line_error, command_argv, free_port, job_env, readme_commands, run
 
 CHAPTER = REPO / "03-deepspeed"
 sys.path.insert(0, str(CHAPTER))  # ds_common, as the chapter scripts import it
@@ -45,25 +43,12 @@ def readme_command(*needles: str) -> str:
     return found[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_readme(command: str, extra: list, tmp_path: Path, timeout: float = 400):
     """Run a README command as the reader would, with ``extra`` flags appended (the last value of a
     repeated flag wins). torchrun gets --standalone and the deepspeed launcher a free port, so tests
     running side by side never share a rendezvous port."""
-    argv = shlex.split(command)
-    if argv[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
-    elif argv[0] == "deepspeed":
-        argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", *argv[1:]]
-    elif argv[0] == "python":
-        argv = [sys.executable, *argv[1:]]
     env = job_env(tmp_path, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
-    result = run([*argv, *map(str, extra)], timeout=timeout, env=env)
+    result = run([*command_argv(command), *map(str, extra)], timeout=timeout, env=env)
     built = list((tmp_path / "torch_extensions").glob("*"))
     assert not built, f"DeepSpeed JIT-compiled ops {built}: a fresh CI machine would build them"
     return result

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -29,8 +28,8 @@ import torch
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import assert_one_line_error, gpu_count, job_env, require_gpus, run
-from test_ch03_deepspeed import (CHAPTER, EVAL_BATCH, EVAL_STEP, LR, SMALL, WEIGHT_TOL, free_port,
+from launch import assert_one_line_error, command_argv, gpu_count, job_env, require_gpus, run
+from test_ch03_deepspeed import (CHAPTER, EVAL_BATCH, EVAL_STEP, LR, SMALL, WEIGHT_TOL,
                                  max_diff, readme_command, reference_weights)
 
 sys.path.insert(0, str(CHAPTER))
@@ -50,16 +49,9 @@ def run_gpu(command: str, ranks: int, extra: list, tmp_path: Path, timeout: floa
     """A README command on ``ranks`` GPUs: its launcher's rank count replaced, ``extra`` appended,
     the GPUs visible (``job_env(gpu=True)``). ``fresh_start`` drops the command's bare ``--resume``
     (the README's deepspeed-launcher command continues an earlier run)."""
-    argv = shlex.split(command)
-    argv = [re.sub(r"^--(nproc_per_node|num_gpus)=\d+$", rf"--\1={ranks}", arg) for arg in argv]
+    argv = command_argv(command, ranks)
     if fresh_start:
         argv = [arg for arg in argv if arg != "--resume"]
-    if argv[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
-    elif argv[0] == "deepspeed":
-        argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", *argv[1:]]
-    elif argv[0] == "python":
-        argv = [sys.executable, *argv[1:]]
     env = job_env(tmp_path, gpu=True, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
     return run([*argv, *map(str, extra)], timeout=timeout, env=env, check=check)
 

@@ -73,12 +73,12 @@ def test_tensor_parallel_on_one_gpu(sequence_parallel, tmp_path):
     assert record["losses"] == pytest.approx(losses, abs=GPU_TOLERANCE)
 
 
-def test_pipeline_schedules_on_one_gpu(tmp_path):
-    """All three schedules on one rank (one stage; two for interleaved): same weights, and the
-    bubble measured with CUDA events is a fraction of the schedule's time."""
-    require_gpus(1)
+def pipeline_records(tmp_path, nproc=None) -> dict:
+    """The README's pipeline command (all three schedules, 4 micro-batches of an 8-layer model) on
+    ``nproc`` GPUs (default: the README's 4); checks what every schedule must show (the same weights
+    and losses as one process, a record of NCCL on CUDA) and returns the records by schedule."""
     results = tmp_path / "r.jsonl"
-    gpu_launch(tmp_path, "pipeline_parallel.py", nproc=1,
+    gpu_launch(tmp_path, "pipeline_parallel.py", nproc=nproc,
                extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
                       "--results", results, "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
     expected, losses = reference(16, n_layer=8)
@@ -86,8 +86,16 @@ def test_pipeline_schedules_on_one_gpu(tmp_path):
     assert set(records) == {"gpipe", "1f1b", "interleaved_1f1b"}
     for schedule, record in records.items():
         assert_matches(tmp_path / f"{schedule}_m4.pt", expected)
-        assert_gpu_record(record, 1)
+        assert_gpu_record(record, nproc or 4)
         assert record["losses"] == pytest.approx(losses, abs=GPU_TOLERANCE), schedule
+    return records
+
+
+def test_pipeline_schedules_on_one_gpu(tmp_path):
+    """All three schedules on one rank (one stage; two for interleaved): same weights, and the
+    bubble measured with CUDA events is a fraction of the schedule's time."""
+    require_gpus(1)
+    for schedule, record in pipeline_records(tmp_path, nproc=1).items():
         assert record["bubble"]["theory"] == 0.0  # one stage (per rank): nothing to wait for
         assert 0.0 <= record["bubble"]["measured"] <= 1.0, record["bubble"]
 
@@ -168,17 +176,7 @@ def test_communication_overlap_on_two_gpus_sees_nccl_kernels(tmp_path):
 
 def test_readme_pipeline_on_four_gpus(tmp_path):
     require_gpus(4, "one GPU per pipeline rank")
-    results = tmp_path / "r.jsonl"
-    gpu_launch(tmp_path, "pipeline_parallel.py",
-               extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
-                      "--results", results, "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
-    expected, losses = reference(16, n_layer=8)
-    records = {r["config"]["schedule"]: r for r in read_records(results)}
-    assert set(records) == {"gpipe", "1f1b", "interleaved_1f1b"}
-    for schedule, record in records.items():
-        assert_matches(tmp_path / f"{schedule}_m4.pt", expected)
-        assert_gpu_record(record, 4)
-        assert record["losses"] == pytest.approx(losses, abs=GPU_TOLERANCE), schedule
+    for schedule, record in pipeline_records(tmp_path).items():
         stages = 2 if schedule == "interleaved_1f1b" else 1
         assert record["bubble"]["theory"] == pytest.approx(3 / (stages * 4 + 3))
         for measured in record["bubble"]["measured_per_rank"]:

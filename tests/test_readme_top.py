@@ -1,8 +1,7 @@
 """The top-level README's commands run as written (with small flags appended so they are quick)."""
 import shlex
-import sys
 
-from launch import REPO, readme_commands, run, job_env
+from launch import REPO, command_argv, job_env, readme_commands, run
 
 # Appended to each README command in tests; argparse keeps the last value of a repeated flag.
 SMALL_FLAGS = {"01-ddp-basics/ddp_mnist.py": "--epochs 1 --max-steps 3 --offline"}
@@ -10,11 +9,7 @@ SMALL_FLAGS = {"01-ddp-basics/ddp_mnist.py": "--epochs 1 --max-steps 3 --offline
 
 def as_test_command(command: str, tmp_path) -> list[str]:
     """A README command with this interpreter, a private rendezvous port and small flags."""
-    words = shlex.split(command)
-    if words[0] == "torchrun":
-        words = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
-    elif words[0] == "python":
-        words = [sys.executable, *words[1:]]
+    words = command_argv(command)
     script = next(w for w in words if w.endswith(".py") and not w.startswith("-"))
     assert script in SMALL_FLAGS, f"README command {command!r} has no small-flag entry in this test"
     return words + shlex.split(SMALL_FLAGS[script]) + [
