@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from distkit import ArgumentParser, UsageError, run_main
+from distkit.flags import positive_int
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RECORD = HERE / "recovery_times.jsonl"
@@ -169,10 +172,6 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO))
-    from distkit import ArgumentParser, UsageError, run_main
-    from distkit.flags import positive_int
-
     parser = ArgumentParser(description="Recovery time of a torchrun restart, per phase, and the "
                                         "exactness of the resume; prints the README table.")
     parser.add_argument("--measure", action="store_true",

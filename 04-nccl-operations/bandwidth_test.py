@@ -249,7 +249,7 @@ def timed(call, ctx, iters, warmup):
 
 def run_collective(collective, sizes, args, ctx, dtype):
     """Rows of the sweep for one collective (or None when the backend cannot run it)."""
-    n, elem = ctx.world_size, torch.tensor([], dtype=dtype).element_size()
+    n, elem = ctx.world_size, dtype.itemsize
     rows = []
     for size in sizes:
         try:
@@ -354,7 +354,7 @@ def main():
     dtype = DTYPES[args.dtype]
     with distributed(args) as ctx:
         n = ctx.world_size
-        sizes = size_sweep(args, ctx, torch.tensor([], dtype=dtype).element_size())
+        sizes = size_sweep(args, ctx, dtype.itemsize)
         machine = machine_info(ctx.device)
         if ctx.is_main:
             print(f"# bandwidth test | {n} ranks | backend {ctx.backend} | {machine['device_name']} "

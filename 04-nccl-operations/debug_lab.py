@@ -73,6 +73,7 @@ def mismatch(ctx, log):
     numel = 3 if r == n - 1 else 4
 
     # 1. With DETAIL: before running it, each collective's fingerprint is compared across ranks.
+    # CPU tensors on purpose, also on a GPU job: both groups of this scenario are gloo side groups.
     checked = group(ctx.timeout_s, dist.DebugLevel.DETAIL)
     try:
         dist.all_reduce(torch.ones(numel), group=checked)

@@ -12,46 +12,38 @@ import math
 from typing import Any, Callable
 
 
-def _number(kind: Callable[[str], Any], text: str, what: str):
+def _number(kind: Callable[[str], Any], text: str, what: str, in_range: Callable[[Any], bool]):
+    """Parse ``text`` as ``kind`` and check ``in_range``; argparse's one-line error otherwise."""
     try:
         value = kind(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    if not in_range(value):
+        shown = format(value, "g") if isinstance(value, float) else value
+        raise argparse.ArgumentTypeError(f"must be {what}, got {shown}")
     return value
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (steps, batch sizes, ranks, intervals)."""
-    value = _number(int, text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+    return _number(int, text, "a positive integer", lambda v: v >= 1)
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (warm-up steps, "0 = off" intervals)."""
-    value = _number(int, text, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+    return _number(int, text, "an integer >= 0", lambda v: v >= 0)
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (learning rates, timeouts, sizes in MiB)."""
-    value = _number(float, text, "a positive number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value:g}")
-    return value
+    return _number(float, text, "a positive number", lambda v: v > 0)
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (weight decay, clipping where 0 means off)."""
-    value = _number(float, text, "a number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value:g}")
-    return value
+    return _number(float, text, "a number >= 0", lambda v: v >= 0)
 
 
 def check_value(name: str, value: Any, kind: Callable[[str], Any]) -> Any:
