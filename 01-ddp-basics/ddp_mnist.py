@@ -77,9 +77,9 @@ def train_one_epoch(model, loader, optimizer, harness, ctx, epoch, max_steps):
         # Accumulated on the device: no .item() per step, which would wait for the GPU every step.
         totals += torch.stack([loss.detach().double() * len(labels),
                                (logits.argmax(1) == labels).sum().double(),
-                               torch.tensor(len(labels), dtype=torch.float64, device=ctx.device)])
-        if ctx.rank == 0 and hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+                               torch.full((), float(len(labels)), dtype=torch.float64, device=ctx.device)])
+        if ctx.rank == 0 and hasattr(bar, "set_postfix") and step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")  # .item() waits for the GPU: not every step
     return totals
 
 
@@ -96,7 +96,7 @@ def evaluate(model, test_set, ctx, batch_size):
         logits = model(images)
         totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
                                (logits.argmax(1) == labels).sum().double(),
-                               torch.tensor(len(labels), dtype=torch.float64, device=ctx.device)])
+                               torch.full((), float(len(labels)), dtype=torch.float64, device=ctx.device)])
     dist.all_reduce(totals)  # sum of per-rank counts = counts over the whole test set
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
