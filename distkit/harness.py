@@ -3,7 +3,8 @@
 Three measurements, one JSON record per run:
 
 * **time**: a step timer that skips warm-up steps; on GPU it synchronises the device so a step's
-  time includes its kernels, on CPU it reads ``time.perf_counter``. Throughput follows from it.
+  time includes its kernels, on CPU it reads ``time.perf_counter``. A run's step time is the median timed step
+  of its slowest rank; throughput is what one step processes / that step time (one definition).
 * **memory per rank**: on GPU ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS.
   On both, the bytes of parameters, gradients and optimizer state this rank *holds* (sharded
   tensors count only their local shard), which is what the ZeRO/FSDP formulas predict.
@@ -25,7 +26,9 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .records import SCHEMA_VERSION
 from .runtime import DistContext
 
 # op name (as the dispatcher names it) -> (collective, how to find payload tensors)
@@ -440,10 +444,17 @@ class Harness:
             per_rank = [local]
         if not self.ctx.is_main:
             return None
-        slowest = max(m["time_s"] for m in per_rank)
         timed = per_rank[0]["timed_steps"]
         medians = [m["step_time_s_median"] for m in per_rank if m["step_time_s_median"] is not None]
+        # One definition of speed everywhere: the step time is the median over timed steps of the
+        # slowest rank (a step ends when its slowest rank does; the median ignores a stray slow
+        # step), and throughput is what one step processes divided by that step time.
+        step_s = max(medians) if medians else None
+        samples_per_step = self._timed_samples / timed if timed else 0.0
+        tokens_per_step = self._timed_tokens / timed if timed else 0.0
         record = {
+            "schema": SCHEMA_VERSION,
+            "command": shlex.join([os.path.relpath(sys.argv[0]) if sys.argv[0] else "python"] + sys.argv[1:]),
             "strategy": self.strategy,
             "world_size": self.ctx.world_size,
             "backend": self.ctx.backend,
@@ -455,10 +466,11 @@ class Harness:
             "config": self.config,
             "metrics": {
                 "timed_steps": timed,
-                "step_time_s_median": max(medians) if medians else None,
-                "step_time_s_mean": slowest / timed if timed else None,
-                "samples_per_s": self._timed_samples / slowest if slowest > 0 else None,
-                "tokens_per_s": self._timed_tokens / slowest if slowest > 0 and self._timed_tokens else None,
+                "step_time_s_median": step_s,
+                "samples_per_step": samples_per_step,
+                "tokens_per_step": tokens_per_step,
+                "samples_per_s": samples_per_step / step_s if step_s else None,
+                "tokens_per_s": tokens_per_step / step_s if step_s and tokens_per_step else None,
                 "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
                 "peak_memory_kind": per_rank[0]["peak_memory_kind"],
                 "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
@@ -490,6 +502,25 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a results file (JSON Lines), oldest first."""
+    """All records of a results file (JSON Lines), oldest first, in the current schema."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [upgrade_record(json.loads(line)) for line in f if line.strip()]
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record written before schema 1, read with today's definitions.
+
+    Those records computed throughput from the *mean* step time (``step_time_s_mean``) while
+    reporting the median. What one step processed is their throughput x their mean step time, so
+    the median-based throughput of today follows from fields the record already holds.
+    """
+    metrics = record.get("metrics") or {}
+    mean = metrics.pop("step_time_s_mean", None)
+    median = metrics.get("step_time_s_median")
+    if mean:
+        for kind in ("samples", "tokens"):
+            rate = metrics.get(f"{kind}_per_s")
+            per_step = rate * mean if rate else 0.0
+            metrics[f"{kind}_per_step"] = per_step
+            metrics[f"{kind}_per_s"] = per_step / median if per_step and median else None
+    return record

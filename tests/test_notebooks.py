@@ -1,9 +1,13 @@
-"""Every chapter notebook executes top to bottom, headless, as a reader would run it."""
+"""Every chapter notebook executes top to bottom, headless, as a reader would run it, and its
+committed ``.ipynb`` holds exactly the cells of its source, the percent-format ``notebook.py`` beside
+it (``jupytext --sync notebook.py`` after editing). The notebooks assert the numbers they show
+(against their records or theory), so a wrong outcome fails here as an error output."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -28,3 +32,15 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch):
     errors = [out for cell in nb.cells if cell.cell_type == "code"
               for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors
+
+
+def _cells(nb) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source.strip()) for cell in nb.cells]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(p.relative_to(REPO)) for p in NOTEBOOKS])
+def test_notebook_matches_its_percent_source(path: Path):
+    source = path.with_suffix(".py")
+    assert source.exists(), f"{path.name} has no paired source {source.name} (jupytext percent format)"
+    assert _cells(jupytext.read(source)) == _cells(nbformat.read(path, as_version=4)), (
+        f"{path.name} and {source.name} differ: run jupytext --sync {source.relative_to(REPO)}")
