@@ -7,6 +7,8 @@
   the JSON records that ``benchmarks/`` reads.
 * :mod:`distkit.data`: MNIST with an offline fallback; :mod:`distkit.models`: the MNIST CNN, the
   small GPT and its synthetic token task; :mod:`distkit.checkpoint`: atomic, safe checkpoints.
+* :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
+  output block, table and plot regenerated from them (``python -m distkit.records render``).
 """
 from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,  # noqa: F401
                       choose_backend_and_device, distributed, init_distributed, run_main,
