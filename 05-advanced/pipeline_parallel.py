@@ -170,7 +170,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
                               "optimizer": args.optimizer, "n_layer": cfg.n_layer})
     harness.local_stages = torch.nn.ModuleList(stage.submod for stage in stages)
     task = TokenTask(cfg, seed=args.seed)
-    losses, bubbles = [], []
+    losses, bubbles, spans = [], [], []  # spans: (schedule.step seconds, compute seconds) per timed step
     for step in progress(range(args.steps), ctx.rank, desc=f"{schedule_name} m={microbatches}"):
         inputs, targets = task.global_batch(step, args.global_batch_size)
         inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
@@ -187,21 +187,27 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
         if step >= args.warmup_steps + harness.comm_steps:  # timed steps only
             # Both clocks measure the same way (CUDA events on GPU, perf_counter on CPU); reading
             # total_s synchronises once, outside the timed step.
-            elapsed = step_clock.total_s - step_before
-            bubbles.append(1 - (busy.total_s - busy_before) / elapsed)
+            elapsed, computing = step_clock.total_s - step_before, busy.total_s - busy_before
+            bubbles.append(1 - computing / elapsed)
+            spans.append((elapsed, computing))
         # The loss exists on the last stage only: send its mean to everyone so rank 0 can print it.
         loss = torch.stack(micro_losses).mean().detach() if holds_last else torch.zeros((), device=ctx.device)
         dist.broadcast(loss, src=last_rank)
         losses.append(loss.item())
 
     # Each rank's measured idle fraction; the schedule's theory for equal stages.
+    # The mean seconds per step inside schedule.step() and inside compute chunks are kept too: their
+    # difference is the idle time, which the README splits into the bubble and per-micro-batch costs.
     my_bubble = sum(bubbles) / len(bubbles) if bubbles else None
-    all_bubbles = [None] * pp
-    dist.all_gather_object(all_bubbles, my_bubble)
+    my_spans = [sum(s[i] for s in spans) / len(spans) for i in (0, 1)] if spans else [None, None]
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, (my_bubble, *my_spans))
+    all_bubbles = [g[0] for g in gathered]
     measured = [b for b in all_bubbles if b is not None]
     theory = (pp - 1) / (per_rank * microbatches + pp - 1)
     bubble = {"measured_per_rank": all_bubbles,
-              "measured": sum(measured) / len(measured) if measured else None, "theory": theory}
+              "measured": sum(measured) / len(measured) if measured else None, "theory": theory,
+              "schedule_s_per_rank": [g[1] for g in gathered], "compute_s_per_rank": [g[2] for g in gathered]}
 
     pieces = [None] * pp
     dist.all_gather_object(pieces, {k: v.detach().cpu() for stage in stages

@@ -1,16 +1,22 @@
-"""Plot chapter 05's measurements from harness records: the pipeline bubble (measured vs theory)
-against the micro-batch count, and DDP throughput against ``bucket_cap_mb``.
+"""Chapter 05's tables and plots, drawn from harness records: the pipeline bubble (measured vs theory,
+and where the extra idle time goes) and DDP throughput against ``bucket_cap_mb``.
 
-    python 05-advanced/plot_results.py --results runs/results.jsonl --out-dir 05-advanced
+The README's figures come from the records committed in ``05-advanced/records/`` and are regenerated
+(with every other generated part of the README) by::
 
-Reads the records that pipeline_parallel.py and communication_overlap.py appended (the newest record
-wins for each schedule/micro-batch count and each bucket size) and writes ``pipeline_bubble.png``
-and ``bucket_sweep.png``. The machine the numbers came from is written in each title.
+    python -m distkit.records render 05-advanced
+
+which calls :func:`pipeline_figures` and :func:`bucket_figures`. To plot your own runs::
+
+    python 05-advanced/plot_results.py --results runs/results.jsonl --out-dir runs/plots
+
+(without ``--results``: the committed records). The newest record wins for each schedule/micro-batch
+count and each bucket size. Every caption says where its records ran.
 """
 from __future__ import annotations
 
 import argparse
-import os
+from pathlib import Path
 
 import matplotlib
 
@@ -18,40 +24,95 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit.harness import read_records  # noqa: E402
+from distkit.records import machine_label, save_figure  # noqa: E402
+
+RECORDS = Path(__file__).resolve().parent / "records"
+PIPELINE, PIPELINE_2RANKS, OVERLAP = "pipeline.jsonl", "pipeline_2ranks.jsonl", "overlap.jsonl"
 
 
 def where(record: dict) -> str:
-    return (f"{record['machine']['device_name']}, {record['backend']}, "
-            f"{record['world_size']} ranks")
+    return f"{machine_label(record['machine'], record['backend'])}, {record['world_size']} ranks"
 
 
-def plot_bubble(records: list[dict], path: str) -> bool:
-    runs = {}
-    for r in records:
-        if r.get("config", {}).get("script") == "pipeline_parallel" and r["bubble"]["measured"] is not None:
-            runs[(r["config"]["schedule"], r["config"]["microbatches"])] = r
+def caption(record: dict, *files: str) -> str:
+    links = ", ".join(f"[records/{f}](records/{f})" for f in files)
+    return (f"<sub>Recorded on {where(record)}, torch {record['torch_version']}, "
+            f"{record['timestamp'][:10]}: {links}.</sub>")
+
+
+def newest(records: list[dict], script: str, key) -> dict:
+    """The newest record of ``script`` for each key (files are appended in time order)."""
+    return {key(r): r for r in records if r.get("config", {}).get("script") == script}
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def bubble_row(record: dict) -> dict:
+    """One pipeline run, averaged over its ranks. ``idle`` = time inside schedule.step() outside the
+    compute chunks. With equal stages and free communication it would be exactly the bubble:
+    compute x (p-1)/(v·m) (the schedule is (v·m+p-1) chunk slots, v·m of them busy). ``extra`` is
+    what the run idled beyond that, per micro-batch."""
+    cfg, bubble = record["config"], record["bubble"]
+    p, v, m = cfg["pp"], cfg["stages_per_rank"], cfg["microbatches"]
+    step = sum(bubble["schedule_s_per_rank"]) / p
+    compute = sum(bubble["compute_s_per_rank"]) / p
+    theory_idle = compute * (p - 1) / (v * m)
+    return {"schedule": cfg["schedule"], "p": p, "m": m, "theory": bubble["theory"],
+            "measured": bubble["measured"], "step_ms": 1e3 * step, "compute_ms": 1e3 * compute,
+            "idle_ms": 1e3 * (step - compute), "extra_per_mb_ms": 1e3 * (step - compute - theory_idle) / m}
+
+
+def pipeline_runs(records: list[dict]) -> list[dict]:
+    runs = newest(records, "pipeline_parallel", lambda r: (r["world_size"], r["config"]["schedule"],
+                                                          r["config"]["microbatches"]))
+    order = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2}
+    return [runs[k] for k in sorted(runs, key=lambda k: (-k[0], order[k[1]], k[2]))]
+
+
+def plot_bubble(records: list[dict], path: Path) -> bool:
+    runs = pipeline_runs(records)
     if not runs:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (schedule, color) in zip(sorted({s for s, _ in runs}), ("C0", "C1", "C2")):
-        points = sorted((m, r) for (s, m), r in runs.items() if s == schedule)
-        ms = [m for m, _ in points]
-        ax.plot(ms, [r["bubble"]["measured"] for _, r in points], "o-", color=color, label=f"{schedule} measured")
-        ax.plot(ms, [r["bubble"]["theory"] for _, r in points], "--", color=color, label=f"{schedule} theory")
-    ax.set_xlabel("micro-batches per step (m)")
-    ax.set_ylabel("idle fraction of schedule.step()")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"Pipeline bubble: {where(next(iter(runs.values())))}", fontsize=9)
-    ax.legend(fontsize=7)
+    rows = [bubble_row(r) for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    series = sorted({(r["p"], r["schedule"]) for r in rows}, key=lambda s: (-s[0], s[1]))
+    for i, (p, schedule) in enumerate(series):
+        mine = [r for r in rows if (r["p"], r["schedule"]) == (p, schedule)]
+        ms, label = [r["m"] for r in mine], f"{schedule}, {p} ranks"
+        left.plot(ms, [r["measured"] for r in mine], "o-", color=f"C{i}", label=f"{label} measured")
+        left.plot(ms, [r["theory"] for r in mine], "--", color=f"C{i}", label=f"{label} theory")
+        right.plot(ms, [r["extra_per_mb_ms"] for r in mine], "o-", color=f"C{i}", label=label)
+    left.set(xlabel="micro-batches per step (m)", ylabel="idle fraction of schedule.step()", ylim=(0, 1),
+             xscale="log", title="bubble: measured vs (p-1)/(v·m+p-1)")
+    right.set(xlabel="micro-batches per step (m)", ylabel="ms per micro-batch", xscale="log", ylim=(0, None),
+              title="idle time beyond the theory bubble, per micro-batch")
+    for ax in (left, right):
+        ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Pipeline parallelism, fixed global batch: {where(runs[0])}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
-def plot_buckets(records: list[dict], path: str) -> bool:
-    runs = {r["config"]["bucket_cap_mb"]: r for r in records
-            if r.get("config", {}).get("script") == "communication_overlap"}
+def pipeline_figures(out_dir: Path) -> str:
+    """README: the pipeline table and pipeline_bubble.png, from records/pipeline*.jsonl."""
+    records = read_records(RECORDS / PIPELINE) + read_records(RECORDS / PIPELINE_2RANKS)
+    plot_bubble(records, out_dir / "pipeline_bubble.png")
+    lines = ["| ranks (p) | schedule | m | bubble theory | idle measured | step ms | compute ms | idle ms "
+             "| idle beyond theory, ms per micro-batch |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in map(bubble_row, pipeline_runs(records)):
+        lines.append(f"| {r['p']} | {r['schedule']} | {r['m']} | {r['theory']:.2f} | {r['measured']:.2f} | "
+                     f"{r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['idle_ms']:.0f} | {r['extra_per_mb_ms']:.1f} |")
+    first = read_records(RECORDS / PIPELINE)[0]
+    two = read_records(RECORDS / PIPELINE_2RANKS)[0]
+    return "\n".join(lines) + "\n\n![pipeline bubble](pipeline_bubble.png)\n\n" + \
+        caption(first, PIPELINE) + "<br>" + caption(two, PIPELINE_2RANKS) + "\n"
+
+
+# ------------------------------------------------------------------------------------- buckets
+def plot_buckets(records: list[dict], path: Path) -> bool:
+    runs = newest(records, "communication_overlap", lambda r: r["config"]["bucket_cap_mb"])
     if not runs:
         return False
     sizes = sorted(runs)
@@ -61,28 +122,45 @@ def plot_buckets(records: list[dict], path: str) -> bool:
         calls = runs[s]["metrics"]["comm_per_step"].get("all_reduce", {}).get("calls", 0)
         ax.annotate(f"{calls:.0f} all-reduces", (s, runs[s]["metrics"]["samples_per_s"]), fontsize=7,
                     textcoords="offset points", xytext=(4, -10))
-    ax.set_xscale("log")
-    ax.set_xlabel("bucket_cap_mb")
-    ax.set_ylabel("samples / s")
+    ax.set(xscale="log", xlabel="bucket_cap_mb", ylabel="samples / s", ylim=(0, None))
     ax.set_title(f"DDP throughput vs bucket size: {where(runs[sizes[0]])}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
+
+
+def bucket_figures(out_dir: Path) -> str:
+    """README: the bucket-size table, a sentence naming the fastest size, and bucket_sweep.png."""
+    records = read_records(RECORDS / OVERLAP)
+    plot_buckets(records, out_dir / "bucket_sweep.png")
+    runs = newest(records, "communication_overlap", lambda r: r["config"]["bucket_cap_mb"])
+    lines = ["| bucket_cap_mb | all-reduces / step | samples / s | ms / step (median) |", "|---|---|---|---|"]
+    for size in sorted(runs):
+        m = runs[size]["metrics"]
+        lines.append(f"| {size:g} | {m['comm_per_step']['all_reduce']['calls']:.0f} | {m['samples_per_s']:.0f} | "
+                     f"{1e3 * m['step_time_s_median']:.1f} |")
+    fastest = max(runs, key=lambda s: runs[s]["metrics"]["samples_per_s"])
+    slowest = min(runs, key=lambda s: runs[s]["metrics"]["samples_per_s"])
+    ratio = runs[fastest]["metrics"]["samples_per_s"] / runs[slowest]["metrics"]["samples_per_s"]
+    sentence = (f"In this run the fastest bucket size was {fastest:g} MB, {ratio:.1f}x the throughput of "
+                f"{slowest:g} MB.")
+    return "\n".join(lines) + f"\n\n{sentence}\n\n![bucket sweep](bucket_sweep.png)\n\n" + \
+        caption(runs[fastest], OVERLAP) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default="runs/results.jsonl", help="harness records (default: runs/results.jsonl)")
-    parser.add_argument("--out-dir", default="05-advanced", help="where the PNGs go (default: 05-advanced)")
+    parser.add_argument("--results", nargs="+", default=[str(RECORDS / f) for f in (PIPELINE, PIPELINE_2RANKS, OVERLAP)],
+                        help="harness record files (default: the committed 05-advanced/records/*.jsonl)")
+    parser.add_argument("--out-dir", default="runs/plots", help="where the PNGs go (default: runs/plots)")
     args = parser.parse_args()
-    if not os.path.exists(args.results):
-        parser.error(f"{args.results} does not exist: run pipeline_parallel.py / communication_overlap.py first")
-    records = read_records(args.results)
-    os.makedirs(args.out_dir, exist_ok=True)
+    missing = [f for f in args.results if not Path(f).exists()]
+    if missing:
+        parser.error(f"{missing[0]} does not exist: run pipeline_parallel.py / communication_overlap.py first")
+    records = [r for f in args.results for r in read_records(f)]
+    out = Path(args.out_dir)
     for name, plot in (("pipeline_bubble.png", plot_bubble), ("bucket_sweep.png", plot_buckets)):
-        path = os.path.join(args.out_dir, name)
-        print(f"wrote {path}" if plot(records, path) else f"skipped {name}: no matching records in {args.results}")
+        print(f"wrote {out / name}" if plot(records, out / name) else f"skipped {name}: no matching records")
 
 
 if __name__ == "__main__":

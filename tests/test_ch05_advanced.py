@@ -10,7 +10,8 @@ AdamW normalises each update by the gradient's size: a gradient summed instead o
 missing 1/k or 1/world_size) would go unnoticed, while with SGD it moves the weights by ~lr x grad.
 The distributed runs differ from the reference only in the order of floating-point additions
 (observed max differences 6e-8 to 1.2e-7). test_ch05_negative.py proves the tolerance fails for the
-bugs it must catch (summed gradients, a dropped shard, a skipped micro-batch, no 1/k), by >3,600x.
+bugs it must catch (summed gradients, a dropped shard, a skipped micro-batch, no 1/k), by >3,600x,
+and that deleting gradient_accumulation.py's own ``/ k`` fails the accumulation test below.
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def test_tensor_parallel_matches_single_process(sequence_parallel, tmp_path):
 
 def test_pipeline_schedules_match_single_process(tmp_path):
     results = tmp_path / "r.jsonl"
-    launch(tmp_path, "pipeline_parallel.py", extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16,
+    launch(tmp_path, "pipeline_parallel.py", "nproc_per_node=4", extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16,
                                                     "--microbatches", 4, "--results", results,
                                                     "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
     expected, losses = reference(16, n_layer=8)
@@ -121,9 +122,28 @@ def test_pipeline_schedules_match_single_process(tmp_path):
         stages = 2 if schedule == "interleaved_1f1b" else 1
         assert record["bubble"]["theory"] == pytest.approx(3 / (stages * 4 + 3))
         assert 0 <= record["bubble"]["measured"] < 1
+        # compute inside the schedule's span on every rank: the README splits the idle rest
+        for step_s, compute_s in zip(record["bubble"]["schedule_s_per_rank"], record["bubble"]["compute_s_per_rank"]):
+            assert 0 < compute_s < step_s, schedule
         assert record["metrics"]["comm_per_step"]["send"]["calls"] > 0  # activations/grads move p2p
     assert "wrote" in plot(results, tmp_path, tmp_path)
     assert (tmp_path / "pipeline_bubble.png").stat().st_size > 0
+
+
+def test_two_rank_pipeline_matches_single_process(tmp_path):
+    """The README's 2-rank comparison run (no CPU oversubscription), at the equivalence settings."""
+    results = tmp_path / "r.jsonl"
+    launch(tmp_path, "pipeline_parallel.py", "nproc_per_node=2",
+           extra=(*QUICK, "--global-batch-size", 16, "--microbatches", 2, 4, "--results", results,
+                  "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
+    expected, losses = reference(16, n_layer=8)
+    records = read_records(results)
+    assert [(r["world_size"], r["config"]["microbatches"]) for r in records] == [(2, 2), (2, 4)]
+    for record in records:
+        m = record["config"]["microbatches"]
+        assert_matches(tmp_path / f"gpipe_m{m}.pt", expected)
+        assert record["losses"] == pytest.approx(losses, abs=1e-5)
+        assert record["bubble"]["theory"] == pytest.approx(1 / (m + 1))
 
 
 @pytest.mark.parametrize("mode", ["2d", "hsdp"])
@@ -229,7 +249,8 @@ def test_every_readme_command_is_run_by_a_test():
     (or a lookup that no longer finds its command) fails here."""
     lookups = [(("tensor_parallel.py",), "--sequence-parallel"),
                (("tensor_parallel.py", "--sequence-parallel"), None),
-               (("pipeline_parallel.py",), None),
+               (("pipeline_parallel.py", "nproc_per_node=4"), None),
+               (("pipeline_parallel.py", "nproc_per_node=2"), None),
                (("hybrid_parallelism.py", "--mode 2d", "nproc_per_node=4"), None),
                (("hybrid_parallelism.py", "--mode hsdp", "nproc_per_node=4"), None),
                (("hybrid_parallelism.py", "nproc_per_node=2"), None),

@@ -14,11 +14,19 @@ Measured on 2-core CPU, gloo (max |distributed - single|; training moves weights
 4.7e-2 for the 4-layer pipeline model): every correct variant 6e-8 to 1.2e-7; the bugs 3.6e-2 (2-D
 dropped shard) to 3.0e-1 (HSDP summed over 4 ranks). TOLERANCE sits ~100x above the correct runs
 and ~3,600x below the smallest bug.
+
+The accumulation cases above use the worker's own copy of the no_sync loop. The last test mutates
+gradient_accumulation.py itself (tests/workers/ch05_mutant.py deletes its ``/ k``) and runs the
+README command exactly as test_ch05_advanced's equivalence test does: the weights it saves must miss
+the reference by far more than TOLERANCE. With SGD, no 1/k makes every step k = 4 times too large:
+measured 1.6e-1 on 2-core CPU, gloo (both sync modes), 16,000x the tolerance.
 """
 import json
 
-from launch import WORKERS, torchrun
-from test_ch05_advanced import TOLERANCE
+import torch
+
+from launch import REPO, WORKERS, torchrun
+from test_ch05_advanced import QUICK, TOLERANCE, readme_command, reference
 
 WIDE = 100  # a bug must exceed the tolerance by at least this factor
 CASES = {"accumulation": ("accumulated", ["unscaled_loss", "skipped_micro_batch"]),
@@ -40,3 +48,19 @@ def test_broken_variants_of_every_strategy_fail_the_tolerance(tmp_path):
         assert diffs[case][correct] < TOLERANCE, (case, diffs[case])
         for bug in bugs:
             assert diffs[case][bug] > WIDE * TOLERANCE, (case, bug, diffs[case])
+
+
+def test_accumulation_without_1_over_k_fails_the_equivalence_test(tmp_path):
+    """The bug the equivalence test must catch, made in the script itself: ``loss / k`` -> ``loss``."""
+    k = 4
+    nproc, script, args = readme_command("gradient_accumulation.py")
+    torchrun(WORKERS / "ch05_mutant.py", REPO / script, "lm_loss(model(x), y) / k", "lm_loss(model(x), y)",
+             "--", *args, *QUICK, "--accumulation-steps", k, "--micro-batch-size", 2,
+             "--results", tmp_path / "r.jsonl", "--checkpoint", tmp_path / "{sync}.pt",
+             nproc=nproc, tmp_path=tmp_path, timeout=400)
+    expected, _ = reference(2 * k * nproc)  # the same reference as the equivalence test
+    for sync in ("no_sync", "every_micro_batch"):
+        state = torch.load(tmp_path / f"{sync}.pt", weights_only=True)["model"]
+        diff = max((state[n] - expected[n]).abs().max().item() for n in expected)
+        print(f"{sync} without 1/k: max |distributed - single| = {diff:.2e}")
+        assert diff > WIDE * TOLERANCE, (sync, diff)
