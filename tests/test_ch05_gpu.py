@@ -78,7 +78,7 @@ def pipeline_records(tmp_path, nproc=None) -> dict:
     ``nproc`` GPUs (default: the README's 4); checks what every schedule must show (the same weights
     and losses as one process, a record of NCCL on CUDA) and returns the records by schedule."""
     results = tmp_path / "r.jsonl"
-    gpu_launch(tmp_path, "pipeline_parallel.py", nproc=nproc,
+    gpu_launch(tmp_path, "pipeline_parallel.py", "nproc_per_node=4", nproc=nproc,
                extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
                       "--results", results, "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
     expected, losses = reference(16, n_layer=8)
