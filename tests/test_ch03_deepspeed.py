@@ -7,6 +7,13 @@ distributed runs sum gradients in another order (per-rank means, then all-reduce
 so fp32 rounding differs by about 1e-7 relative per step and Adam's normalisation can magnify it
 for near-zero gradients; observed differences are 1e-6 to 1e-5, a weight moves up to 3e-3 per step.
 
+What this comparison cannot see: AdamW's update is nearly scale-invariant (m / sqrt(v)), so gradients
+N times too large (summed over the ranks instead of averaged, or accumulated micro-batch losses not
+divided by the accumulation steps) train almost the same weights and would pass. The same comparison
+with plain SGD, where such a bug multiplies every update by N (2 ranks: differences of 6.6e-2 against
+1.2e-7 for correct ZeRO 0-3), is in ``test_ch03_negative.py``, which proves that this tolerance fails
+for those bugs.
+
 Every job runs with ``TORCH_EXTENSIONS_DIR`` in the test's temp dir, and the tests assert that it
 stays empty: no DeepSpeed op was JIT-compiled (a fresh CI machine would spend 30-60 s per op).
 
@@ -69,6 +76,16 @@ def reference_weights(steps: int, batch: int, lr: float = LR, seed: int = 0) -> 
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def load_script(name: str):
+    """A chapter script as a module (its functions, without running main)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"ch03_{Path(name).stem}", CHAPTER / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -88,8 +105,9 @@ def test_zero_stages_match_single_process_and_the_memory_formulas(tmp_path):
     """One job runs ZeRO 0, 1, 2, 3 and 3 + offload: same weights as one process; bytes per rank
     as derived for fp32 AdamW."""
     out, params, results = tmp_path / "out", tmp_path / "params", tmp_path / "results.jsonl"
+    record_file = tmp_path / "zero_memory.jsonl"
     output = run_readme(readme_command("zero_memory.py"),
-                        [*SMALL, "--steps", 4, "--lr", LR, "--out-dir", out, "--params-dir", params,
+                        [*SMALL, "--steps", 4, "--lr", LR, "--record", record_file, "--params-dir", params,
                          "--results", results], tmp_path).stdout
     assert "still referenced" not in output  # every engine was freed before the next config ran
 
@@ -134,12 +152,19 @@ def test_zero_stages_match_single_process_and_the_memory_formulas(tmp_path):
                     settings["stage3_max_reuse_distance"]) == (share, share, share), settings
     assert records[-1]["config"]["engine_settings"]["offload_optimizer.pin_memory"] is False
 
-    table = json.loads((out / "zero_memory.json").read_text())
+    # The run's record (provenance + table) renders the README section: tables and plot.
+    [record] = [json.loads(line) for line in record_file.read_text().splitlines()]
+    assert record["name"] == "zero_memory" and record["machine"]["device_name"] and record["torch"]
+    assert record["command"].startswith("torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py")
+    table = record["table"]
     assert [row["strategy"] for row in table["rows"]] == strategies
     assert all(row["peak_memory_kind"] == "cpu_peak_rss" and row["peak_memory_bytes_max"] > 0
                for row in table["rows"])
+    zero_memory = load_script("zero_memory.py")
+    out.mkdir()
+    section = zero_memory.render_record(record_file, out)
     assert (out / "zero_memory.png").stat().st_size > 10_000
-    assert "| zero3_offload |" in (out / "zero_memory.md").read_text()
+    assert "| zero3_offload |" in section and ", gloo, torch" in section  # caption: where it ran
 
 
 def test_train_checkpoint_resume_consolidate_and_generate(tmp_path):
