@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -187,6 +188,10 @@ def import_deepspeed(device: torch.device):
     """
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed 0.19.8 calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which
+    # torch 2.13 marks deprecated: one FutureWarning per rank and call site, about DeepSpeed's code.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                            r"(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     import deepspeed
     import deepspeed.ops
     from deepspeed.utils import logger as ds_logger

@@ -2,8 +2,9 @@
 
 For each config the script builds a fresh copy of the transformer (same seed), trains it a few steps
 with DeepSpeed, and records with the shared harness the bytes of parameters, gradients and optimizer
-state each rank holds. Rank 0 then writes a table (Markdown + JSON) and a plot that set those
-measurements next to
+state each rank holds. Rank 0 then writes one record (``--record``, by default
+``03-deepspeed/records/zero_memory.jsonl``: command, machine, torch version, date) holding a table that
+sets those measurements next to
 
 * the formula for fp32 training with AdamW as DeepSpeed runs it (see ``ds_common.predicted_state_bytes``),
 * the ZeRO paper's mixed-precision formula (2Ψ + 2Ψ + KΨ, K = 12), and
@@ -11,12 +12,16 @@ measurements next to
   ``estimate_zero3_model_states_mem_needs``),
 
 and checks that every stage ends with the same weights (max |difference| against the first config).
+``readme_section`` draws the README's tables and plot from the committed record, never from a run:
 
     torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py
+    python -m distkit.records render 03-deepspeed
 """
 from __future__ import annotations
 
-import json
+import os
+import shlex
+import sys
 import weakref
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.checkpoint import atomic_save
 from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.logs import setup_logging
+from distkit.records import REPO, provenance, upsert
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
 from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, load_ds_config, paper_state_bytes,
@@ -34,6 +40,8 @@ from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, l
                        zero_stage)
 
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+# The committed record the README's memory tables and plot are drawn from (readme_section).
+RECORD = Path(__file__).resolve().parent / "records" / "zero_memory.jsonl"
 
 
 def parse_args():
@@ -50,8 +58,10 @@ def parse_args():
                         help="sequences per optimizer step across all ranks (default: 32)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--out-dir", default="03-deepspeed",
-                        help="where zero_memory.md / .json / .png are written (default: 03-deepspeed)")
+    parser.add_argument("--record", default=os.path.relpath(RECORD),
+                        help="the run's record (a JSON Lines file; the record named zero_memory in it is "
+                             "replaced) that the README's tables and plot are drawn from "
+                             f"(default: {os.path.relpath(RECORD, REPO)})")
     parser.add_argument("--params-dir", default=None,
                         help="also save each config's final full fp32 weights here as <strategy>.pt")
     parser.add_argument("--results", default="runs/ch03_results.jsonl",
@@ -158,13 +168,19 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
             "backend": records[0]["backend"], "rows": rows}
 
 
-def markdown_table(table) -> str:
-    mib = 2**20
-    psi, n = table["param_count"], table["world_size"]
-    lines = [f"Ψ = {psi:,} parameters, N = {n} ranks, fp32, AdamW; measured on {table['machine']}, "
-             f"{table['backend']}. Bytes per rank in MiB (the largest rank).",
-             "",
-             "| strategy | params | grads | optimizer | measured total | fp32 formula | measured / formula "
+MIB = 2**20
+
+
+def launch_command(world_size: int) -> str:
+    """The command line of this run as a reader would type it (torchrun's own flags are not in
+    sys.argv: the world size stands for them)."""
+    script = shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    return f"torchrun --nproc_per_node={world_size} {script}" if world_size > 1 else f"python {script}"
+
+
+def memory_table(table) -> str:
+    """The measured model state per rank next to the formulas and DeepSpeed's estimators."""
+    lines = ["| strategy | params | grads | optimizer | measured total | fp32 formula | measured / formula "
              "| paper (mixed precision) | DeepSpeed estimator | step time (s) | max diff vs "
              f"{table['reference']} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -173,40 +189,94 @@ def markdown_table(table) -> str:
         estimator = row["deepspeed_estimator_device_bytes"]
         step = row["step_time_s_median"]
         lines.append(
-            f"| {row['strategy']} | {m['params'] / mib:.3f} | {m['grads'] / mib:.3f} | "
-            f"{m['optimizer'] / mib:.3f} | {row['measured_total'] / mib:.3f} | "
-            f"{row['predicted_total'] / mib:.3f} | {row['ratio']:.3f} | "
-            f"{row['paper_mixed_precision_total'] / mib:.3f} | "
-            f"{'-' if estimator is None else f'{estimator / mib:.3f}'} | "
+            f"| {row['strategy']} | {m['params'] / MIB:.3f} | {m['grads'] / MIB:.3f} | "
+            f"{m['optimizer'] / MIB:.3f} | {row['measured_total'] / MIB:.3f} | "
+            f"{row['predicted_total'] / MIB:.3f} | {row['ratio']:.3f} | "
+            f"{row['paper_mixed_precision_total'] / MIB:.3f} | "
+            f"{'-' if estimator is None else f'{estimator / MIB:.3f}'} | "
             f"{'-' if step is None else f'{step:.3f}'} | {row['max_abs_diff_vs_' + table['reference']]:.1e} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
-def plot(table, path: Path) -> None:
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def comm_table(table) -> str:
+    """Collective calls and bytes per training step (rank 0), per strategy."""
+    lines = ["| strategy | bucket / window size (elements) | " +
+             " | ".join(f"{name} calls (MB)" for name in COLLECTIVES) + " |",
+             "|---|---:|" + "---:|" * len(COLLECTIVES)]
+    for row in table["rows"]:
+        comm = row["comm_per_step"]
+        cells = [f"{comm[name]['calls']:g} ({comm[name]['bytes'] / 1e6:.2f})" if name in comm else "-"
+                 for name in COLLECTIVES]
+        size = row["engine_settings"]["reduce_bucket_size"] if row["stage"] else None
+        lines.append(f"| {row['strategy']} | {'-' if size is None else f'{size:,}'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(table, path: Path, where: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mib = 2**20
+    from distkit.records import save_figure
+
     rows = table["rows"]
     names = [row["strategy"] for row in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bottom = [0.0] * len(rows)
     for key, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
-        values = [row["measured"][key] / mib for row in rows]
+        values = [row["measured"][key] / MIB for row in rows]
         ax.bar([i - 0.2 for i in x], values, 0.4, bottom=bottom, color=color, label=f"measured {key}")
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.bar([i + 0.2 for i in x], [row["predicted_total"] / mib for row in rows], 0.4, color="#bbbbbb",
+    ax.bar([i + 0.2 for i in x], [row["predicted_total"] / MIB for row in rows], 0.4, color="#bbbbbb",
            edgecolor="black", label="fp32 formula (total)")
     ax.set_xticks(list(x), names)
     ax.set_ylabel("model-state MiB per rank")
     ax.set_title(f"ZeRO model state per rank: Ψ = {table['param_count']:,}, N = {table['world_size']}, "
-                 f"fp32 AdamW ({table['machine']}, {table['backend']})", fontsize=9)
+                 f"fp32 AdamW ({where})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def render_record(record_path: Path, out_dir: Path) -> str:
+    """The README's memory section body from one record file: tables, plot (``out_dir /
+    zero_memory.png``) and the figures the prose quotes."""
+    from distkit.records import machine_label, read_jsonl
+
+    record = read_jsonl(record_path)[-1]
+    table = record["table"]
+    where = machine_label(record["machine"], record["backend"])
+    plot(table, Path(out_dir) / "zero_memory.png", where)
+    rss = [row["peak_rss_bytes_max"] / MIB for row in table["rows"]]
+    state = [row["measured_total"] / MIB for row in table["rows"]]
+    source = f"`{record['command']}`, {where}, torch {record['torch']}, {record['date']}"
+    return "\n".join([
+        f"Ψ = {table['param_count']:,} parameters, N = {table['world_size']} ranks, fp32, AdamW, "
+        f"{record['steps']} steps. Model-state bytes per rank in MiB (the largest rank); step time = median "
+        f"timed step of the slowest rank, on a machine shared with other work.",
+        "",
+        memory_table(table),
+        "",
+        "![model state per rank](zero_memory.png)",
+        "",
+        "Collective calls per training step on rank 0 (counted by the harness; MB moved in brackets):",
+        "",
+        comm_table(table),
+        "",
+        f"Peak RSS per rank (the whole process: Python, torch, DeepSpeed and the model) was "
+        f"{min(rss):.0f}-{max(rss):.0f} MiB, against {min(state):.1f}-{max(state):.1f} MiB of model state.",
+        "",
+        f"<sub>Recorded by {source}: [records/{record_path.name}](records/{record_path.name}).</sub>",
+    ])
+
+
+def readme_section(out_dir: Path) -> str:
+    """Render mark of README.md: everything above, from the committed record."""
+    return render_record(RECORD, out_dir)
 
 
 def main():
@@ -241,14 +311,11 @@ def main():
         dist.barrier()
         if ctx.is_main:
             table = build_rows(records, weights_by_strategy, cfg, ctx.world_size)
-            out = Path(args.out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "zero_memory.json").write_text(json.dumps(table, indent=1) + "\n")
-            (out / "zero_memory.md").write_text(markdown_table(table))
-            plot(table, out / "zero_memory.png")
-            print(markdown_table(table), flush=True)
-            log.info(f"wrote {out / 'zero_memory.md'}, {out / 'zero_memory.json'}, {out / 'zero_memory.png'}")
-
+            command = launch_command(ctx.world_size)
+            upsert(args.record, {"name": "zero_memory", **provenance(command), "backend": ctx.backend,
+                                 "steps": args.steps, "table": table})
+            log.info(f"wrote {args.record}; redraw the README table and plot with: "
+                     f"python -m distkit.records render 03-deepspeed")
 
 if __name__ == "__main__":
     run_main(main)

@@ -77,9 +77,9 @@ def test_gpu_zero_stages_memory_and_equivalence(tmp_path, ranks):
     the fp32 formulas say; the CUDA peak holds the model state but no 2 GB bucket; overlap_comm and
     pinned offload buffers switched on for CUDA."""
     require_gpus(ranks, f"zero_memory.py on {ranks} NCCL rank(s)")
-    out, params, results = tmp_path / "out", tmp_path / "params", tmp_path / "results.jsonl"
+    record_file, params, results = tmp_path / "zero_memory.jsonl", tmp_path / "params", tmp_path / "results.jsonl"
     run_gpu(readme_command("zero_memory.py"), ranks,
-            [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--out-dir", out, "--params-dir", params,
+            [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--record", record_file, "--params-dir", params,
              "--results", results], tmp_path)
 
     strategies = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
