@@ -1,24 +1,25 @@
-"""Build the measured strategies table in sharding_strategies.md and its two plots from harness records.
+"""The measured strategies table of sharding_strategies.md and README.md, and its two plots, from
+the committed harness records of one `fsdp_transformer.py --sharding ...` launch.
 
-Reads the records that `fsdp_transformer.py --sharding ...` appended (the newest record of each
-strategy), puts each measured number next to the formula's prediction that the script stored in the
-same record, and rewrites the part of the markdown files (sharding_strategies.md and README.md)
-between the table markers. Nothing in the
-table is typed by hand.
+Each measured number sits next to the formula's prediction that the script stored in the same
+record. Nothing in the table is typed by hand:
 
-    python 02-fsdp/make_strategies_table.py       # reads runs/fsdp_strategies.jsonl
+    python -m distkit.records render 02-fsdp     # README.md + sharding_strategies.md + both PNGs,
+                                                 # from records/fsdp_strategies.jsonl
+    python 02-fsdp/make_strategies_table.py --results runs/my_strategies.jsonl   # your own run:
+                                                 # prints the table, plots into runs/
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-START, END = "<!-- strategies-table:start -->", "<!-- strategies-table:end -->"
+RECORD = HERE / "records" / "fsdp_strategies.jsonl"
 ORDER = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard", "fsdp_hybrid_shard"]
 COLLECTIVES = ["all_gather", "reduce_scatter", "all_reduce"]
+STATE = ["params", "grads", "optimizer"]
 # What the harness measured as "peak memory" (the record's peak_memory_kind) -> the column header.
 PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
               "cuda_max_allocated": "peak GPU memory allocated MiB (max rank)"}
@@ -27,20 +28,18 @@ PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
 PER_STRATEGY = {"sharding", "hsdp_shard_size", "param_count"}
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", default="runs/fsdp_strategies.jsonl",
-                        help="harness records from fsdp_transformer.py (default: runs/fsdp_strategies.jsonl)")
-    parser.add_argument("--markdown", nargs="+",
-                        default=[str(HERE / "sharding_strategies.md"), str(HERE / "README.md")],
-                        help="markdown files whose table section is rewritten "
-                             "(default: the chapter's sharding_strategies.md and README.md)")
-    parser.add_argument("--plots-dir", default=str(HERE),
-                        help="where strategies_memory.png and strategies_comm.png go (default: 02-fsdp/)")
-    return parser.parse_args()
+    parser.add_argument("--results", default=str(RECORD),
+                        help="harness records from fsdp_transformer.py (default: the committed "
+                             "02-fsdp/records/fsdp_strategies.jsonl)")
+    parser.add_argument("--plots-dir", default="runs",
+                        help="where strategies_memory.png and strategies_comm.png go (default: runs/)")
+    return parser.parse_args(argv)
 
 
 def newest_per_strategy(path):
+    """The newest record of each strategy among the records of the newest run's kind."""
     from distkit.harness import read_records
 
     if not os.path.exists(path):
@@ -83,104 +82,128 @@ def pair(measured, predicted):
     return f"{kib(measured)} ({kib(predicted)})"
 
 
-def table(records):
-    first = records[0]
-    cfg = first["config"]
+def bus_bytes(record):
+    """Bytes rank 0 sent per step, all collectives (the harness's bus_bytes)."""
+    return sum(v["bus_bytes"] for v in record["metrics"]["comm_per_step"].values())
+
+
+def predicted_bus_bytes(record):
+    """The formula's payloads turned into bytes on the wire with the same bus factors."""
+    from distkit.harness import bus_factor
+
+    pred = record["predicted"]
+    group = {"all_gather": pred["shard_group_size"], "reduce_scatter": pred["shard_group_size"],
+             "all_reduce": pred["replicas"]}
+    return sum(v * bus_factor(c, group[c]) for c, v in pred["comm_bytes"].items())
+
+
+def caption(records, source="records/fsdp_strategies.jsonl"):
+    from distkit.records import machine_label
+
+    first, cfg = records[0], records[0]["config"]
+    return (f"Measured on {machine_label(first['machine'], first['backend'])}, {first['world_size']} ranks, "
+            f"torch {first['torch_version']}, {first['timestamp'][:10]} ([{source}]({source})): "
+            f"`{cfg['model_size']}` GPT ({cfg['param_count']:,} parameters), global batch "
+            f"{cfg['global_batch_size']}, {cfg['precision']}, AdamW, {cfg['wrap']}-wise wrapping, "
+            f"{first['metrics']['timed_steps']} timed steps. KiB on rank 0 as **measured (predicted)**; "
+            "communication is the payload per step (nccl-tests convention), bus = bytes each rank "
+            "sends on the wire.")
+
+
+def table(records, source="records/fsdp_strategies.jsonl"):
     lines = [
-        f"Measured on {first['machine']['device_name']} ({first['machine']['cpu']}), {first['backend']}, "
-        f"{first['world_size']} ranks, torch {first['torch_version']}, {first['timestamp'][:10]}: "
-        f"`{cfg['model_size']}` GPT ({cfg['param_count']:,} parameters), global batch "
-        f"{cfg['global_batch_size']}, {cfg['precision']}, AdamW, {cfg['wrap']}-wise wrapping, "
-        f"{first['metrics']['timed_steps']} timed steps. KiB on rank 0 as **measured (predicted)**; "
-        "communication is the payload per step (nccl-tests convention), bus = bytes each rank "
-        "sends on the wire.",
+        caption(records, source),
         "",
-        f"| strategy | mesh (replicas x shard) | params | grads | optimizer | {peak_label(first)} | "
+        f"| strategy | mesh (replicas x shard) | params | grads | optimizer | {peak_label(records[0])} | "
         "all-gather | reduce-scatter | all-reduce | bus KiB/step | bus vs DDP | step ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ddp_bus = None
-    for r in records:
-        if r["strategy"] == "ddp":
-            ddp_bus = sum(v["bus_bytes"] for v in r["metrics"]["comm_per_step"].values())
+    ddp_bus = next((bus_bytes(r) for r in records if r["strategy"] == "ddp"), None)
     for r in records:
         m, pred = r["metrics"], r["predicted"]
         state = m["model_state_bytes_per_rank"][0]
         comm = m["comm_per_step"]
-        bus = sum(v["bus_bytes"] for v in comm.values())
         cells = [r["strategy"], f"{pred['replicas']} x {pred['shard_group_size']}"]
-        cells += [pair(state[k], pred[k]) for k in ("params", "grads", "optimizer")]
+        cells += [pair(state[k], pred[k]) for k in STATE]
         cells.append(f"{max(m['peak_memory_bytes_per_rank']) / 2**20:,.0f}")
         cells += [pair(comm.get(c, {}).get("bytes", 0), pred["comm_bytes"].get(c, 0)) for c in COLLECTIVES]
-        cells.append(kib(bus))
-        cells.append(f"{bus / ddp_bus:.2f}x" if ddp_bus else "-")
+        cells.append(kib(bus_bytes(r)))
+        cells.append(f"{bus_bytes(r) / ddp_bus:.2f}x" if ddp_bus else "-")
         step = m["step_time_s_median"]
         cells.append(f"{step * 1e3:,.0f}" if step else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(records, plots_dir):
+def stacked(ax, names, layers, predicted, ylabel, title, where):
+    """Stacked bars (measured, one layer per part) with the formula's total as a black mark on each.
+
+    The y range covers the tallest bar and the tallest mark with room to spare, and the legend sits
+    outside the axes, so no bar and no mark is hidden."""
+    x = list(range(len(names)))
+    bottom = [0.0] * len(names)
+    for label, values in layers:
+        ax.bar(x, values, bottom=bottom, label=f"{label} (measured)")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.scatter(x, predicted, marker="_", s=900, linewidths=2, color="black", zorder=3,
+               label="formula (total)")
+    ax.set_ylim(0, 1.12 * max(bottom + predicted))
+    ax.set_xticks(x, names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, markerscale=0.4)
+    ax.text(1.01, 0.0, where, transform=ax.transAxes, fontsize=7, va="bottom")
+
+
+def plot(records, out_dir):
+    """strategies_memory.png and strategies_comm.png into out_dir (reproducible bytes)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from distkit.records import machine_label, save_figure
+
+    out_dir = Path(out_dir)
     names = [r["strategy"].replace("fsdp_", "") for r in records]
-    x = range(len(records))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(records)
-    for kind in ("params", "grads", "optimizer"):
-        values = [r["metrics"]["model_state_bytes_per_rank"][0][kind] / 1024 for r in records]
-        ax.bar(x, values, bottom=bottom, label=f"{kind} (measured)")
-        bottom = [b + v for b, v in zip(bottom, values)]
-    predicted = [sum(r["predicted"][k] for k in ("params", "grads", "optimizer")) / 1024 for r in records]
-    ax.scatter(x, predicted, marker="_", s=900, color="black", zorder=3, label="formula")
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("KiB per rank")
-    ax.set_title(f"Model state per rank, {records[0]['world_size']} ranks ({records[0]['config']['model_size']} GPT)")
-    ax.legend()
+    first = records[0]
+    where = f"{machine_label(first['machine'], first['backend'])}\n{first['world_size']} ranks"
+    fig, ax = plt.subplots(figsize=(9, 4))
+    stacked(ax, names,
+            [(kind, [r["metrics"]["model_state_bytes_per_rank"][0][kind] / 1024 for r in records])
+             for kind in STATE],
+            [sum(r["predicted"][k] for k in STATE) / 1024 for r in records],
+            "model state on rank 0 (KiB)",
+            f"Params + grads + AdamW state held by rank 0, {first['world_size']} ranks "
+            f"({first['config']['model_size']} GPT, fp32)", where)
     fig.tight_layout()
-    fig.savefig(os.path.join(plots_dir, "strategies_memory.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, out_dir / "strategies_memory.png")
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(records)
-    for collective in COLLECTIVES:
-        values = [r["metrics"]["comm_per_step"].get(collective, {}).get("bus_bytes", 0) / 1024 for r in records]
-        ax.bar(x, values, bottom=bottom, label=f"{collective} (measured)")
-        bottom = [b + v for b, v in zip(bottom, values)]
-    from distkit.harness import bus_factor
-    predicted = []
-    for r in records:
-        pred = r["predicted"]
-        group = {"all_gather": pred["shard_group_size"], "reduce_scatter": pred["shard_group_size"],
-                 "all_reduce": pred["replicas"]}
-        predicted.append(sum(v * bus_factor(c, group[c]) for c, v in pred["comm_bytes"].items()) / 1024)
-    ax.scatter(x, predicted, marker="_", s=900, color="black", zorder=3, label="formula")
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("bus KiB per rank per step")
-    ax.set_title("Bytes each rank sends per training step")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    stacked(ax, names,
+            [(c, [r["metrics"]["comm_per_step"].get(c, {}).get("bus_bytes", 0) / 1024 for r in records])
+             for c in COLLECTIVES],
+            [predicted_bus_bytes(r) / 1024 for r in records],
+            "bytes rank 0 sends per step (KiB)",
+            "Bytes on the wire per training step (bus bytes: payload x bus factor)", where)
     fig.tight_layout()
-    fig.savefig(os.path.join(plots_dir, "strategies_comm.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, out_dir / "strategies_comm.png")
 
 
-def main():
-    args = parse_args()
+def strategies_figures(out_dir: Path) -> str:
+    """Render mark of README.md and sharding_strategies.md: the table and both plots, from the
+    committed record."""
+    records = newest_per_strategy(RECORD)
+    plot(records, out_dir)
+    return (table(records) + "\n\n![model state per rank](strategies_memory.png)\n\n"
+            "![bytes on the wire per step](strategies_comm.png)\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
     records = newest_per_strategy(args.results)
-    generated = f"{START}\n<!-- generated by make_strategies_table.py from {os.path.basename(args.results)}; " \
-                f"do not edit -->\n{table(records)}\n{END}"
-    for markdown in args.markdown:
-        text = Path(markdown).read_text()
-        if START not in text or END not in text:
-            raise SystemExit(f"error: {markdown} has no {START} ... {END} section to fill")
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: generated, text, flags=re.S)
-        Path(markdown).write_text(text)
-    os.makedirs(args.plots_dir, exist_ok=True)
     plot(records, args.plots_dir)
-    print(f"wrote the table of {len(records)} strategies into {', '.join(args.markdown)} "
-          f"and 2 plots into {args.plots_dir}")
+    print(table(records, source=args.results))
+    print(f"\n{len(records)} strategies from {args.results}; plots in {args.plots_dir}/")
 
 
 if __name__ == "__main__":

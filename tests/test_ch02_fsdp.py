@@ -9,7 +9,10 @@ large as what 4 training steps move the weights (1.2e-2), so untrained weights w
 judged by the L2 error as a fraction of the L2 movement (untrained weights score 1) under
 BF16_RELATIVE = 0.15: measured 5.2e-2 for correct bf16 and 0.75 with one rank's gradient shard
 dropped. test_ch02_negative.py proves both tolerances fail for those bugs (and for gradients summed
-instead of averaged) with the script's own sharding code.
+instead of averaged, HSDP without its replica all-reduce, a DCP resume without the Adam state or its
+step count) with the scripts' own sharding and checkpoint code. Byte counts are compared exactly:
+the dim-0 padding (vocab 65 on 4 ranks) changes them by less than 0.2%, so a relative tolerance of
+even 1% would hide a formula that forgets it (test_measured_bytes_match_the_formulas shows that).
 """
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ def relative_error(state: dict, expected: dict, initial: dict) -> float:
     return (err / moved) ** 0.5
 
 
-def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4) -> dict:
+def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4, cfg=None,
+                   pad: bool = True, block_gathers: int | None = None) -> dict:
     """Textbook FSDP traffic and state per rank for the tiny GPT, written independently of the script.
 
     Units: one per block, then the root (the rest). Each parameter's dim 0 is padded to a multiple of
@@ -97,13 +101,15 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     after forward (forward + backward), once for the root (never resharded) and for SHARD_GRAD_OP.
     Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s),
     issued by DDP and by every 2D (replicate, shard) mesh even when a group is one rank (world 1).
+    ``cfg`` (default: the tests' tiny GPT, vocab 65) is the model; ``pad=False`` and ``block_gathers``
+    give the deliberately wrong formulas of the negative control.
     """
-    model = TinyGPT(gpt_config("tiny", vocab_size=65))
+    model = TinyGPT(cfg or gpt_config("tiny", vocab_size=65))
     s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
-    replicas = world // s
 
     def padded(params):
-        return sum(math.ceil(p.shape[0] / s) * s * p[0].numel() for p in params)
+        rows = (lambda d0: math.ceil(d0 / s) * s) if pad else (lambda d0: d0)
+        return sum(rows(p.shape[0]) * p[0].numel() for p in params)
 
     blocks = padded(model.blocks.parameters())
     root = padded(p for n, p in model.named_parameters() if not n.startswith("blocks."))
@@ -111,6 +117,7 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     comm = {}
     if s > 1:
         gathers = 2 if strategy in ("full_shard", "hybrid_shard") else 1
+        gathers = gathers if block_gathers is None else block_gathers
         comm["all_gather"] = (gathers * blocks + root) * gather_bytes
         comm["reduce_scatter"] = every * 4
     if strategy in ("ddp", "no_shard", "hybrid_shard"):
@@ -150,6 +157,8 @@ def strategies_run(tmp_path_factory):
 
 
 def test_every_strategy_matches_single_process_training(strategies_run):
+    """Bug caught (FP32_ATOL): gradients summed instead of averaged, a rank's gradient shard lost,
+    HSDP replicas not all-reduced (test_ch02_negative.py: all 200x above the tolerance)."""
     tmp, _ = strategies_run
     initial, reference = reference_state(STEPS)
     moved = max_diff(initial, reference)
@@ -169,7 +178,7 @@ def test_measured_bytes_match_the_formulas(strategies_run):
         measured = {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()}
         assert set(measured) == set(expected["comm"]), (strategy, measured)
         for collective, value in expected["comm"].items():
-            assert measured[collective] == pytest.approx(value, rel=0.01), (strategy, collective)
+            assert measured[collective] == value, (strategy, collective)  # exact: whole bytes per step
         per_rank = record["metrics"]["model_state_bytes_per_rank"]
         assert per_rank[0] == expected["state"], strategy  # rank 0 holds full (padded-size) chunks
         for rank, rank_state in enumerate(per_rank):  # later ranks hold the rest, padding excluded
@@ -185,10 +194,40 @@ def test_measured_bytes_match_the_formulas(strategies_run):
     assert bus["shard_grad_op"] == pytest.approx(bus["ddp"], rel=0.03)
     assert "loss" in result.stdout and "records appended" in result.stdout
 
+    # Negative control: the exact comparison catches a formula that forgets the dim-0 padding (vocab
+    # 65 on 4 ranks: 3 rows of tok_emb and lm_head, under 0.2% of the bytes) or that gathers each
+    # block once under FULL_SHARD (as if it were SHARD_GRAD_OP).
+    for strategy in ("full_shard", "shard_grad_op", "hybrid_shard"):
+        measured = {k: v["bytes"] for k, v in records[RECORD[strategy]]["metrics"]["comm_per_step"].items()}
+        unpadded = expected_bytes(strategy, world=4, shard_size=2, pad=False)["comm"]
+        assert measured != unpadded, strategy
+        assert records[RECORD[strategy]]["metrics"]["model_state_bytes_per_rank"][0] != \
+            expected_bytes(strategy, world=4, shard_size=2, pad=False)["state"], strategy
+    once = expected_bytes("full_shard", world=4, shard_size=2, block_gathers=1)["comm"]["all_gather"]
+    assert records[RECORD["full_shard"]]["metrics"]["comm_per_step"]["all_gather"]["bytes"] != once
+
+
+def test_committed_strategies_record_matches_the_formulas():
+    """The committed record behind the chapter's table and plots (a 4-rank `small` GPT run): its
+    measured model state and bytes equal the formulas, computed here independently of the script."""
+    from distkit.models import GPTConfig
+
+    records = {r["strategy"]: r for r in read_records(CHAPTER / "records" / "fsdp_strategies.jsonl")}
+    assert set(records) == {RECORD[s] for s in STRATEGIES}
+    for strategy in STRATEGIES:
+        record = records[RECORD[strategy]]
+        assert record["world_size"] == 4 and record["config"]["precision"] == "fp32"
+        expected = expected_bytes(strategy, world=4, shard_size=2, cfg=GPTConfig(**record["config"]["gpt"]))
+        assert record["metrics"]["model_state_bytes_per_rank"][0] == expected["state"], strategy
+        assert {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()} == expected["comm"], strategy
+
 
 def test_knobs_keep_training_equal(tmp_path):
     """Root-only wrapping + activation checkpointing + CPU offload change memory, not the maths
-    (fp32 tolerance); bf16 mixed precision by its error relative to the training movement."""
+    (fp32 tolerance); bf16 mixed precision by its error relative to the training movement.
+
+    Bugs caught: under offload, gradients summed or a shard dropped (FP32_ATOL, 200x); under bf16, a
+    gradient shard dropped (BF16_RELATIVE, 5x) (test_ch02_negative.py)."""
     initial, reference = reference_state(STEPS)
     out = tmp_path / "params"
     run_readme(readme_command("--activation-checkpointing --cpu-offload"), tmp_path, *TINY,
@@ -217,6 +256,9 @@ def test_knobs_keep_training_equal(tmp_path):
 
 
 def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(tmp_path):
+    """Loaded == saved exactly (a misplaced row or a missing key changes bits); continued training
+    within FP32_ATOL of uninterrupted training. Bugs caught by the latter: the Adam moments not
+    restored (76x the tolerance) or its step count reset (45x) (test_ch02_negative.py)."""
     dcp_dir, full = tmp_path / "dcp", tmp_path / "full.pt"
     paths = ("--dcp-dir", str(dcp_dir), "--full-checkpoint", str(full))
     save = run_readme(readme_command("fsdp_checkpoint.py --steps 100"), tmp_path, *TINY, *paths,
@@ -259,18 +301,16 @@ def test_basics_shows_shards_and_the_step_trace(tmp_path):
     assert read_records(tmp_path / "b.jsonl")[0]["strategy"] == "fsdp_full_shard"
 
 
-def test_table_script_writes_markdown_and_plots(strategies_run, tmp_path):
+def test_table_script_prints_the_table_and_draws_the_plots(strategies_run, tmp_path):
     records, _ = strategies_run
-    markdown = tmp_path / "sharding_strategies.md"
-    shutil.copy(CHAPTER / "sharding_strategies.md", markdown)
-    run_readme(readme_command("make_strategies_table.py"), tmp_path,
-               "--results", str(records / "records.jsonl"), "--markdown", str(markdown),
-               "--plots-dir", str(tmp_path))
-    text = markdown.read_text()
-    assert "| fsdp_full_shard |" in text and "| ddp |" in text
-    assert "| peak RSS MiB (max rank) |" in text  # CPU records measured process RSS
-    assert (tmp_path / "strategies_memory.png").stat().st_size > 0
-    assert (tmp_path / "strategies_comm.png").stat().st_size > 0
+    plots = tmp_path / "plots"
+    result = run_readme(readme_command("make_strategies_table.py"), tmp_path,
+                        "--results", str(records / "records.jsonl"), "--plots-dir", str(plots))
+    assert "| fsdp_full_shard |" in result.stdout and "| ddp |" in result.stdout
+    assert "| peak RSS MiB (max rank) |" in result.stdout  # CPU records measured process RSS
+    assert "Measured on " in result.stdout  # the caption says where it ran
+    assert (plots / "strategies_memory.png").stat().st_size > 0
+    assert (plots / "strategies_comm.png").stat().st_size > 0
 
     # A results file that also holds a later run of another kind (here: the same records marked as
     # a 2-strategy GPU run, as a GPU host writes them) gives a table of that run alone, its peak
@@ -285,10 +325,9 @@ def test_table_script_writes_markdown_and_plots(strategies_run, tmp_path):
             record["metrics"]["peak_memory_kind"] = "cuda_max_allocated"
             gpu_like.append(json.dumps(record))
     mixed.write_text("\n".join(lines + gpu_like) + "\n")
-    shutil.copy(CHAPTER / "sharding_strategies.md", markdown)
-    run_readme(readme_command("make_strategies_table.py"), tmp_path, "--results", str(mixed),
-               "--markdown", str(markdown), "--plots-dir", str(tmp_path))
-    text = markdown.read_text()
+    result = run_readme(readme_command("make_strategies_table.py"), tmp_path, "--results", str(mixed),
+                        "--plots-dir", str(plots))
+    text = result.stdout
     assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
     assert "| fsdp_full_shard |" in text and "| ddp |" in text and "| fsdp_no_shard |" not in text
 
