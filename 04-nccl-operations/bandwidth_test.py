@@ -13,8 +13,11 @@ events on GPU, ``time.perf_counter`` on CPU), the time averaged over ranks, then
   rounding that summation order allows).
 
 Output: a table per collective in the nccl-tests layout, one JSON record per collective (through the
-harness's ``append_record``) and a PNG of busbw vs size stamped with device, backend and world size.
-With several GPUs (or ``--p2p-matrix``) also a send/recv bandwidth matrix between every pair of ranks.
+harness's ``append_record``, with the command, machine, torch version and the run's start time) and a
+PNG of busbw vs size stamped with device, backend and world size. With several GPUs (or
+``--p2p-matrix``) also a send/recv bandwidth matrix between every pair of ranks. ``readme_figures``
+redraws the README's plot and tables from the committed record ``records/bandwidth_cpu_gloo_4ranks.jsonl``
+(``python -m distkit.records render 04-nccl-operations``).
 
     torchrun --standalone --nproc_per_node=4 04-nccl-operations/bandwidth_test.py
     torchrun --standalone --nproc_per_node=8 04-nccl-operations/bandwidth_test.py --max-bytes 8G
@@ -22,16 +25,19 @@ With several GPUs (or ``--p2p-matrix``) also a send/recv bandwidth matrix betwee
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from argparse import ArgumentTypeError, BooleanOptionalAction
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.flags import non_negative_int, positive_int
-from distkit.harness import append_record, bus_factor, machine_info
+from distkit.harness import append_record, bus_factor, machine_info, read_records
+from distkit.records import SCHEMA_VERSION, machine_label, save_figure
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "sendrecv"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -39,6 +45,7 @@ HARNESS_NAME = {"sendrecv": "send"}  # distkit.harness names the point-to-point 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 CHECK_SLICE = 2**24  # elements compared at a time by the #wrong check (bounds its extra memory)
+README_RECORD = Path(__file__).resolve().parent / "records" / "bandwidth_cpu_gloo_4ranks.jsonl"
 
 
 def parse_size(text: str) -> int:
@@ -78,7 +85,7 @@ def parse_args():
                         help="which collectives to test (default: all)")
     parser.add_argument("--min-bytes", type=byte_size, default="1K", help="smallest message, e.g. 1K (default: 1K)")
     parser.add_argument("--max-bytes", type=byte_size, default=None,
-                        help="largest message (default: 64M on CPU; on GPU 4G, or less when the GPU "
+                        help="largest message (default: 16M on CPU; on GPU 4G, or less when the GPU "
                              "with the least free memory is short of it)")
     parser.add_argument("--step-factor", type=step_factor, default=None,
                         help="multiply the size by this between rows (default: 4 on CPU, 2 on GPU)")
@@ -108,8 +115,8 @@ def size_sweep(args, ctx, elem):
         top = args.max_bytes
     elif gpu:  # a few GiB; a case holds about 5 buffers of the message size (make_case): stay under 1/6
         top = min(4 * 2**30, torch.cuda.mem_get_info(ctx.device)[0] // 6)
-    else:
-        top = 64 * 2**20
+    else:  # the bandwidth regime starts at a few MiB on CPU; larger sizes only take longer
+        top = 16 * 2**20
     # Each rank read its own GPU's free memory, which differs from GPU to GPU (other processes, NCCL's
     # buffers). Ranks with different size lists would soon call different collectives and hang, so
     # they agree on the smallest limit.
@@ -321,12 +328,14 @@ def human_size(size: float) -> str:
     return f"{size:g}"
 
 
-def plot(records, path, ctx, args, machine):
+def draw(records):
+    """busbw vs size, one line per collective, drawn from the records alone (same records, same figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    first = records[0]
     fig, ax = plt.subplots(figsize=(8, 5))
     for record in records:
         rows = record["rows"]
@@ -338,15 +347,51 @@ def plot(records, path, ctx, args, machine):
         ax.set_yscale("log")  # small messages are 100-1000x slower: a linear axis hides them
     ax.set_xlabel("message size (bytes, nccl-tests definition)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"busbw vs size: {machine['device_name']}, {ctx.backend}, {ctx.world_size} ranks, {args.dtype}")
+    ax.set_title(f"busbw vs size: {machine_label(first['machine'], first['backend'])}, "
+                 f"{first['world_size']} ranks, {first['config']['dtype']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.text(0.01, 0.01, f"{machine['cpu']} | torch {torch.__version__} | {time.strftime('%Y-%m-%d')} | "
-             f"{args.iters} iters after {args.warmup_iters} warm-up", fontsize=7, color="gray")
+    fig.text(0.01, 0.01, f"{first['machine']['cpu']} | torch {first['torch_version']} | "
+             f"{first['timestamp'][:10]} | {first['config']['iters']} iters after "
+             f"{first['config']['warmup_iters']} warm-up", fontsize=7, color="gray")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def last_sweep(path):
+    """The collective records of the last run in a results file (records are appended run after run)."""
+    records = [r for r in read_records(path) if r.get("collective")]
+    if not records:
+        raise ValueError(f"{path} holds no bandwidth records")
+    run = records[-1].get("run_started")
+    return [r for r in records if r.get("run_started") == run]
+
+
+def readme_figures(out_dir):
+    """The README's plot and tables, from the committed record of a sweep (``distkit.records`` render
+    mark): busbw vs size as a PNG, then time per call and busbw per size for every collective."""
+    records = last_sweep(README_RECORD)
+    first = records[0]
+    name = README_RECORD.with_suffix(".png").name
+    save_figure(draw(records), Path(out_dir) / name)
+    sizes = [row["size_bytes"] for row in first["rows"]]
+    header = "| size | " + " | ".join(f"`{r['collective']}`" for r in records) + " |\n"
+    rule = "|---:|" + "---:|" * len(records) + "\n"
+
+    def table(field, fmt):
+        lines = [header, rule]
+        for i, size in enumerate(sizes):
+            lines.append(f"| {human_size(size)} | " + " | ".join(fmt(r["rows"][i][field]) for r in records) + " |\n")
+        return "".join(lines)
+    where = machine_label(first["machine"], first["backend"])
+    rel = README_RECORD.relative_to(README_RECORD.parent.parent)
+    caption = (f"<sub>Measured on {where}, {first['world_size']} ranks, {first['config']['dtype']}, "
+               f"{first['config']['warmup_iters']} warm-up + {first['config']['iters']} timed calls per size, "
+               f"torch {first['torch_version']}, {first['timestamp'][:10]}: [{rel}]({rel}), from "
+               f"`{first['command']}` (launched with torchrun).</sub>\n")
+    return (f"![busbw vs message size, {where}, {first['world_size']} ranks]({name})\n\n"
+            f"Time per call (µs, mean over ranks):\n\n{table('time_us', lambda v: f'{v:,.0f}')}\n"
+            f"busbw (GB/s):\n\n{table('busbw_GBps', lambda v: f'{v:.3f}')}\n{caption}")
 
 
 def main():
@@ -359,6 +404,9 @@ def main():
         if ctx.is_main:
             print(f"# bandwidth test | {n} ranks | backend {ctx.backend} | {machine['device_name']} "
                   f"| sizes {sizes[0]} B .. {sizes[-1]} B ({len(sizes)} sizes)")
+        # provenance for every record of this run; run_started tells one run's records from the next
+        command = shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+        run_started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         records, wrong = [], 0
         for collective in args.collectives:
             if collective == "sendrecv" and n < 2:
@@ -370,7 +418,8 @@ def main():
             if rows is None or not ctx.is_main:
                 continue
             print_table(collective, rows, ctx, args)
-            record = {"strategy": f"bandwidth_{collective}", "collective": collective, "world_size": n,
+            record = {"schema": SCHEMA_VERSION, "command": command, "run_started": run_started,
+                      "strategy": f"bandwidth_{collective}", "collective": collective, "world_size": n,
                       "backend": ctx.backend, "device": ctx.device.type, "machine": machine,
                       "torch_version": torch.__version__, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "config": {"dtype": args.dtype, "iters": args.iters, "warmup_iters": args.warmup_iters,
@@ -393,6 +442,7 @@ def main():
                 for i in range(n):
                     print(f"rank {i:<2}" + "".join(f"{'-' if i == j else f'{matrix[i, j]:.2f}':>9}" for j in range(n)))
                 append_record(args.results, {
+                    "schema": SCHEMA_VERSION, "command": command, "run_started": run_started,
                     "strategy": "bandwidth_p2p_matrix", "world_size": n, "backend": ctx.backend,
                     "device": ctx.device.type, "machine": machine, "torch_version": torch.__version__,
                     "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -400,7 +450,7 @@ def main():
 
         if ctx.is_main and records:
             path = args.plot or f"runs/bandwidth_{ctx.device.type}_{ctx.backend}_{n}ranks.png"
-            plot(records, path, ctx, args, machine)
+            save_figure(draw(records), path)
             print(f"\n# {len(records)} collectives, {wrong} wrong elements | records appended to {args.results} "
                   f"| plot {path}")
 

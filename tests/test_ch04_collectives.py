@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from launch import REPO, assert_one_line_error, python, torchrun
+from workers import ch04_ring_model as ring_model
 
 CHAPTER = REPO / "04-nccl-operations"
 
@@ -147,3 +148,31 @@ def test_collective_ops_rounding_slack_covers_averages_on_odd_rank_counts():
                 bad = exact_sum.to(dtype).clone()
                 bad[0] += 1
                 assert not ops.same(bad, exact_sum.to(dtype), sum_slack)
+
+
+def test_bandwidth_bus_factors_equal_the_bytes_a_ring_sends_for_every_rank_count():
+    # The factors bandwidth_test.py multiplies algbw by, against bytes counted in simulated runs of
+    # each collective's algorithm (tests/workers/ch04_ring_model.py), for 2 to 8 ranks: a factor
+    # right at 4 ranks only (e.g. a hard-coded 1.5) fails here.
+    bw = chapter_module("bandwidth_test")
+    assert sorted(bw.COLLECTIVES) == sorted(ring_model.COLLECTIVES)
+    for n in range(2, 9):
+        for collective in bw.COLLECTIVES:
+            reported = bw.bus_factor(bw.HARNESS_NAME.get(collective, collective), n)
+            assert reported == pytest.approx(float(ring_model.bus_factor(collective, n)), rel=1e-12), (collective, n)
+
+
+def test_ring_model_checks_its_results_and_counts_what_each_rank_sends():
+    # The model is only a derivation if its algorithms are right: every rank's result equals the
+    # definition (run() asserts it) and the counts are the per-step chunk sizes added up.
+    for n in (2, 3, 5):
+        _, sent, size = ring_model.run("all_reduce", n, count=n * 4)
+        assert sent == [2 * (n - 1) * 4] * n and size == n * 4  # 2(n-1) steps of one 4-element chunk
+    # negative control: a reduce-scatter ring stopped one step early leaves partial sums, which the
+    # definition check must reject (else the counted bytes could come from a wrong algorithm)
+    n, wire = 4, ring_model.Wire(4)
+    inputs = [[1000 * r + i for i in range(8)] for r in range(n)]
+    short = ring_model.ring_reduce_scatter(wire, inputs, steps=n - 2)
+    total = [sum(col) for col in zip(*inputs)]
+    assert short != [total[c * 2:(c + 1) * 2] for c in range(n)]
+    assert ring_model.ring_reduce_scatter(ring_model.Wire(4), inputs) == [total[c * 2:(c + 1) * 2] for c in range(n)]
