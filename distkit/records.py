@@ -154,6 +154,8 @@ def capture(command: str, name: str, timeout_s: float | None = None) -> dict[str
     record_machine = machine()
     with open(LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Other work on the machine slows a recorded run down; keep how busy it was (1-min load).
+        load = round(os.getloadavg()[0], 1)
         started = time.perf_counter()
         try:
             # bytes, not text=True: universal newlines would turn a progress bar's \r into lines
@@ -165,7 +167,7 @@ def capture(command: str, name: str, timeout_s: float | None = None) -> dict[str
     # The chapter scripts pick NCCL where there are GPUs and gloo where there are none.
     backend = "nccl" if record_machine.get("gpu_count") else "gloo"
     return {"name": name, **provenance(command), "backend": backend, "returncode": proc.returncode,
-            "wall_s": round(seconds, 1), "output": clean_output(proc.stdout.decode(errors="replace"))}
+            "wall_s": round(seconds, 1), "load_1min": load, "output": clean_output(proc.stdout.decode(errors="replace"))}
 
 
 # ------------------------------------------------------------------------------------------ marks
