@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import (ArgumentParser, UsageError, add_runtime_args, choose_backend_and_device, distributed,
@@ -156,10 +155,13 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def draw(rows: list[dict], path: str | Path, title: str) -> None:
+    """Speedup and efficiency against ranks, saved reproducibly (same rows -> same PNG bytes)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from distkit.records import save_figure
 
     fig, (ax_speed, ax_eff) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, marker in (("strong", "o"), ("weak", "s")):
@@ -177,8 +179,39 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
+
+
+def newest_run(records: list[dict]) -> list[dict]:
+    """The records of the last benchmark run in a results file (runs append; each has a run id)."""
+    run_id = records[-1]["config"]["run_id"]
+    return [r for r in records if r["config"].get("run_id") == run_id]
+
+
+def title(records: list[dict]) -> str:
+    r = records[0]
+    return f"DDP scaling: {r['config']['model_size']} model, {r['backend']}, {r['machine']['device_name']}"
+
+
+def readme_figures(out_dir: Path) -> str:
+    """The README's scaling table and plot, from the committed run in records/ddp_benchmark.jsonl."""
+    from distkit.records import machine_label
+
+    records = newest_run(read_records(HERE / "records" / "ddp_benchmark.jsonl"))
+    rows = summarize(records)
+    draw(rows, Path(out_dir) / "ddp_scaling.png", title(records))
+    r = records[0]
+    lines = ["| mode | ranks | global batch | step (s) | tokens/s | speedup | efficiency |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {x['mode']} | {x['ranks']} | {x['global_batch']} | {x['step_s']:.3f} | {x['tokens_per_s']:,.0f} "
+              f"| {x['speedup']:.2f}x | {100 * x['efficiency']:.0f}% |" for x in rows]
+    where = machine_label(r["machine"], r["backend"])
+    return ("\n".join(lines) + "\n\n![DDP strong and weak scaling: speedup and efficiency against ranks]"
+            "(ddp_scaling.png)\n\n"
+            f"<sub>{r['config']['model_size']} model; step time = median timed step of the slowest rank; "
+            f"speedup and efficiency against 1 rank; measured on {where}, "
+            f"torch {r['torch_version']}, {r['timestamp'][:10]} (run {r['config']['run_id']} in "
+            f"[records/ddp_benchmark.jsonl](records/ddp_benchmark.jsonl)).</sub>\n")
 
 
 def driver(args) -> None:
@@ -202,7 +235,7 @@ def driver(args) -> None:
     for r in rows:
         print(f"{r['mode']:<7}{r['ranks']:>6}{r['global_batch']:>14}{r['step_s']:>10.3f}"
               f"{r['tokens_per_s']:>11,.0f}{r['speedup']:>8.2f}x{100 * r['efficiency']:>11.0f}%")
-    plot(rows, args.plot, f"DDP scaling: {args.model_size} model, {records[0]['backend']}, {machine}")
+    draw(rows, args.plot, title(records))
     print(f"records: {args.results} (run {args.run_id}) | plot: {shown_path(args.plot)}")
 
 

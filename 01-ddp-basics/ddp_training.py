@@ -368,6 +368,27 @@ class Events:
         signal.signal(signal.SIGTERM, handler)
 
 
+def accumulate_gradients(model: DDP, inputs: torch.Tensor, targets: torch.Tensor, k: int, autocast=None,
+                         scaler: torch.amp.GradScaler | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """One optimizer step's forward and backward passes over ``k`` micro-batches of this rank's share.
+
+    All but the last micro-batch run under ``no_sync()``: their gradients accumulate locally, and
+    DDP all-reduces (averages over ranks) once, in the last backward. Each micro-batch loss is
+    divided by k, so the accumulated gradient is the gradient of the mean loss over the whole share
+    (without it, k times too large; tests/test_ch01_negative.py checks both). Returns that mean loss.
+    """
+    device = device or inputs.device
+    step_loss = torch.zeros((), device=device)
+    chunks = list(zip(inputs.chunk(k), targets.chunk(k)))
+    for i, (x, y) in enumerate(chunks):
+        with nullcontext() if i == len(chunks) - 1 else model.no_sync():
+            with autocast or nullcontext():
+                loss = lm_loss(model(x.to(device)), y.to(device)) / len(chunks)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
 def train(cli: argparse.Namespace, started_at: float) -> None:
     wall_start = time.perf_counter()
     with distributed(cli) as ctx:
@@ -425,17 +446,10 @@ def train(cli: argparse.Namespace, started_at: float) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size)
                                    for t in task.global_batch(step, cfg.global_batch_size))
-                step_loss = torch.zeros((), device=ctx.device)
                 with harness.step(samples=cfg.global_batch_size, tokens=cfg.global_batch_size * gpt.seq_len):
                     optimizer.zero_grad(set_to_none=True)
-                    chunks = list(zip(inputs.chunk(cfg.grad_accum_steps), targets.chunk(cfg.grad_accum_steps)))
-                    for i, (x, y) in enumerate(chunks):
-                        # no_sync: accumulate locally; only the last micro-batch's backward all-reduces.
-                        with nullcontext() if i == len(chunks) - 1 else model.no_sync():
-                            with autocast:
-                                loss = lm_loss(model(x.to(ctx.device)), y.to(ctx.device)) / len(chunks)
-                            scaler.scale(loss).backward()
-                        step_loss += loss.detach()
+                    step_loss = accumulate_gradients(model, inputs, targets, cfg.grad_accum_steps, autocast,
+                                                     scaler, ctx.device)
                     scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
                     if cfg.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

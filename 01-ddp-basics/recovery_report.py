@@ -6,12 +6,12 @@ default DDP flags and with ``--find-unused-parameters``, next to an uninterrupte
 recovery phases come from the milestone timestamps every rank of ``ddp_training.py`` appends to
 ``<log-dir>/events.jsonl``; the final parameters are compared with the uninterrupted run's. Each
 crashed run appends one JSON line (command, machine, torch version, date, phases, exactness) to
-``recovery_times.jsonl`` beside this script.
+``records/recovery_times.jsonl`` beside this script.
 
-Without ``--measure`` it prints the README's table from that record (the test checks that the
-README shows exactly this output):
+Without ``--measure`` it prints the README's table from that record; ``readme_table`` is the same
+table for ``python -m distkit.records render 01-ddp-basics`` (the README's render mark):
 
-    python 01-ddp-basics/recovery_report.py --measure      # about 5 minutes on the 2-core CPU machine
+    python 01-ddp-basics/recovery_report.py --measure      # runs 6 training jobs (minutes)
     python 01-ddp-basics/recovery_report.py                # the Markdown table, from the record
 """
 from __future__ import annotations
@@ -28,10 +28,11 @@ from pathlib import Path
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit.flags import positive_int
+from distkit.records import machine_label
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RECORD = HERE / "recovery_times.jsonl"
+RECORD = HERE / "records" / "recovery_times.jsonl"
 # The README's restart command, ending sooner (--steps 64: resume at 50, 14 steps recomputed).
 COMMAND = ("torchrun --standalone --nproc_per_node=4 --max-restarts=3 01-ddp-basics/ddp_training.py "
            "--crash-at-step 60 --crash-rank 2 --steps 64")
@@ -138,7 +139,7 @@ def measure(repeats: int, record: Path) -> None:
                       f"max |diff| {diff:.1e}", flush=True)
 
 
-def render(records: list[dict]) -> str:
+def table(records: list[dict]) -> str:
     """The README's Markdown: median seconds per phase and exactness, one column per configuration,
     from the newest measuring session in the record."""
     records = [r for r in records if r["session"] == records[-1]["session"]]
@@ -164,11 +165,16 @@ def render(records: list[dict]) -> str:
     first = records[0]
     runs = ", ".join(f"{len(mine[label])} runs {label}" for label in labels)
     loads = [r["load_average_before"] for r in records]
-    lines += ["", f"Medians of {runs}; {first['world_size']} ranks, {first['backend']} on "
-                  f"{first['machine']['device_name']}, torch {first['torch_version']}, measured "
+    where = machine_label(first["machine"], first["backend"])
+    lines += ["", f"Medians of {runs}; {first['world_size']} ranks on {where}, torch {first['torch_version']}, measured "
                   f"{min(r['date'] for r in records)[:10]} (load average before each run "
                   f"{min(loads):g}-{max(loads):g}). Command: `{COMMAND}` (+ the flag of each column)."]
     return "\n".join(lines)
+
+
+def readme_table(out_dir: Path) -> str:
+    """The README's recovery table, from the committed record (render mark; writes no file)."""
+    return table(read_jsonl(RECORD)) + f"\n\n<sub>Record: [records/{RECORD.name}](records/{RECORD.name}).</sub>\n"
 
 
 def main() -> None:
@@ -187,7 +193,7 @@ def main() -> None:
         path = Path(args.record)
         if not path.is_file():
             raise UsageError(f"no record at {path}: run with --measure first")
-        print(render(read_jsonl(path)))
+        print(table(read_jsonl(path)))
 
     run_main(run)
 

@@ -40,3 +40,20 @@ def test_wrong_gradient_averaging_and_accumulation_fail_the_tolerance(tmp_path):
     for case, variants in broken.items():
         for variant in variants:
             assert diffs[case][variant] > WIDE * TOLERANCE, (case, variant, diffs[case])
+
+
+def test_accumulation_in_ddp_training_matches_one_big_batch(tmp_path):
+    """ddp_training.py's own ``accumulate_gradients`` (k micro-batches, all but the last under
+    no_sync, each loss / k) on 2 ranks, plain SGD, no clipping: equal to one process taking the whole
+    global batch per step. The bug this tolerance exists for: the ``/ k`` deleted from the script
+    (the accumulated gradient k times too large). The worker deletes exactly that from the script's
+    source and the result must fail. Measured on 2-core CPU, gloo (training moves the weights by
+    1.1e-1): k=2 2.2e-8, k=4 6.0e-8; without the division 7.8e-2, 1,500x the tolerance."""
+    out = tmp_path / "accumulation.json"
+    result = torchrun(WORKERS / "ch01_accumulation.py", "--case", "accumulation", "--out", out,
+                      nproc=2, tmp_path=tmp_path)
+    print(result.stdout[-500:])
+    diffs = json.loads(out.read_text())
+    assert diffs["moved"] > WIDE * TOLERANCE  # training moved the weights: the comparison is not empty
+    assert diffs["k2"] < TOLERANCE and diffs["k4"] < TOLERANCE, diffs
+    assert diffs["no_division_k2"] > WIDE * TOLERANCE, diffs

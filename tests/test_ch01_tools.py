@@ -377,9 +377,11 @@ def test_stopped_rank_ends_the_job_after_the_timeout_and_torchruns_grace(tmp_pat
 
 
 def test_recovery_table_in_readme_is_generated_from_the_record(tmp_path):
-    """The README's recovery table is exactly what `recovery_report.py` prints from the committed
-    record, and every record line says what was run, where and when."""
-    record = [json.loads(line) for line in (CHAPTER / "recovery_times.jsonl").read_text().splitlines() if line]
+    """The README's recovery table is what `recovery_report.py` prints from the committed record
+    (its render mark, recovery_report.readme_table, gives the same table), and every record line
+    says what was run, where and when."""
+    record = [json.loads(line) for line in (CHAPTER / "records" / "recovery_times.jsonl").read_text().splitlines()
+              if line]
     assert record
     for entry in record:
         assert {"command", "machine", "torch_version", "date", "phases_s", "bit_identical",
@@ -388,8 +390,9 @@ def test_recovery_table_in_readme_is_generated_from_the_record(tmp_path):
     assert {e["config"] for e in newest} == {"default flags", "--find-unused-parameters"}
     assert all(e["bit_identical"] for e in newest if e["config"] == "--find-unused-parameters")
     printed = run(readme_argv("recovery_report.py"), env=job_env(tmp_path)).stdout.strip()
+    report = load_script("recovery_report")
+    assert printed == report.table(record)
     text = README.read_text()
-    begin, end = "<!-- recovery_report.py output: begin -->\n", "\n<!-- recovery_report.py output: end -->"
-    assert begin in text and end in text
-    pasted = text[text.index(begin) + len(begin):text.index(end)].strip()
-    assert pasted == printed, "re-paste the output of: python 01-ddp-basics/recovery_report.py"
+    begin = "<!-- render: recovery_report.py:readme_table -->\n"
+    assert text[text.index(begin) + len(begin):].startswith(printed + "\n"), (
+        "run: python -m distkit.records render 01-ddp-basics")

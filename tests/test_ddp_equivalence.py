@@ -4,8 +4,9 @@ Tolerance: 1e-5 absolute on every parameter after 3 SGD-momentum steps (fp32). D
 ranks' gradients of their per-rank mean losses; with equal per-rank batches that is exactly the
 gradient of the mean loss over the concatenated global batch, so the only difference is the order
 of floating-point additions (observed differences ~1e-7). A gradient summed instead of averaged
-moves SGD's weights by lr x (world - 1) x grad, orders of magnitude above 1e-5: test_ch01_negative.py
-shows that bug (a DDP comm hook that never divides) at 6.6e-2 on the same kind of comparison.
+moves SGD's weights by lr x (world - 1) x grad, orders of magnitude above 1e-5. The negative
+control below runs the same comparison with that bug (a DDP comm hook that sums and never divides,
+tests/workers/ch01_accumulation.py) and requires it to fail the tolerance by at least 100x.
 """
 import json
 import sys
@@ -60,3 +61,16 @@ def test_ddp_matches_single_process_and_comm_counter_is_exact(nproc, tmp_path):
         assert comm[name]["calls"] == 1
         assert comm[name]["bytes"] == payload, name
         assert comm[name]["bus_bytes"] == pytest.approx(payload * bus_factor(name, nproc)), name
+
+
+def test_summed_gradients_fail_the_same_comparison(tmp_path):
+    """Negative control: the same data, model, optimizer and tolerance, but DDP sums the 2 ranks'
+    gradients instead of averaging them. It must land far outside the tolerance."""
+    out = tmp_path / "summed.pt"
+    torchrun(WORKERS / "ch01_accumulation.py", "--case", "mnist_summed", "--steps", STEPS,
+             "--global-batch", GLOBAL_BATCH, "--out", out, nproc=2, tmp_path=tmp_path)
+    summed = torch.load(out, weights_only=True)
+    _, reference = single_process_reference()
+    diff = max((summed[name] - ref).abs().max().item() for name, ref in reference.items())
+    print(f"summed instead of averaged: max |DDP - single| = {diff:.2e}")
+    assert diff > 100 * TOLERANCE, diff

@@ -1,0 +1,141 @@
+"""Worker: chapter 01's gradient accumulation, and a summing DDP, against one-process references.
+
+``--case accumulation``: ``ddp_training.accumulate_gradients`` (the script's own function: k
+micro-batches, all but the last under ``no_sync()``, each loss divided by k) trains the tiny GPT for
+a few plain-SGD steps, with k = 2 and k = 4; then the same function with the ``/ len(chunks)``
+deleted from ddp_training.py's source (the bug the test must catch). Rank 0 compares each result
+with a single-process trainer written here (the whole global batch each step, SGD, no clipping) and
+writes ``{variant: max |distributed - reference|, "moved": max |reference - initial|}`` to ``--out``.
+
+``--case mnist_summed``: test_ddp_equivalence.py's MNIST run (same data, SGD with momentum), but
+with a DDP comm hook that sums the ranks' gradients and never divides; rank 0 saves the final
+parameters to ``--out`` for that test's negative control.
+
+Plain SGD because a gradient k times too large moves SGD's weights k times as far; AdamW (the
+script's optimizer) divides the update by sqrt(v) and would hide the bug.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
+from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "01-ddp-basics" / "ddp_training.py"
+STEPS, LR, BATCH = 3, 0.5, 16
+DIVISION = "/ len(chunks)"  # the line of accumulate_gradients the broken variant deletes
+
+
+def load_training(broken: bool = False) -> types.ModuleType:
+    """ddp_training.py as a module; ``broken``: with the division by k deleted from its source."""
+    name = "ddp_training_no_division" if broken else "ddp_training"
+    source = SCRIPT.read_text()
+    if broken:
+        assert source.count(DIVISION) == 1, f"ddp_training.py no longer divides with {DIVISION!r}: update the test"
+        source = source.replace(DIVISION, "")
+    module = types.ModuleType(name)
+    module.__file__ = str(SCRIPT)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    exec(compile(source, str(SCRIPT), "exec"), module.__dict__)
+    return module
+
+
+def new_model() -> TinyGPT:
+    torch.manual_seed(0)  # the reference and every variant start from these weights
+    return TinyGPT(gpt_config("tiny", vocab_size=65))
+
+
+def reference() -> tuple[dict, dict]:
+    """One process, the whole global batch per step, no accumulation: (initial, final) weights."""
+    model = new_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    task = TokenTask(model.cfg, seed=0)
+    for step in range(STEPS):
+        inputs, targets = task.global_batch(step, BATCH)
+        optimizer.zero_grad()
+        lm_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return initial, model.state_dict()
+
+
+def accumulated(ctx, accumulate_gradients, k: int) -> dict:
+    """DDP on this rank's slice of each global batch, k micro-batches per step, via the script."""
+    model = DDP(new_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    task = TokenTask(model.module.cfg, seed=0)
+    for step in range(STEPS):
+        inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size) for t in task.global_batch(step, BATCH))
+        optimizer.zero_grad()
+        accumulate_gradients(model, inputs, targets, k)
+        optimizer.step()
+    return model.module.state_dict()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def case_accumulation(ctx, out: Path) -> None:
+    initial, expected = reference()
+    good, broken = load_training().accumulate_gradients, load_training(broken=True).accumulate_gradients
+    results = {"moved": max_diff(initial, expected)}
+    for variant, fn, k in (("k2", good, 2), ("k4", good, 4), ("no_division_k2", broken, 2)):
+        state = accumulated(ctx, fn, k)
+        results[variant] = max_diff(state, expected)
+    if ctx.is_main:
+        print("accumulation: " + ", ".join(f"{k} {v:.2e}" for k, v in results.items()), flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+def summing_hook(state, bucket):
+    """Bug as a DDP comm hook: all-reduce the bucket, never divide by the world size."""
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def case_mnist_summed(ctx, out: Path, steps: int, global_batch: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ddp_equivalence import global_batches  # the data test_ddp_equivalence.py uses
+
+    seed_everything(0)
+    model = DDP(MnistCNN(dropout=0.0))
+    model.register_comm_hook(None, summing_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    images, labels = global_batches(steps, global_batch)
+    for step in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(rank_slice(images[step], ctx.rank, ctx.world_size)),
+                        rank_slice(labels[step], ctx.rank, ctx.world_size)).backward()
+        optimizer.step()
+    if ctx.is_main:
+        torch.save(model.module.state_dict(), out)
+
+
+def main():
+    parser = ArgumentParser()
+    parser.add_argument("--case", choices=["accumulation", "mnist_summed"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=16)
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    with distributed(args) as ctx:
+        if args.case == "accumulation":
+            case_accumulation(ctx, Path(args.out))
+        else:
+            case_mnist_summed(ctx, Path(args.out), args.steps, args.global_batch)
+
+
+if __name__ == "__main__":
+    run_main(main)
