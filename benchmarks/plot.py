@@ -3,11 +3,20 @@
     python benchmarks/plot.py --results runs/benchmarks.jsonl --out-dir runs/plots
 
 Writes ``throughput.png`` (tokens/s by strategy and world size), ``memory.png`` (per-rank model
-state and peak memory, measured bars with the theory.py prediction as a marker), ``comm_bytes.png``
-(bus bytes per step, measured vs predicted), ``scaling.png`` (scaling efficiency from the smallest
-world size), ``bandwidth.png`` (bus bandwidth vs message size, when the results hold chapter-04
+state, measured bars with the theory.py prediction as a marker, and, in its own panel, the measured
+peak memory, which no formula here predicts), ``comm_bytes.png`` (bus bytes per step, measured vs
+predicted), ``scaling.png`` (scaling efficiency from the smallest world size, one panel per family
+of strategies), ``bandwidth.png`` (bus bandwidth vs message size, when the results hold chapter-04
 sweeps) and ``summary.md``. Every PNG is stamped with the device, backend, world sizes, torch
 version and date the numbers come from. When a cell was run several times the newest record counts.
+
+One definition of speed (``distkit.harness``): a cell's step time is the median timed step of its
+slowest rank, and its throughput is what one step processes / that step time. Records are read with
+``distkit.harness.read_records``, which upgrades older (mean-based) records to it, so the table, the
+plots and the scaling efficiencies all use the same numbers.
+
+The README's tables and plots are drawn from the committed record ``records/results_cpu.jsonl`` by
+the ``readme_*`` functions below (render marks of ``python -m distkit.records render benchmarks``).
 
 A results file may hold cells that ran on different devices (``distributed_benchmarks.py`` on a
 machine with fewer GPUs than a cell's ranks runs that cell on CPU/gloo): GPU and CPU numbers are
@@ -27,11 +36,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit import ArgumentParser, UsageError, run_main  # noqa: E402
 from distkit.harness import read_records  # noqa: E402
+from distkit.records import machine_label, save_figure  # noqa: E402
 
 import theory  # noqa: E402  (benchmarks/theory.py: the script's folder is on the import path)
 
 MIB = 2**20
 PLOTS = ("throughput.png", "memory.png", "comm_bytes.png", "scaling.png", "bandwidth.png")
+COMMITTED = Path(__file__).resolve().parent / "records" / "results_cpu.jsonl"
+# Panels of scaling.png: few enough series per panel that colour and marker tell each one apart.
+FAMILIES = {
+    "data parallel (DDP, FSDP)": ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op",
+                                  "fsdp_full_shard", "fsdp_hybrid_shard", "hsdp"),
+    "ZeRO (DeepSpeed)": ("zero0", "zero1", "zero2", "zero3", "zero3_offload"),
+    "model parallel (TP, PP, 2D)": ("tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "fsdp_tp_2d"),
+}
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
@@ -83,7 +103,7 @@ def model_size(record: dict) -> str:
 
 def stamp(fig, records: list[dict], source: str) -> None:
     """Write where the numbers come from at the bottom of a figure."""
-    if not records:
+    if not records or not source:
         return
     first = records[0]
     devices = []
@@ -104,6 +124,59 @@ def stamp(fig, records: list[dict], source: str) -> None:
     fig.text(0.01, 0.005, text, fontsize=7, color="0.35", ha="left", va="bottom")
 
 
+# ------------------------------------------------------------------------ the numbers of a cell
+# Every table, plot and notebook reads a cell's numbers through these, so they agree by construction.
+def step_s(record: dict) -> float:
+    """Step time: the median timed step of the slowest rank (``distkit.harness``)."""
+    return record["metrics"]["step_time_s_median"]
+
+
+def tokens_per_s(record: dict) -> float:
+    """Throughput: tokens one step processes / the step time (0 when the cell timed no step)."""
+    return record["metrics"]["tokens_per_s"] or 0.0
+
+
+def state_mib(record: dict) -> float:
+    """Model-state MiB (params + grads + optimizer) of the rank that holds the most."""
+    return max(sum(s.values()) for s in record["metrics"]["model_state_bytes_per_rank"]) / MIB
+
+
+def bus_mib(record: dict) -> float:
+    """Bus MiB rank 0 put on the wire in the counted step."""
+    return sum(c["bus_bytes"] for c in record["metrics"]["comm_per_step"].values()) / MIB
+
+
+def peak_mib(record: dict) -> float:
+    """Peak memory MiB of the rank with the highest peak (GPU: allocated; CPU: process RSS)."""
+    return max(record["metrics"]["peak_memory_bytes_per_rank"]) / MIB
+
+
+def predicted_state_mib(prediction: dict | None) -> float:
+    return max(sum(s.values()) for s in prediction["state_per_rank"]) / MIB if prediction else float("nan")
+
+
+def predicted_bus_mib(prediction: dict | None) -> float:
+    return sum(c["bus_bytes"] for c in prediction["comm_per_rank"][0].values()) / MIB if prediction else float("nan")
+
+
+def efficiencies(records: list[dict]) -> dict[str, dict[int, float]]:
+    """Scaling efficiency per strategy and world size: tokens/s at N / (tokens/s at N0 x N / N0),
+    N0 the smallest world size measured for that strategy (1.0 = linear scaling). Strategies measured
+    at one world size only have no curve. Records of one model and device (see :func:`_by_model`)."""
+    by_strategy: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in records:
+        by_strategy[r["strategy"]][r["world_size"]] = tokens_per_s(r)
+    out = {}
+    for strategy, points in by_strategy.items():
+        worlds = sorted(points)
+        if len(worlds) < 2 or not points[worlds[0]]:
+            continue
+        base_n, base = worlds[0], points[worlds[0]]
+        out[strategy] = {n: points[n] / (base * n / base_n) for n in worlds}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- plots
 def _grouped(ax, records, value, ylabel, predicted=None, log=False):
     """Bars per strategy, one colour per world size; optional predicted markers."""
     strategies = list(dict.fromkeys(r["strategy"] for r in records))
@@ -120,7 +193,7 @@ def _grouped(ax, records, value, ylabel, predicted=None, log=False):
         ax.bar(xs, ys, width=width * 0.95, label=f"{world} ranks measured")
         if predicted:
             ax.scatter(xs, ps, marker="_", s=180, linewidths=2.5, color="black", zorder=3,
-                       label="theory.py" if j == 0 else None)
+                       label="theory.py prediction" if j == 0 else None)
     ax.set_xticks(range(len(strategies)))
     ax.set_xticklabels(strategies, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
@@ -155,73 +228,100 @@ def _predictions(records):
     return out
 
 
-def plot_throughput(records, path, source):
+def figure_throughput(records, source=""):
     groups = _by_model(records)
-    fig, axes = _figure(len(groups), "Throughput by strategy (higher is better)")
+    fig, axes = _figure(len(groups), "Throughput by strategy (higher is better; median step of the slowest rank)")
     for ax, (size, rs) in zip(axes, groups.items()):
-        _grouped(ax, rs, lambda r: r["metrics"]["tokens_per_s"] or 0, f"{size} model: tokens/s")
-    _save(fig, records, path, source)
+        _grouped(ax, rs, tokens_per_s, f"{size} model: tokens/s (whole job)")
+    stamp(fig, records, source)
+    return fig
 
 
-def plot_memory(records, path, source):
+def figure_memory(records, source=""):
+    """Two quantities, two panels: the model state (measured bar, theory.py mark: the formulas
+    predict exactly this), and the measured peak memory (no mark: nothing here predicts it)."""
     groups = _by_model(records)
     preds = _predictions(records)
-    fig, axes = _figure(2 * len(groups), "Memory per rank: model state (params + grads + optimizer) and peak")
+    fig, axes = _figure(2 * len(groups), "Memory per rank")
     for k, (size, rs) in enumerate(groups.items()):
-        state = lambda r: max(sum(s.values()) for s in r["metrics"]["model_state_bytes_per_rank"]) / MIB  # noqa: E731
-        pred = lambda r: (max(sum(s.values()) for s in preds[id(r)]["state_per_rank"]) / MIB  # noqa: E731
-                          if preds[id(r)] else float("nan"))
-        _grouped(axes[2 * k], rs, state, f"{size}: model state MiB (max rank)", pred)
+        _grouped(axes[2 * k], rs, state_mib,
+                 f"{size}: model state, MiB\n(params + grads + optimizer,\nrank holding most)",
+                 lambda r: predicted_state_mib(preds[id(r)]))
+        axes[2 * k].set_title("model state each rank holds: measured (bars) vs theory.py (marks)", fontsize=9)
         kind = rs[0]["metrics"].get("peak_memory_kind", "")
-        _grouped(axes[2 * k + 1], rs, lambda r: max(r["metrics"]["peak_memory_bytes_per_rank"]) / MIB,
-                 f"{size}: peak {'RSS' if 'rss' in kind else 'allocated'} MiB (max rank)", pred)
-    _save(fig, records, path, source)
+        label = "peak RSS" if "rss" in kind else "peak allocated"
+        _grouped(axes[2 * k + 1], rs, peak_mib, f"{size}: {label}, MiB\n(highest rank)")
+        axes[2 * k + 1].set_title(
+            f"measured {label} per rank" + (" (the whole process: Python, torch and the model state)"
+                                            if "rss" in kind else ""), fontsize=9)
+    stamp(fig, records, source)
+    return fig
 
 
-def plot_comm(records, path, source):
+def figure_comm(records, source=""):
     groups = _by_model(records)
     preds = _predictions(records)
     fig, axes = _figure(len(groups), "Bytes each rank puts on the wire per step (rank 0, bus bytes)")
     for ax, (size, rs) in zip(axes, groups.items()):
-        measured = lambda r: sum(c["bus_bytes"] for c in r["metrics"]["comm_per_step"].values()) / MIB  # noqa: E731
-        pred = lambda r: (sum(c["bus_bytes"] for c in preds[id(r)]["comm_per_rank"][0].values()) / MIB  # noqa: E731
-                          if preds[id(r)] else float("nan"))
-        _grouped(ax, rs, measured, f"{size}: MiB per step", pred)
-    _save(fig, records, path, source)
+        _grouped(ax, rs, bus_mib, f"{size}: bus MiB per step", lambda r: predicted_bus_mib(preds[id(r)]))
+    stamp(fig, records, source)
+    return fig
 
 
-def plot_scaling(records, path, source):
-    """Throughput at N ranks / (throughput at the smallest N x N / N0): 1.0 = perfect scaling."""
+def figure_scaling(records, source=""):
+    """Throughput at N ranks / (throughput at the smallest N x N / N0): 1.0 = perfect scaling.
+
+    One row of panels per model (and device), one panel per family of strategies, so that every
+    curve in a panel has its own colour and marker; ticks only at the world sizes measured."""
     groups = _by_model(records)
-    fig, axes = _figure(len(groups), "Scaling efficiency relative to the smallest world size (1.0 = linear)")
-    for ax, (size, rs) in zip(axes, groups.items()):
-        by_strategy = defaultdict(dict)
-        for r in rs:
-            by_strategy[r["strategy"]][r["world_size"]] = r["metrics"]["tokens_per_s"] or 0
-        for strategy, points in by_strategy.items():
-            worlds = sorted(points)
-            if len(worlds) < 2 or not points[worlds[0]]:
-                continue
-            base_n, base = worlds[0], points[worlds[0]]
-            ax.plot(worlds, [points[n] / (base * n / base_n) for n in worlds], marker="o", label=strategy)
-        ax.axhline(1.0, color="0.5", ls="--", lw=1)
-        ax.set_xlabel("world size")
-        ax.set_ylabel(f"{size}: efficiency")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, ncol=3)
-        else:
-            ax.text(0.5, 0.5, "needs records at two or more world sizes", ha="center", transform=ax.transAxes)
-    _save(fig, records, path, source)
+    families = list(FAMILIES.items())
+    fig, axes = plt.subplots(len(groups), len(families), figsize=(13, 4.4 * len(groups) + 0.8),
+                             squeeze=False, sharey=True)
+    fig.suptitle("Scaling efficiency relative to the smallest world size (1.0 = linear)")
+    colours = plt.get_cmap("tab10").colors
+    for row, (size, rs) in zip(axes, groups.items()):
+        eff = efficiencies(rs)
+        worlds = sorted({r["world_size"] for r in rs})
+        for ax, (family, members) in zip(row, families):
+            drawn = [s for s in members if s in eff]
+            for i, strategy in enumerate(drawn):
+                points = eff[strategy]
+                ax.plot(sorted(points), [points[n] for n in sorted(points)], color=colours[i % len(colours)],
+                        marker=MARKERS[i % len(MARKERS)], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.6,
+                        markersize=7, label=strategy)
+            single = [s for s in members if s not in eff and any(r["strategy"] == s for r in rs)]
+            ax.axhline(1.0, color="0.5", ls="--", lw=1)
+            ax.set_xticks(worlds)
+            ax.set_xticklabels([str(n) for n in worlds])
+            if len(worlds) > 1:
+                ax.set_xlim(worlds[0] - 0.5, worlds[-1] + 0.5)
+            ax.set_ylim(0, 1.1)
+            ax.set_xlabel("world size (ranks)")
+            ax.set_title(f"{size}: {family}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if drawn:
+                ax.legend(fontsize=7, loc="upper right")
+            if single:
+                ax.text(0.02, 0.03, "one world size only (no curve): " + ", ".join(single), fontsize=7,
+                        transform=ax.transAxes, color="0.3")
+            if not drawn and not single:
+                ax.text(0.5, 0.5, "no records", ha="center", transform=ax.transAxes)
+        row[0].set_ylabel("efficiency (tokens/s vs linear)")
+    stamp(fig, records, source)
+    return fig
 
 
-def plot_bandwidth(bandwidth, path, source):
+def figure_bandwidth(bandwidth, source=""):
     fig, axes = _figure(1, "Collective bus bandwidth vs message size (chapter 04 sweep)")
     ax = axes[0]
+    colours = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green"}
+    worlds = sorted({r["world_size"] for r in bandwidth})
     for record in sorted(bandwidth, key=lambda r: (r["strategy"], r["world_size"])):
         rows = record["rows"]
-        ax.plot([r["size_bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o",
-                label=f"{record['collective']} | {record['world_size']} ranks")
+        k = worlds.index(record["world_size"])
+        ax.plot([r["size_bytes"] for r in rows], [r["busbw_GBps"] for r in rows],
+                color=colours.get(record["collective"]), marker=MARKERS[k % len(MARKERS)],
+                ls=LINESTYLES[k % len(LINESTYLES)], label=f"{record['collective']} | {record['world_size']} ranks")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
@@ -231,14 +331,33 @@ def plot_bandwidth(bandwidth, path, source):
     else:
         ax.text(0.5, 0.5, "no bandwidth records: run distributed_benchmarks.py --bandwidth", ha="center",
                 transform=ax.transAxes)
-    _save(fig, bandwidth, path, source)
+    stamp(fig, bandwidth, source)
+    return fig
 
 
-def _save(fig, records, path, source):
-    stamp(fig, records, source)
+def _save(fig, path):
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)  # reproducible bytes: the same records draw the same file
+
+
+def plot_throughput(records, path, source):
+    _save(figure_throughput(records, source), path)
+
+
+def plot_memory(records, path, source):
+    _save(figure_memory(records, source), path)
+
+
+def plot_comm(records, path, source):
+    _save(figure_comm(records, source), path)
+
+
+def plot_scaling(records, path, source):
+    _save(figure_scaling(records, source), path)
+
+
+def plot_bandwidth(bandwidth, path, source):
+    _save(figure_bandwidth(bandwidth, source), path)
 
 
 def summary_table(records: list[dict], problems: list[dict]) -> str:
@@ -251,16 +370,13 @@ def summary_table(records: list[dict], problems: list[dict]) -> str:
         lines = [lines[0].replace("| model |", "| model | ran on |"), lines[1].replace("|---|---:|---|", "|---|---:|---|---|", 1)]
     preds = _predictions(records)
     for r in records:
-        m, p = r["metrics"], preds[id(r)]
-        state = max(sum(s.values()) for s in m["model_state_bytes_per_rank"]) / MIB
-        bus = sum(c["bus_bytes"] for c in m["comm_per_step"].values()) / MIB
-        p_state = f"{max(sum(s.values()) for s in p['state_per_rank']) / MIB:.3f}" if p else "-"
-        p_bus = f"{sum(c['bus_bytes'] for c in p['comm_per_rank'][0].values()) / MIB:.3f}" if p else "-"
-        step = m["step_time_s_median"]
+        p = preds[id(r)]
+        p_state = f"{predicted_state_mib(p):.3f}" if p else "-"
+        p_bus = f"{predicted_bus_mib(p):.3f}" if p else "-"
         lines.append(f"| {r['strategy']} | {r['world_size']} | {model_size(r)} | "
                      + (f"{where(r)} | " if split else "") +
-                     f"{step * 1e3:.1f} | {m['tokens_per_s'] or 0:,.0f} | {state:.3f} ({p_state}) | "
-                     f"{bus:.3f} ({p_bus}) | {max(m['peak_memory_bytes_per_rank']) / MIB:,.0f} |")
+                     f"{step_s(r) * 1e3:.1f} | {tokens_per_s(r):,.0f} | {state_mib(r):.3f} ({p_state}) | "
+                     f"{bus_mib(r):.3f} ({p_bus}) | {peak_mib(r):,.0f} |")
     for r in problems:
         lines.append(f"| {r['strategy']} | {r.get('world_size', '?')} | {model_size(r)} | "
                      + ("| " if split else "") +
@@ -283,6 +399,88 @@ def write_all(results: str | os.PathLike, out_dir: str | os.PathLike) -> list[Pa
     plot_bandwidth(bandwidth, out / "bandwidth.png", source)
     (out / "summary.md").write_text(summary_table(records, problems))
     return [out / name for name in (*PLOTS, "summary.md")]
+
+
+# ------------------------------------------------------------- README render marks (committed record)
+def _committed() -> tuple[list[dict], list[dict], list[dict]]:
+    return load(COMMITTED)
+
+
+def caption(records: list[dict], what: str = "cells") -> str:
+    """Where and when the committed records ran, for the line under a table or plot."""
+    places = list(dict.fromkeys(machine_label(r["machine"], r.get("backend")) for r in records))
+    torches = sorted({r.get("torch_version", "?") for r in records})
+    dates = sorted({r["timestamp"][:10] for r in records if r.get("timestamp")})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    rel = COMMITTED.relative_to(COMMITTED.parent.parent)
+    return (f"<sub>Measured on {' + '.join(places)}, torch {', '.join(torches)}, {when}: "
+            f"{len(records)} {what} of [{rel}]({rel}).</sub>")
+
+
+def _figure_markdown(out_dir: Path, name: str, alt: str, draw, records: list[dict], what: str = "cells") -> str:
+    draw(out_dir / "figures" / name)
+    return f"![{alt}](figures/{name})\n\n{caption(records, what)}\n"
+
+
+def readme_table(out_dir: Path) -> str:
+    """The summary table of the committed CPU matrix (measured, theory in brackets)."""
+    records, problems, _ = _committed()
+    return summary_table(records, problems) + "\n" + caption(records) + "\n"
+
+
+def readme_throughput(out_dir: Path) -> str:
+    records, _, _ = _committed()
+    return _figure_markdown(out_dir, "throughput.png", "tokens per second by strategy and world size",
+                            lambda p: plot_throughput(records, p, f"data: {COMMITTED.name}"), records)
+
+
+def readme_memory(out_dir: Path) -> str:
+    records, _, _ = _committed()
+    return _figure_markdown(out_dir, "memory.png", "model state per rank, measured and predicted; peak memory",
+                            lambda p: plot_memory(records, p, f"data: {COMMITTED.name}"), records)
+
+
+def readme_comm(out_dir: Path) -> str:
+    records, _, _ = _committed()
+    return _figure_markdown(out_dir, "comm_bytes.png", "bus bytes per step, measured and predicted",
+                            lambda p: plot_comm(records, p, f"data: {COMMITTED.name}"), records)
+
+
+def readme_scaling(out_dir: Path) -> str:
+    """scaling.png and, under it, the efficiencies it draws, highest first."""
+    records, _, _ = _committed()
+    text = _figure_markdown(out_dir, "scaling.png", "scaling efficiency by strategy",
+                            lambda p: plot_scaling(records, p, f"data: {COMMITTED.name}"), records)
+    rows = []
+    for size, rs in _by_model(records).items():
+        for strategy, points in efficiencies(rs).items():
+            worlds = sorted(points)
+            rows.append((points[worlds[-1]], size, strategy, worlds[0], worlds[-1]))
+    table = ["| strategy | model | from | to | efficiency |", "|---|---|---:|---:|---:|"]
+    table += [f"| {s} | {size} | {n0} | {n1} | {e:.2f} |" for e, size, s, n0, n1 in sorted(rows, reverse=True)]
+    return text + "\n" + "\n".join(table) + "\n"
+
+
+def _size(n: int) -> str:
+    """Bytes as the largest binary unit that divides them: ``16 MiB``, ``4 KiB``, ``8 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def readme_bandwidth(out_dir: Path) -> str:
+    """bandwidth.png and the highest bus bandwidth each collective reached in the sweep."""
+    _, _, bandwidth = _committed()
+    text = _figure_markdown(out_dir, "bandwidth.png", "bus bandwidth vs message size",
+                            lambda p: plot_bandwidth(bandwidth, p, f"data: {COMMITTED.name}"), bandwidth,
+                            "bandwidth sweeps")
+    table = ["| collective | ranks | highest bus bandwidth GB/s | at message size |", "|---|---:|---:|---:|"]
+    for record in sorted(bandwidth, key=lambda r: (r["collective"], r["world_size"])):
+        best = max(record["rows"], key=lambda row: row["busbw_GBps"])
+        table.append(f"| {record['collective']} | {record['world_size']} | {best['busbw_GBps']:.2f} | "
+                     f"{_size(best['size_bytes'])} |")
+    return text + "\n" + "\n".join(table) + "\n"
 
 
 def main(argv=None):

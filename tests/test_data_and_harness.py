@@ -218,3 +218,38 @@ def test_gpt_flags_are_range_checked_where_defined(capsys):
     args = parser.parse_args(["--model-size", "tiny", "--n-embd", "10", "--n-head", "3"])
     with pytest.raises(UsageError, match="width 10 .* must be divisible by the head count 3"):
         gpt_config_from_args(args)
+
+
+def test_harness_throughput_is_per_step_amount_over_the_median_step(tmp_path):
+    """One definition of speed: a record's step time is the median timed step (of the slowest rank;
+    here the only one) and its throughput is what one step processed / that median. The expected
+    values are computed here from the step times the harness timed, not taken from the record."""
+    import json
+    import statistics
+
+    from distkit.harness import Harness, read_records
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    harness = Harness(ONE_PROCESS, "probe", model=model, optimizer=optimizer, warmup_steps=1, comm_steps=1)
+    for step in range(7):
+        with harness.step(samples=4, tokens=4 * 16):
+            for _ in range(step % 3 + 1):  # uneven steps, so median and mean differ
+                optimizer.zero_grad()
+                model(torch.randn(64, 8)).sum().backward()
+                optimizer.step()
+    record = harness.finish(tmp_path / "r.jsonl")
+    median = statistics.median(harness.step_times)
+    m = record["metrics"]
+    assert m["timed_steps"] == 5 and m["step_time_s_median"] == median
+    assert m["samples_per_step"] == 4 and m["tokens_per_step"] == 64
+    assert m["samples_per_s"] == 4 / median and m["tokens_per_s"] == 64 / median
+    assert read_records(tmp_path / "r.jsonl")[0]["metrics"] == json.loads(json.dumps(m))
+
+    # A record written before the definition (throughput from the mean step) is read as today's.
+    old = {"metrics": {"step_time_s_median": 0.2, "step_time_s_mean": 0.25,
+                       "samples_per_s": 4 / 0.25, "tokens_per_s": 64 / 0.25}}
+    (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
+    upgraded = read_records(tmp_path / "old.jsonl")[0]["metrics"]
+    assert "step_time_s_mean" not in upgraded
+    assert upgraded["samples_per_s"] == pytest.approx(4 / 0.2) and upgraded["tokens_per_s"] == pytest.approx(64 / 0.2)
