@@ -4,6 +4,7 @@ all-reduce equals all_reduce, the bandwidth test reports nccl-tests factors with
 each debug-lab scenario ends on its own with the expected message and nothing left running."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -14,13 +15,18 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, job_env, readme_commands, run
+from workers import ch04_ring_model as ring_model
 
 CHAPTER = REPO / "04-nccl-operations"
 README = CHAPTER / "README.md"
-# nccl-tests bus factors, written out independently of distkit.harness.bus_factor
-NCCL_TESTS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                     "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-                     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+BANDWIDTH_RECORD = CHAPTER / "records" / "bandwidth_cpu_gloo_4ranks.jsonl"  # the README's committed sweep
+# The nccl-tests bus factors, not written out again but counted: tests/workers/ch04_ring_model.py runs
+# each collective's bandwidth-optimal algorithm on simulated ranks (checking it computes the
+# definition) and divides the most bytes any rank sent by the collective's size S.
+NCCL_TESTS_FACTOR = {c: (lambda n, c=c: float(ring_model.bus_factor(c, n))) for c in ring_model.COLLECTIVES}
+# busbw/algbw is one multiplication, exact to ~1e-16; the closest wrong factor (1 instead of (n-1)/n,
+# or (n-1)/n instead of 2(n-1)/n) is off by 1/(n-1) or more relative, 14% even at 8 ranks.
+FACTOR_RTOL = 1e-9
 
 
 def as_argv(command: str) -> list[str]:
@@ -37,6 +43,8 @@ def key(command: str) -> str:
     """Which behaviour a README command shows: the script name, plus the lab scenario."""
     script = Path(next(a for a in shlex.split(command) if a.endswith(".py"))).stem
     scenario = re.search(r"--scenario (\S+)", command)
+    if "--only" in command:  # collective_ops.py on a subset of its demos
+        return f"{script}:only"
     return f"{script}:{scenario.group(1)}" if scenario else script
 
 
@@ -62,6 +70,29 @@ def check_collective_ops(out: str, tmp_path: Path) -> None:
     assert "PASS all_reduce(SUM) (all_reduce 16 B payload / 24 B on the wire per rank)" in out
 
 
+def result_lines(out: str, demo: str) -> list[list[int]]:
+    """Each rank's printed result of one collective_ops.py demo, in rank order."""
+    section = out.split(f"== {demo}:")[1].split("\n==")[0]
+    found = re.findall(r"^   rank (\d): .*  ->  \[([^\]]*)\]$", section, flags=re.M)
+    assert [int(r) for r, _ in found] == list(range(4)), section
+    return [[int(x) for x in values.split(", ")] for _, values in found]
+
+
+def check_collective_ops_subset(out: str, tmp_path: Path) -> None:
+    passes = re.findall(r"^   PASS (\S+)", out, flags=re.M)
+    assert passes == ["reduce(SUM)", "reduce_scatter(list)", "reduce_scatter_single", "all_to_all(even)",
+                      "all_to_all(uneven)"], out[-3000:]
+    assert "5 passed, 0 failed, 0 skipped" in out
+    # The definitions, computed here from the inputs the README states (rank r: [10r, 10r+1, ...]):
+    # reduce_scatter_single gives rank c chunk c of the sum, and chunk c of rank r's input is
+    # (c+1) x [10r, ..., 10r+3], so rank c ends with (c+1) x the element-wise sum over ranks
+    column_sums = [sum(10 * r + i for r in range(4)) for i in range(4)]
+    assert result_lines(out, "reduce_scatter_single") == [[(c + 1) * v for v in column_sums] for c in range(4)]
+    # all_to_all(even): rank s sends block d (two copies of 10s+d) to rank d, in sender order
+    assert result_lines(out, "all_to_all(even)") == [[10 * s + d for s in range(4) for _ in (0, 1)]
+                                                    for d in range(4)]
+
+
 def check_point_to_point(out: str, tmp_path: Path) -> None:
     assert out.count(" PASS") == 3 * 4 - 2 + 4, out[-3000:]  # send/recv: 2 receivers; rings: 4+4; ring AR: 4
     assert "FAIL" not in out
@@ -75,24 +106,55 @@ def check_point_to_point(out: str, tmp_path: Path) -> None:
     assert "Nobody sends because everybody is still waiting to receive" in out
 
 
+def assert_busbw_is_the_counted_factor(records: list[dict]) -> None:
+    """Every row of every collective record: busbw/algbw equals the bytes a rank sends in the
+    simulated algorithm per byte of S, and algbw = S / time."""
+    for record in records:
+        factor = NCCL_TESTS_FACTOR[record["collective"]](record["world_size"])
+        for row in record["rows"]:
+            assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(factor, rel=FACTOR_RTOL), (
+                record["collective"], row)
+            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9)
+
+
 def check_bandwidth(out: str, tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "bw.jsonl").read_text().splitlines()]
     by_strategy = {r["strategy"]: r for r in records}
     assert set(by_strategy) == {f"bandwidth_{c}" for c in NCCL_TESTS_FACTOR} | {"bandwidth_p2p_matrix"}
-    for collective, factor in NCCL_TESTS_FACTOR.items():
+    assert_busbw_is_the_counted_factor([r for r in records if "collective" in r])
+    for collective in NCCL_TESTS_FACTOR:
         record = by_strategy[f"bandwidth_{collective}"]
         assert record["world_size"] == 4 and record["backend"] == "gloo"
+        # provenance, as every record carries: what ran, one start time for the whole run
+        assert record["schema"] == 1 and "04-nccl-operations/bandwidth_test.py" in record["command"]
+        assert record["run_started"] == records[0]["run_started"]
         assert [row["size_bytes"] for row in record["rows"]] == [1024, 4096, 16384]
-        for row in record["rows"]:
-            assert row["wrong"] == 0
-            assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(factor(4), rel=1e-12)
-            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9)
+        assert all(row["wrong"] == 0 for row in record["rows"])
     matrix = by_strategy["bandwidth_p2p_matrix"]["matrix_GBps"]
     assert all((value > 0) == (i != j) for i, row in enumerate(matrix) for j, value in enumerate(row))
     png = (tmp_path / "bw.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "#       size         count      type   redop    root       time    algbw    busbw  #wrong" in out
     assert "7 collectives, 0 wrong elements" in out
+
+
+def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
+    """The README's committed sweep passes the factor check; the same records with the bugs the check
+    exists for (all_reduce counted as one pass of the ring, i.e. without its all-gather half; a gather
+    counted as a full copy; all_gather counted like all_reduce) fail it."""
+    records = [r for r in map(json.loads, BANDWIDTH_RECORD.read_text().splitlines()) if "collective" in r]
+    assert {r["collective"] for r in records} == set(NCCL_TESTS_FACTOR)
+    assert_busbw_is_the_counted_factor(records)
+    n = records[0]["world_size"]
+    for collective, wrong_factor in (("all_reduce", (n - 1) / n), ("broadcast", (n - 1) / n),
+                                     ("all_gather", 2 * (n - 1) / n), ("all_to_all", 1.0)):
+        broken = copy.deepcopy(records)
+        for record in broken:
+            if record["collective"] == collective:
+                for row in record["rows"]:
+                    row["busbw_GBps"] = row["algbw_GBps"] * wrong_factor
+        with pytest.raises(AssertionError):
+            assert_busbw_is_the_counted_factor(broken)
 
 
 def check_mismatch(out: str, tmp_path: Path) -> None:
@@ -124,6 +186,7 @@ def check_crash(out: str, tmp_path: Path) -> None:
 # README command -> (flags appended to keep it quick and inside tmp_path, expected exit, checker)
 CASES = {
     "collective_ops": ([], 0, check_collective_ops),
+    "collective_ops:only": ([], 0, check_collective_ops_subset),
     "point_to_point": (["--numel", "10001", "--deadlock-timeout-s", "2"], 0, check_point_to_point),
     "bandwidth_test": (["--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
                         "--p2p-bytes", "8K", "--results", "{tmp}/bw.jsonl", "--plot", "{tmp}/bw.png"], 0,
