@@ -100,10 +100,23 @@ def pipeline_figures(out_dir: Path) -> str:
     records = read_records(RECORDS / PIPELINE) + read_records(RECORDS / PIPELINE_2RANKS)
     plot_bubble(records, out_dir / "pipeline_bubble.png")
     lines = ["| ranks (p) | schedule | m | bubble theory | idle measured | step ms | compute ms | idle ms "
-             "| idle beyond theory, ms per micro-batch |", "|---|---|---|---|---|---|---|---|---|"]
+             "| compute ms per micro-batch | idle beyond theory, ms per micro-batch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in map(bubble_row, pipeline_runs(records)):
         lines.append(f"| {r['p']} | {r['schedule']} | {r['m']} | {r['theory']:.2f} | {r['measured']:.2f} | "
-                     f"{r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['idle_ms']:.0f} | {r['extra_per_mb_ms']:.1f} |")
+                     f"{r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['idle_ms']:.0f} | {r['compute_ms'] / r['m']:.1f} | "
+                     f"{r['extra_per_mb_ms']:.1f} |")
+    lines.append("")
+    rows = [bubble_row(r) for r in pipeline_runs(records)]
+    for p, schedule in dict.fromkeys((r["p"], r["schedule"]) for r in rows):
+        mine = [r for r in rows if (r["p"], r["schedule"]) == (p, schedule)]
+        a, b = mine[0], mine[-1]
+        extra = [r["extra_per_mb_ms"] for r in mine]
+        per_mb = [r["compute_ms"] / r["m"] for r in mine]
+        lines.append(f"- {schedule}, {p} ranks, m = {a['m']} -> {b['m']}: idle fraction {a['measured']:.2f} -> "
+                     f"{b['measured']:.2f} (theory {a['theory']:.2f} -> {b['theory']:.2f}); idle beyond the "
+                     f"bubble {min(extra):.1f} to {max(extra):.1f} ms per micro-batch, against compute of "
+                     f"{per_mb[0]:.1f} -> {per_mb[-1]:.1f} ms per micro-batch")
     first = read_records(RECORDS / PIPELINE)[0]
     two = read_records(RECORDS / PIPELINE_2RANKS)[0]
     return "\n".join(lines) + "\n\n![pipeline bubble](pipeline_bubble.png)\n\n" + \
