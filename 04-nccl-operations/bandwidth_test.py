@@ -342,7 +342,9 @@ def draw(records):
         ax.plot([r["size_bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o",
                 label=record["collective"])
     ax.set_xscale("log", base=2)
+    ax.set_xticks([r["size_bytes"] for r in first["rows"]])  # the measured sizes, not every power of 2
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human_size(x)))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     if all(r["busbw_GBps"] > 0 for record in records for r in record["rows"]):
         ax.set_yscale("log")  # small messages are 100-1000x slower: a linear axis hides them
     ax.set_xlabel("message size (bytes, nccl-tests definition)")
@@ -391,7 +393,7 @@ def readme_figures(out_dir):
                f"`{first['command']}` (launched with torchrun).</sub>\n")
     return (f"![busbw vs message size, {where}, {first['world_size']} ranks]({name})\n\n"
             f"Time per call (µs, mean over ranks):\n\n{table('time_us', lambda v: f'{v:,.0f}')}\n"
-            f"busbw (GB/s):\n\n{table('busbw_GBps', lambda v: f'{v:.3f}')}\n{caption}")
+            f"busbw (GB/s):\n\n{table('busbw_GBps', lambda v: f'{v:.3g}')}\n{caption}")
 
 
 def main():
