@@ -25,6 +25,7 @@ where each cell ran.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -218,14 +219,25 @@ def _figure(n_rows, title):
     return fig, [ax for row in axes for ax in row]
 
 
+_PREDICTED: dict[int, tuple[dict, dict | None]] = {}
+
+
+def prediction(record: dict) -> dict | None:
+    """theory.py's prediction for a record (None for a strategy it does not model), computed once
+    per record object: the table and two figures ask for the same ones."""
+    hit = _PREDICTED.get(id(record))
+    if hit is not None and hit[0] is record:
+        return hit[1]
+    try:
+        predicted = theory.predict_record(record)
+    except (ValueError, KeyError):  # a strategy theory does not model
+        predicted = None
+    _PREDICTED[id(record)] = (record, predicted)  # the record is kept, so its id stays its own
+    return predicted
+
+
 def _predictions(records):
-    out = {}
-    for r in records:
-        try:
-            out[id(r)] = theory.predict_record(r)
-        except (ValueError, KeyError):  # a strategy theory does not model
-            out[id(r)] = None
-    return out
+    return {id(r): prediction(r) for r in records}
 
 
 def figure_throughput(records, source=""):
@@ -402,7 +414,9 @@ def write_all(results: str | os.PathLike, out_dir: str | os.PathLike) -> list[Pa
 
 
 # ------------------------------------------------------------- README render marks (committed record)
+@functools.cache
 def _committed() -> tuple[list[dict], list[dict], list[dict]]:
+    """The committed record, read once per process (every readme_* function draws from it)."""
     return load(COMMITTED)
 
 
