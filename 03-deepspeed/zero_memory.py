@@ -317,5 +317,6 @@ def main():
             log.info(f"wrote {args.record}; redraw the README table and plot with: "
                      f"python -m distkit.records render 03-deepspeed")
 
+
 if __name__ == "__main__":
     run_main(main)
