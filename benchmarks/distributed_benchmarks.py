@@ -89,7 +89,8 @@ GROUPS = {
     "fsdp": (("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard"), "02-fsdp/fsdp_transformer.py",
              lambda names: ["--sharding", *[n.removeprefix("fsdp_") for n in names]]),
     "zero": (("zero1", "zero2", "zero3", "zero3_offload"), "03-deepspeed/zero_memory.py",
-             lambda names: ["--configs", *names, "--out-dir", "{scratch}/zero_memory"]),
+             # --record into the scratch folder: its default is chapter 03's committed record
+             lambda names: ["--configs", *names, "--record", "{scratch}/zero_memory.jsonl"]),
     "pp": (("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"), "05-advanced/pipeline_parallel.py",
            lambda names: ["--schedule", *[n.removeprefix("pp_") for n in names], "--microbatches", "4",
                           "--stages-per-rank", "2", "--checkpoint", "{scratch}/pp_{schedule}.pt"]),
