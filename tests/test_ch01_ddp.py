@@ -146,10 +146,10 @@ def test_killed_rank_restarts_and_ends_identical(uninterrupted, tmp_path):
     # What this equality catches: a resume that loses any state (optimizer moments, scheduler, RNG,
     # data position) or any step changes the arithmetic. The comparison can see a lost step: the
     # uninterrupted run's own weights two steps before the end differ from its final ones far
-    # beyond float rounding (a resume from the wrong checkpoint that stopped at --steps would land
-    # there).
+    # beyond float rounding (two AdamW steps at lr 0.7-0.8 x 3e-3 move a weight by up to ~4e-3;
+    # a resume from the wrong checkpoint that stopped at --steps would land there).
     two_short = safe_load(uninterrupted / "ck" / f"step_{STEPS - 2:06d}.pt")["model"]
-    assert max_diff(two_short, clean) > 100 * TOLERANCE
+    assert max_diff(two_short, clean) > 10 * TOLERANCE
     restarted = safe_load(tmp_path / "ck" / f"step_{STEPS:06d}.pt")
     assert restarted["loss_history"] == safe_load(uninterrupted / "ck" / f"step_{STEPS:06d}.pt")["loss_history"]
 
