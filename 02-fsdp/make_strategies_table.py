@@ -202,7 +202,7 @@ def main(argv=None):
     args = parse_args(argv)
     records = newest_per_strategy(args.results)
     plot(records, args.plots_dir)
-    print(table(records, source=args.results))
+    print(table(records, source=os.path.relpath(args.results)))
     print(f"\n{len(records)} strategies from {args.results}; plots in {args.plots_dir}/")
 
 
