@@ -83,13 +83,16 @@ def plot_bubble(records: list[dict], path: Path) -> bool:
         right.plot(ms, [r["extra_per_mb_ms"] for r in mine], "o-", color=f"C{i}", label=label)
     left.set(xlabel="micro-batches per step (m)", ylabel="idle fraction of schedule.step()", ylim=(0, 1),
              xscale="log", title="bubble: measured vs (p-1)/(v·m+p-1)")
-    right.set(xlabel="micro-batches per step (m)", ylabel="ms per micro-batch", xscale="log", ylim=(0, None),
+    right.set(xlabel="micro-batches per step (m)", ylabel="ms per micro-batch", xscale="log",
               title="idle time beyond the theory bubble, per micro-batch")
+    right.axhline(0, color="gray", linewidth=0.8)
     for ax in (left, right):
+        ax.minorticks_off()
         ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
         ax.title.set_fontsize(9)
         ax.legend(fontsize=6)
-    fig.suptitle(f"Pipeline parallelism, fixed global batch: {where(runs[0])}", fontsize=9)
+    fig.suptitle(f"Pipeline parallelism, fixed global batch: {machine_label(runs[0]['machine'], runs[0]['backend'])}",
+                 fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
     return True
