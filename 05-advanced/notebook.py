@@ -54,7 +54,7 @@ def run(script, *args, nproc=4):
 # block per step (2 forward, 2 backward), each of the activation size B·S·d·4 bytes in fp32.
 
 # %%
-tp = run("tensor_parallel.py", "--model-size", "tiny", "--steps", 5, "--checkpoint", WORK / "tp.pt")
+tp = run("tensor_parallel.py", "--model-size", "tiny", "--steps", 3, "--warmup-steps", 1, "--checkpoint", WORK / "tp.pt")
 comm = tp[0]["metrics"]["comm_per_step"]
 print(comm)
 n_layer, batch, seq, width = 2, 16, 32, 64  # the tiny GPT, the script's default global batch
@@ -68,7 +68,7 @@ assert comm["all_reduce"]["bytes"] == 4 * n_layer * batch * seq * width * 4
 # table separates from the bubble.
 
 # %%
-pp = run("pipeline_parallel.py", "--model-size", "tiny", "--n-layer", 8, "--steps", 4,
+pp = run("pipeline_parallel.py", "--model-size", "tiny", "--n-layer", 8, "--steps", 3, "--warmup-steps", 1,
          "--global-batch-size", 16, "--schedule", "gpipe", "interleaved_1f1b",
          "--microbatches", 4, 8, "--checkpoint", WORK / "pp_{schedule}_{microbatches}.pt")
 fig, ax = plt.subplots(figsize=(6, 4))
@@ -93,7 +93,7 @@ assert all(abs(a - b) < 1e-5 for r in pp for a, b in zip(r["losses"], pp[0]["los
 
 # %%
 hybrid = run("hybrid_parallelism.py", "--mode", "2d", "--dp", 2, "--tp", 2, "--model-size", "tiny",
-             "--steps", 5, "--checkpoint", WORK / "hybrid.pt")
+             "--steps", 3, "--warmup-steps", 1, "--checkpoint", WORK / "hybrid.pt")
 held = [s["params"] for s in hybrid[0]["metrics"]["model_state_bytes_per_rank"]]
 dense = hybrid[0]["config"]["param_count"] * 4
 print(f"parameter bytes per rank {held}, dense model {dense}")
@@ -102,10 +102,10 @@ assert max(held) < dense / 3 and sum(held) >= dense  # a quarter each (norms are
 # %% [markdown]
 # ## DDP bucket size sweep
 # Many small buckets pay the per-call latency many times; one huge bucket cannot start before backward
-# ends. 24 layers x 128 x 128 fp32 weights = 1.5 MiB: a 25 MB bucket holds every gradient.
+# ends. 16 layers x 128 x 128 fp32 weights = 1 MiB: a 25 MB bucket holds every gradient.
 
 # %%
-sweep = run("communication_overlap.py", "--layers", 24, "--steps", 5, "--bucket-mb", 0.02, 0.1, 0.5, 25,
+sweep = run("communication_overlap.py", "--layers", 16, "--steps", 4, "--warmup-steps", 1, "--bucket-mb", 0.02, 0.25, 25,
             "--trace", WORK / "trace.json")
 sizes = [r["config"]["bucket_cap_mb"] for r in sweep]
 calls = [r["metrics"]["comm_per_step"]["all_reduce"]["calls"] for r in sweep]
