@@ -144,11 +144,14 @@ def clean_output(raw: str) -> str:
     return "\n".join(lines)
 
 
-def capture(command: str, name: str, timeout_s: float | None = None) -> dict[str, Any]:
-    """Run ``command`` (a shell command line, from the repository root) and return its record.
+def capture(command: str, name: str, timeout_s: float | None = None,
+            into: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run ``command`` (a shell command line, from the repository root) and return its record,
+    stored in ``into`` (replacing an older record of that name) when given.
 
-    stdout and stderr are captured together, in order. The run holds :data:`LOCK_FILE`, so recorded
-    runs on one machine never overlap (their timings would distort each other).
+    stdout and stderr are captured together, in order. The run and the store hold
+    :data:`LOCK_FILE`, so recorded runs on one machine never overlap (their timings would distort
+    each other) and two of them never write one record file at once.
     """
     env = dict(os.environ, DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
     record_machine = machine()
@@ -164,10 +167,14 @@ def capture(command: str, name: str, timeout_s: float | None = None) -> dict[str
         except subprocess.TimeoutExpired as e:
             raise RecordError(f"{command!r} ran past {timeout_s:g} s") from e
         seconds = time.perf_counter() - started
-    # The chapter scripts pick NCCL where there are GPUs and gloo where there are none.
-    backend = "nccl" if record_machine.get("gpu_count") else "gloo"
-    return {"name": name, **provenance(command), "backend": backend, "returncode": proc.returncode,
-            "wall_s": round(seconds, 1), "load_1min": load, "output": clean_output(proc.stdout.decode(errors="replace"))}
+        # The chapter scripts pick NCCL where there are GPUs and gloo where there are none.
+        backend = "nccl" if record_machine.get("gpu_count") else "gloo"
+        record = {"name": name, **provenance(command), "backend": backend, "returncode": proc.returncode,
+                  "wall_s": round(seconds, 1), "load_1min": load,
+                  "output": clean_output(proc.stdout.decode(errors="replace"))}
+        if into is not None:
+            upsert(into, record)
+    return record
 
 
 # ------------------------------------------------------------------------------------------ marks
@@ -346,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             if not cmd:
                 parser.error("give the command after --")
             command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
-            record = capture(command, args.name, args.timeout_s)
-            upsert(args.into, record)
+            record = capture(command, args.name, args.timeout_s, into=args.into)
             print(f"recorded {args.name!r} (exit {record['returncode']}, {record['wall_s']} s) in {args.into}")
         elif args.command == "rerun":
             for md in markdown_files(args.paths):
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                     file = md.parent / mark.args[0]
                     old = find(file, mark.args[1])
                     print(f"re-running {old['name']}: {old['command']}", flush=True)
-                    upsert(file, capture(old["command"], old["name"]))
+                    capture(old["command"], old["name"], into=file)
             print("now: python -m distkit.records render")
         elif args.command == "render":
             for path in render(args.paths):
