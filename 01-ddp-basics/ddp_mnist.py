@@ -11,6 +11,8 @@ all-reduced into one global test accuracy.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import time
 
 import torch
@@ -20,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit import ArgumentParser, DistContext, UsageError, add_runtime_args, run_main
+from distkit.runtime import (choose_backend_and_device, local_world_size_from_env, seed_everything,
+                             use_world_of_one)
 from distkit.checkpoint import atomic_save
 from distkit.data import prepare_mnist
 from distkit.flags import non_negative_int, positive_float, positive_int
@@ -102,55 +106,100 @@ def evaluate(model, test_set, ctx, batch_size):
     return loss_sum / count, correct / count
 
 
+def join_process_group(args) -> DistContext:
+    """How a process joins the job: the one thing this chapter teaches, written out.
+
+    Every later script calls ``distkit.distributed(args)``, which does exactly these steps (plus
+    one-line errors for more failure cases) and tears the group down at the end.
+    """
+    if "RANK" not in os.environ:  # started as plain `python ddp_mnist.py`: rank 0 of a world of one
+        use_world_of_one()
+    # torchrun starts one process per rank and tells each who it is through the environment.
+    rank = int(os.environ["RANK"])              # this process among all processes of the job
+    local_rank = int(os.environ["LOCAL_RANK"])  # among the processes on this machine: picks the GPU
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = local_world_size_from_env()
+    # NCCL when every local rank gets its own GPU, else gloo on CPU (--backend/--device force one).
+    backend, device_type = choose_backend_and_device(args.backend, args.device, local_world_size)
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so NCCL binds this rank's GPU
+    # Rendezvous: every rank connects to MASTER_ADDR:MASTER_PORT (torchrun sets them) and waits
+    # for all world_size ranks. The timeout bounds how long any collective waits for a lost peer.
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    except RuntimeError as exc:  # a busy or unreachable rendezvous address
+        raise UsageError(f"could not join the process group: {str(exc).splitlines()[0]}") from None
+    seed_everything(args.seed)  # same seed on every rank -> same initial weights and shuffles
+    return DistContext(rank, local_rank, world_size, local_world_size, backend, device, args.timeout_s)
+
+
 def main():
     args = parse_args()
     wall_start = time.perf_counter()
-    with distributed(args) as ctx:
-        log = setup_logging(ctx.rank, args.log_file)
-        log.info(f"world size {ctx.world_size} | backend {ctx.backend} | device {ctx.device.type} "
-                 f"| per-rank batch {args.batch_size} -> global batch {args.batch_size * ctx.world_size}")
-        train_set, test_set, source = prepare_mnist(args.data_dir, ctx, offline=args.offline)
+    ctx = join_process_group(args)
+    finished = False
+    try:
+        train(args, ctx, wall_start)
+        finished = True
+    finally:
+        # Leaving the job: after a clean run every rank meets at a barrier first (a gloo rank that
+        # exits while a peer still sends can abort the peer); after a failure the peers may be
+        # gone, so the group is only destroyed.
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
 
-        # Each rank sees a different 1/world_size of the shuffled training set every epoch.
-        sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
-                                     shuffle=True, seed=args.seed)
-        on_gpu = ctx.device.type == "cuda"
-        workers = args.num_workers if args.num_workers is not None else (2 if on_gpu else 0)
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
-                            pin_memory=on_gpu, persistent_workers=workers > 0)
 
-        # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's weights.
-        model = MnistCNN().to(ctx.device)
-        model = DDP(model, device_ids=ctx.device_ids)
-        optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-        harness = Harness(ctx, "ddp", model=model, optimizer=optimizer,
-                          config={"script": "ddp_mnist", "batch_size_per_rank": args.batch_size,
-                                  "epochs": args.epochs, "data": source})
+def train(args, ctx: DistContext, wall_start: float) -> None:
+    """Data, model, DDP, the epochs, the checkpoint and the record: the rest of the script."""
+    log = setup_logging(ctx.rank, args.log_file)
+    log.info(f"world size {ctx.world_size} | backend {ctx.backend} | device {ctx.device.type} "
+             f"| per-rank batch {args.batch_size} -> global batch {args.batch_size * ctx.world_size}")
+    train_set, test_set, source = prepare_mnist(args.data_dir, ctx, offline=args.offline)
 
-        test_acc = 0.0
-        for epoch in range(1, args.epochs + 1):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on every rank
-            start = time.perf_counter()
-            totals = train_one_epoch(model, loader, optimizer, harness, ctx, epoch, args.max_steps)
-            dist.all_reduce(totals)  # per-rank sums -> global sums
-            train_loss, train_acc = totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
-            test_loss, test_acc = evaluate(model, test_set, ctx, args.batch_size)
-            scheduler.step()
-            log.info(f"epoch {epoch}/{args.epochs} | train loss {train_loss:.4f} acc {train_acc:.2%} "
-                     f"| test loss {test_loss:.4f} acc {test_acc:.2%} | {time.perf_counter() - start:.1f} s")
+    # Each rank sees a different 1/world_size of the shuffled training set every epoch.
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
+                                 shuffle=True, seed=args.seed)
+    on_gpu = ctx.device.type == "cuda"
+    workers = args.num_workers if args.num_workers is not None else (2 if on_gpu else 0)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+                        pin_memory=on_gpu, persistent_workers=workers > 0)
 
-        if ctx.is_main:  # one copy is enough: every rank holds identical weights
-            atomic_save({"model": model.module.state_dict(), "test_accuracy": test_acc,
-                         "world_size": ctx.world_size}, args.checkpoint)
-        record = harness.finish(args.results, extra={"test_accuracy": test_acc, "data": source})
-        if ctx.is_main:
-            wall = time.perf_counter() - wall_start
-            rate = record["metrics"]["samples_per_s"]
-            rate_text = f"{rate:.0f} samples/s" if rate else "too few steps to time"
-            log.info(f"saved {args.checkpoint} | record appended to {args.results}")
-            log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate_text} "
-                     f"| world size {ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")
+    # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's weights.
+    model = MnistCNN().to(ctx.device)
+    model = DDP(model, device_ids=ctx.device_ids)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+    harness = Harness(ctx, "ddp", model=model, optimizer=optimizer,
+                      config={"script": "ddp_mnist", "batch_size_per_rank": args.batch_size,
+                              "epochs": args.epochs, "data": source})
+
+    test_acc = 0.0
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on every rank
+        start = time.perf_counter()
+        totals = train_one_epoch(model, loader, optimizer, harness, ctx, epoch, args.max_steps)
+        dist.all_reduce(totals)  # per-rank sums -> global sums
+        train_loss, train_acc = totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
+        test_loss, test_acc = evaluate(model, test_set, ctx, args.batch_size)
+        scheduler.step()
+        log.info(f"epoch {epoch}/{args.epochs} | train loss {train_loss:.4f} acc {train_acc:.2%} "
+                 f"| test loss {test_loss:.4f} acc {test_acc:.2%} | {time.perf_counter() - start:.1f} s")
+
+    if ctx.is_main:  # one copy is enough: every rank holds identical weights
+        atomic_save({"model": model.module.state_dict(), "test_accuracy": test_acc,
+                     "world_size": ctx.world_size}, args.checkpoint)
+    record = harness.finish(args.results, extra={"test_accuracy": test_acc, "data": source})
+    if ctx.is_main:
+        wall = time.perf_counter() - wall_start
+        rate = record["metrics"]["samples_per_s"]
+        rate_text = f"{rate:.0f} samples/s" if rate else "too few steps to time"
+        log.info(f"saved {args.checkpoint} | record appended to {args.results}")
+        log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate_text} "
+                 f"| world size {ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")
 
 
 if __name__ == "__main__":

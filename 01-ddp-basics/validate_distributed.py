@@ -128,7 +128,8 @@ def validate(args) -> None:
     rank = launched_rank()
     print_environment(rank)
     try:
-        ctx = init_distributed(args)
+        ctx = init_distributed(backend=args.backend, device=args.device, timeout_s=args.timeout_s,
+                               seed=args.seed)
     except UsageError as exc:  # nothing to gather with: every rank reports for itself
         hint = HINTS["backend nccl"] if "NCCL" in str(exc) or "GPU" in str(exc) else HINTS["process group"]
         print(f"FAIL  process group    [rank {rank}] {exc}\n      hint: {hint}", flush=True)

@@ -179,28 +179,39 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(args: argparse.Namespace) -> DistContext:
+def use_world_of_one() -> None:
+    """Set what torchrun would have set for a job of one process, rendezvousing on loopback.
+
+    For a script started as ``python script.py``: it then runs the same code as rank 0 of 1.
+    """
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
+
+
+def init_distributed(*, backend: str = "auto", device: str = "auto",
+                     timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0) -> DistContext:
     """Create the default process group from torchrun's environment variables.
 
+    ``backend`` / ``device``: ``"auto"`` or a forced choice (see :func:`choose_backend_and_device`);
+    ``timeout_s``: how long a collective may wait for a peer; ``seed``: the same on every rank.
     Run without torchrun (``python script.py``), the script becomes a world of one process that
     rendezvouses on loopback. Each rank binds GPU ``LOCAL_RANK`` when the device is CUDA.
+    Chapter 01's ``ddp_mnist.py`` writes these steps out in the open.
     """
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
+        use_world_of_one()
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     world_size, local_world_size = env_int("WORLD_SIZE", 1), local_world_size_from_env()
 
-    backend, device_type = choose_backend_and_device(
-        getattr(args, "backend", "auto"), getattr(args, "device", "auto"), local_world_size)
+    backend, device_type = choose_backend_and_device(backend, device, local_world_size)
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init, so NCCL binds this rank's GPU
     else:
         device = torch.device("cpu")
 
-    timeout_s = float(getattr(args, "timeout_s", DEFAULT_TIMEOUT_S))
+    timeout_s = float(timeout_s)
     init_kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                        timeout=datetime.timedelta(seconds=timeout_s))
     if device_type == "cuda":
@@ -213,7 +224,7 @@ def init_distributed(args: argparse.Namespace) -> DistContext:
             raise UsageError(f"rendezvous port {os.environ.get('MASTER_PORT')} is already in use; "
                              "pick another --master_port (or use --standalone)") from None
         raise UsageError(f"could not join the process group: {message}") from None
-    seed_everything(getattr(args, "seed", 0))
+    seed_everything(seed)
     return DistContext(rank, local_rank, world_size, local_world_size, backend, device, timeout_s)
 
 
@@ -233,8 +244,11 @@ def shutdown_distributed(success: bool = True) -> None:
 
 @contextmanager
 def distributed(args: argparse.Namespace) -> Iterator[DistContext]:
-    """``with distributed(args) as ctx:`` -- init the process group, always tear it down."""
-    ctx = init_distributed(args)
+    """``with distributed(args) as ctx:`` -- init the process group, always tear it down.
+
+    ``args`` holds the flags :func:`add_runtime_args` defines (backend, device, timeout, seed).
+    """
+    ctx = init_distributed(backend=args.backend, device=args.device, timeout_s=args.timeout_s, seed=args.seed)
     ok = False
     try:
         yield ctx
