@@ -303,7 +303,7 @@ def error_line(output: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def run_cell(cell: Cell, args, results_file: Path) -> list[dict]:
+def run_cell(cell: Cell, args) -> list[dict]:
     """Launch one cell; return the records to append (its harness records, or failure records)."""
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         scratch = Path(tmp)
@@ -373,7 +373,7 @@ def main(argv=None):
         entry["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         append_record(results_file, entry)
     for cell in progress(cells, 0, total=len(cells), desc="benchmark cells"):
-        for record in run_cell(cell, args, results_file):
+        for record in run_cell(cell, args):
             append_record(results_file, record)
             summary.append(record)
             line = f"{record['strategy']:>20} | {record['world_size']} ranks | {cell.model_size:>6} | "

@@ -165,11 +165,6 @@ def fsdp_padded_numel(shape: tuple[int, ...], shard_group: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def fsdp_shard_numel(shape: tuple[int, ...], shard_group: int) -> int:
-    """Elements one rank stores of an FSDP2-sharded parameter (padding included)."""
-    return fsdp_padded_numel(shape, shard_group) // shard_group
-
-
 def _stat(calls: float | None, payload: float, collective: str, group: int) -> dict:
     return {"calls": calls, "bytes": payload, "bus_bytes": payload * bus_factor(collective, group)}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import os
-import shutil
 import struct
 import sys
 import warnings
@@ -201,8 +200,3 @@ def prepare_mnist(data_dir: str | os.PathLike, ctx: DistContext, offline: bool =
         train = torchvision.datasets.MNIST(str(data_dir), train=True, download=False, transform=transform)
         test = torchvision.datasets.MNIST(str(data_dir), train=False, download=False, transform=transform)
     return train, test, source
-
-
-def clear_mnist(data_dir: str | os.PathLike) -> None:
-    """Remove a prepared MNIST folder (tests use it to start from nothing)."""
-    shutil.rmtree(Path(data_dir) / "MNIST", ignore_errors=True)

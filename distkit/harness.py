@@ -341,13 +341,13 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def time(self, record: bool = True) -> Iterator[None]:
-        """Time the enclosed step (recorded only when ``record`` and past the warm-up)."""
+    def time(self) -> Iterator[None]:
+        """Time the enclosed step (recorded once past the warm-up)."""
         self._sync()
         start = time.perf_counter()
         yield
         self._sync()
-        if record and self.seen >= self.warmup_steps:
+        if self.seen >= self.warmup_steps:
             self.times.append(time.perf_counter() - start)
         self.seen += 1
 
@@ -416,6 +416,7 @@ class Harness:
 
     @property
     def step_times(self) -> list[float]:
+        """This rank's timed step durations in seconds (what the record's median is taken over)."""
         return list(self._timer.times)
 
     def local_metrics(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ and no weight tying (so stages and shards own disjoint parameters).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -191,9 +190,6 @@ def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: in
     for t in range(seq_len):
         tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
     return tokens
-
-
-LOSS_FLOOR = math.log(2)
 
 
 class TokenTask:

@@ -202,7 +202,7 @@ def _output_body(md_dir: Path, args: list[str]) -> str:
     if (head or tail) and head + tail < len(lines):
         lines = lines[:head] + ["..."] + (lines[-tail:] if tail else [])
     where = machine_label(record["machine"], record.get("backend"))
-    return (f"```text\n" + "\n".join(lines) + "\n```\n"
+    return ("```text\n" + "\n".join(lines) + "\n```\n"
             f"<sub>Recorded on {where}, torch {record['torch']}, {record['date']}: `{name}` in "
             f"[{file}]({file}).</sub>\n")
 

@@ -4,7 +4,6 @@ it (``jupytext --sync notebook.py`` after editing). The notebooks assert the num
 (against their records or theory), so a wrong outcome fails here as an error output."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jupytext
