@@ -31,7 +31,6 @@ import matplotlib.pyplot as plt
 
 WORK = Path(tempfile.mkdtemp(prefix="ch05-"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1")
-sys.path.insert(0, str(Path.cwd().parent))  # distkit, when the notebook runs from 05-advanced/
 
 
 def run(script, *args, nproc=4):

@@ -416,8 +416,14 @@ def write_all(results: str | os.PathLike, out_dir: str | os.PathLike) -> list[Pa
 # ------------------------------------------------------------- README render marks (committed record)
 @functools.cache
 def _committed() -> tuple[list[dict], list[dict], list[dict]]:
-    """The committed record, read once per process (every readme_* function draws from it)."""
-    return load(COMMITTED)
+    """The committed record, read once per process while the file is unchanged (every readme_*
+    function draws from it)."""
+    return _load_once(COMMITTED, COMMITTED.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once(path: Path, mtime_ns: int) -> tuple[list[dict], list[dict], list[dict]]:
+    return load(path)
 
 
 def caption(records: list[dict], what: str = "cells") -> str:
@@ -431,8 +437,9 @@ def caption(records: list[dict], what: str = "cells") -> str:
             f"{len(records)} {what} of [{rel}]({rel}).</sub>")
 
 
-def _figure_markdown(out_dir: Path, name: str, alt: str, draw, records: list[dict], what: str = "cells") -> str:
-    draw(out_dir / "figures" / name)
+def _figure_markdown(out_dir: Path, name: str, alt: str, plot, records: list[dict], what: str = "cells") -> str:
+    """Draw ``plot(records, ...)`` into ``figures/name`` and return its image link and caption."""
+    plot(records, out_dir / "figures" / name, f"data: {COMMITTED.name}")
     return f"![{alt}](figures/{name})\n\n{caption(records, what)}\n"
 
 
@@ -445,26 +452,26 @@ def readme_table(out_dir: Path) -> str:
 def readme_throughput(out_dir: Path) -> str:
     records, _, _ = _committed()
     return _figure_markdown(out_dir, "throughput.png", "tokens per second by strategy and world size",
-                            lambda p: plot_throughput(records, p, f"data: {COMMITTED.name}"), records)
+                            plot_throughput, records)
 
 
 def readme_memory(out_dir: Path) -> str:
     records, _, _ = _committed()
     return _figure_markdown(out_dir, "memory.png", "model state per rank, measured and predicted; peak memory",
-                            lambda p: plot_memory(records, p, f"data: {COMMITTED.name}"), records)
+                            plot_memory, records)
 
 
 def readme_comm(out_dir: Path) -> str:
     records, _, _ = _committed()
     return _figure_markdown(out_dir, "comm_bytes.png", "bus bytes per step, measured and predicted",
-                            lambda p: plot_comm(records, p, f"data: {COMMITTED.name}"), records)
+                            plot_comm, records)
 
 
 def readme_scaling(out_dir: Path) -> str:
     """scaling.png and, under it, the efficiencies it draws, highest first."""
     records, _, _ = _committed()
     text = _figure_markdown(out_dir, "scaling.png", "scaling efficiency by strategy",
-                            lambda p: plot_scaling(records, p, f"data: {COMMITTED.name}"), records)
+                            plot_scaling, records)
     rows = []
     for size, rs in _by_model(records).items():
         for strategy, points in efficiencies(rs).items():
@@ -487,7 +494,7 @@ def readme_bandwidth(out_dir: Path) -> str:
     """bandwidth.png and the highest bus bandwidth each collective reached in the sweep."""
     _, _, bandwidth = _committed()
     text = _figure_markdown(out_dir, "bandwidth.png", "bus bandwidth vs message size",
-                            lambda p: plot_bandwidth(bandwidth, p, f"data: {COMMITTED.name}"), bandwidth,
+                            plot_bandwidth, bandwidth,
                             "bandwidth sweeps")
     table = ["| collective | ranks | highest bus bandwidth GB/s | at message size |", "|---|---:|---:|---:|"]
     for record in sorted(bandwidth, key=lambda r: (r["collective"], r["world_size"])):
