@@ -34,7 +34,8 @@ from launch import (REPO, assert_one_line_error, command_argv, job_env, python, 
                     torchrun)
 
 from distkit.harness import read_records
-from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+from distkit.models import TinyGPT, gpt_config
+from workers.reference import train_one_process
 
 CHAPTER = REPO / "02-fsdp"
 README = CHAPTER / "README.md"
@@ -68,15 +69,7 @@ def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, 
     cfg = gpt_config("tiny", vocab_size=vocab)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    task = TokenTask(cfg, seed=0)
-    for step in range(steps):
-        inputs, targets = task.global_batch(step, batch)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, model.state_dict()
+    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
-from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, rank_slice
+from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "01-ddp-basics" / "ddp_training.py"
@@ -57,15 +58,7 @@ def new_model() -> TinyGPT:
 def reference() -> tuple[dict, dict]:
     """One process, the whole global batch per step, no accumulation: (initial, final) weights."""
     model = new_model()
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    task = TokenTask(model.cfg, seed=0)
-    for step in range(STEPS):
-        inputs, targets = task.global_batch(step, BATCH)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, model.state_dict()
+    return train_one_process(model, torch.optim.SGD(model.parameters(), lr=LR), STEPS, BATCH)
 
 
 def accumulated(ctx, accumulate_gradients, k: int) -> dict:

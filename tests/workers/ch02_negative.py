@@ -34,6 +34,7 @@ import negative_controls as nc  # noqa: E402  (its helpers: load, new_model, bat
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main  # noqa: E402
 from distkit.models import TokenTask, lm_loss  # noqa: E402
+from reference import train_one_process  # noqa: E402  (tests/workers/reference.py)
 
 ADAMW_LR, SAVE_AT, RESUME_TO = 3e-3, 3, 6
 
@@ -41,16 +42,9 @@ ADAMW_LR, SAVE_AT, RESUME_TO = 3e-3, 3, 6
 def reference(adamw: bool, steps: int) -> tuple[dict, dict]:
     """One process, the whole global batch each step: (initial, final) state dicts."""
     model = nc.new_model()
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = (torch.optim.AdamW(model.parameters(), lr=ADAMW_LR) if adamw
                  else torch.optim.SGD(model.parameters(), lr=nc.LR))
-    task = TokenTask(model.cfg, seed=0)
-    for step in range(steps):
-        inputs, targets = task.global_batch(step, nc.BATCH)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, model.state_dict()
+    return train_one_process(model, optimizer, steps, nc.BATCH)
 
 
 def sharded(ctx, strategy: str, flags: list[str], meshes: dict):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
 CHAPTER = Path(__file__).resolve().parents[2] / "03-deepspeed"
 sys.path.insert(0, str(CHAPTER))
@@ -59,16 +60,8 @@ def new_model() -> TinyGPT:
 
 def reference() -> tuple[dict, dict]:
     """One process, plain SGD on the whole global batch each step: (initial, final) weights."""
-    model = new_model()
-    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    task = TokenTask(model.cfg, seed=0)
-    for step in range(STEPS):
-        inputs, targets = task.global_batch(step, BATCH)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, {k: v.detach().clone() for k, v in model.named_parameters()}
+    model = new_model()  # TinyGPT has no buffers: its state dict holds exactly its parameters
+    return train_one_process(model, torch.optim.SGD(model.parameters(), lr=LR), STEPS, BATCH)
 
 
 def train(deepspeed, ctx, variant: str) -> dict:

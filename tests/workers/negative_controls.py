@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, LR, BATCH = 3, 0.5, 8
@@ -53,16 +54,9 @@ def new_model(n_layer: int = 2) -> TinyGPT:
 def reference(n_layer: int = 2, adamw: bool = False) -> tuple[dict, dict]:
     """One process, the whole global batch each step: (initial, final) state dicts."""
     model = new_model(n_layer)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = (torch.optim.AdamW(model.parameters(), lr=BF16_LR) if adamw
                  else torch.optim.SGD(model.parameters(), lr=LR))
-    task = TokenTask(model.cfg, seed=0)
-    for step in range(BF16_STEPS if adamw else STEPS):
-        inputs, targets = task.global_batch(step, BATCH)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, model.state_dict()
+    return train_one_process(model, optimizer, BF16_STEPS if adamw else STEPS, BATCH)
 
 
 def batches(ctx, model, dp_rank=None, dp_size=None, steps=STEPS):
