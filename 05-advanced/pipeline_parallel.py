@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
 from distkit.checkpoint import atomic_save
 from distkit.flags import positive_float, positive_int, non_negative_int
-from distkit.harness import Harness, RegionTimer, fresh_memory_peak, model_state_bytes
+from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
 
@@ -162,13 +162,14 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     last_rank = (num_stages - 1) % pp
 
     strategy = STRATEGY[schedule_name]
-    harness = PipelineHarness(ctx, strategy, model=None, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "pipeline_parallel", "model_size": args.model_size,
-                              "global_batch_size": args.global_batch_size, "precision": "fp32",
-                              "param_count": param_count, "pp": pp, "stages_per_rank": per_rank,
+    # This rank's model state is its stages'; the record's parameter count is the whole model's.
+    harness = Harness(ctx, strategy, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                      model_config=cfg, param_count=param_count,
+                      state_modules=[stage.submod for stage in stages],
+                      config={"script": "pipeline_parallel", "global_batch_size": args.global_batch_size,
+                              "precision": "fp32", "pp": pp, "stages_per_rank": per_rank,
                               "microbatches": microbatches, "schedule": schedule_name, "lr": args.lr,
-                              "optimizer": args.optimizer, "n_layer": cfg.n_layer})
-    harness.local_stages = torch.nn.ModuleList(stage.submod for stage in stages)
+                              "optimizer": args.optimizer})
     task = TokenTask(cfg, seed=args.seed)
     losses, bubbles, spans = [], [], []  # spans: (schedule.step seconds, compute seconds) per timed step
     for step in progress(range(args.steps), ctx.rank, desc=f"{schedule_name} m={microbatches}"):
@@ -215,16 +216,6 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     state = {k: v for piece in pieces for k, v in piece.items()}
     record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
     return record, state
-
-
-class PipelineHarness(Harness):
-    """The harness, counting only this rank's stages as its model state (record param_count stays
-    the full model's, in config)."""
-
-    local_stages: torch.nn.ModuleList | None = None
-
-    def state_bytes(self) -> dict[str, int]:
-        return model_state_bytes(self.local_stages, self.optimizer)
 
 
 def main():

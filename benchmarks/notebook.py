@@ -30,7 +30,7 @@ from pathlib import Path
 from IPython.display import Image, Markdown, display
 
 import plot      # benchmarks/plot.py (this notebook runs in benchmarks/)
-import theory    # benchmarks/theory.py
+from distkit import theory
 
 RESULTS = Path("records/results_cpu.jsonl")   # or Path("../runs/benchmarks.jsonl")
 records, problems, bandwidth = plot.load(RESULTS)

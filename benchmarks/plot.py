@@ -39,7 +39,7 @@ from distkit import ArgumentParser, UsageError, run_main  # noqa: E402
 from distkit.harness import read_records  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 
-import theory  # noqa: E402  (benchmarks/theory.py: the script's folder is on the import path)
+from distkit import theory  # noqa: E402
 
 MIB = 2**20
 PLOTS = ("throughput.png", "memory.png", "comm_bytes.png", "scaling.png", "bandwidth.png")

@@ -7,6 +7,10 @@
   the JSON records that ``benchmarks/`` reads.
 * :mod:`distkit.data`: MNIST with an offline fallback; :mod:`distkit.models`: the MNIST CNN, the
   small GPT and its synthetic token task; :mod:`distkit.checkpoint`: atomic, safe checkpoints.
+* :mod:`distkit.flags`: range-checked argparse types and the flags every script shares, one name and
+  one meaning per concept (``add_training_args``, ``add_checkpoint_args``, ``add_bucket_arg``).
+* :mod:`distkit.theory`: every formula (ZeRO, FSDP2, Megatron TP, pipeline bubble, bus bytes), the one
+  place chapters and benchmarks take their predictions from.
 * :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
   output block, table and plot regenerated from them (``python -m distkit.records render``).
 """

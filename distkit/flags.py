@@ -57,3 +57,110 @@ def check_value(name: str, value: Any, kind: Callable[[str], Any]) -> Any:
         return kind(str(value))
     except argparse.ArgumentTypeError as exc:
         raise UsageError(f"{name}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# One name and one meaning per concept, for every script
+# ------------------------------------------------------------------------------------------------
+_UNSET = object()
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, steps: int | None = 20,
+                      global_batch_size: int | None = 16, lr: float | None = 1e-3,
+                      warmup_steps: int | None = 2, results: str | None = "runs/results.jsonl",
+                      grad_accum_steps: int | None = None,
+                      helps: dict[str, str] | None = None) -> argparse._ArgumentGroup:
+    """The training flags every chapter script shares, with this script's defaults.
+
+    ``--steps`` (optimizer steps), ``--global-batch-size`` (sequences or samples per optimizer step
+    across all ranks), ``--lr`` (peak learning rate), ``--warmup-steps`` (untimed harness steps
+    before timing starts; *not* a learning-rate warm-up), ``--results`` (the JSON-lines file harness
+    records are appended to) and, where a script accumulates, ``--grad-accum-steps`` (micro-batches
+    whose gradients are summed per optimizer step). Pass ``None`` for a flag the script does not
+    take. ``helps`` replaces a flag's help text where the script gives it a sharper meaning (keyed
+    by destination, e.g. ``{"steps": "train until this global step"}``; the default is appended).
+    Returns the argument group, so a script can add its own training flags beside these.
+    """
+    group = parser.add_argument_group("training")
+    helps = helps or {}
+    if steps is not None:
+        group.add_argument("--steps", type=positive_int, default=steps,
+                           help=f"optimizer steps (default: {steps})")
+    if global_batch_size is not None:
+        group.add_argument("--global-batch-size", type=positive_int, default=global_batch_size,
+                           help="samples per optimizer step across all ranks "
+                                f"(default: {global_batch_size})")
+    if grad_accum_steps is not None:
+        group.add_argument("--grad-accum-steps", type=positive_int, default=grad_accum_steps,
+                           help="micro-batches whose gradients are summed per optimizer step "
+                                f"(default: {grad_accum_steps})")
+    if lr is not None:
+        group.add_argument("--lr", type=positive_float, default=lr,
+                           help=f"peak learning rate (default: {lr:g})")
+    if warmup_steps is not None:
+        group.add_argument("--warmup-steps", type=non_negative_int, default=warmup_steps,
+                           help="untimed steps before the harness starts timing "
+                                f"(default: {warmup_steps})")
+    if results is not None:
+        group.add_argument("--results", default=results, metavar="FILE",
+                           help=f"harness records (JSON lines) are appended here (default: {results})")
+    for action in group._group_actions:
+        if action.dest in helps:
+            action.help = f"{helps[action.dest]} (default: {action.default})"
+    return group
+
+
+def add_bucket_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: float | list[float],
+                   sweep: bool = False, help_extra: str = "") -> None:
+    """``--bucket-cap-mb``: the size of DDP's gradient buckets in MiB (DDP's own ``bucket_cap_mb``).
+
+    ``sweep=True`` takes several values (a script that measures each); 0 means one collective per
+    gradient tensor where the script allows it.
+    """
+    shown = " ".join(f"{v:g}" for v in default) if sweep else f"{default:g}"
+    parser.add_argument("--bucket-cap-mb", type=non_negative_float, nargs="+" if sweep else None,
+                        default=default, metavar="MB",
+                        help=f"gradient bucket size in MiB{help_extra} (default: {shown})")
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,
+                        checkpoint_dir: str | None | object = _UNSET,
+                        resume: str | None | object = _UNSET) -> argparse._ArgumentGroup:
+    """Checkpoint flags with one meaning each, in every script that has them:
+
+    * ``--save PATH``: rank 0 writes the trained model (full, unsharded weights) to this file at the
+      end; ``{placeholders}`` in it are filled by the script (``{strategy}``, ``{mode}`` ...);
+      ``none`` skips it.
+    * ``--checkpoint-dir DIR``: where resumable training checkpoints (model, optimizer, step, RNG)
+      are written and looked for.
+    * ``--resume WHAT``: what to start from: ``none``, ``latest`` (the newest complete checkpoint in
+      ``--checkpoint-dir``) or the path of one checkpoint.
+
+    Pass a default to add a flag (``None`` is a valid default), leave it out to not add the flag.
+    """
+    group = parser.add_argument_group("checkpoints")
+    if save is not _UNSET:
+        group.add_argument("--save", default=save, metavar="PATH",
+                           help="rank 0 writes the trained model's full weights here at the end; "
+                                f"'none' skips it (default: {save})")
+    if checkpoint_dir is not _UNSET:
+        group.add_argument("--checkpoint-dir", default=checkpoint_dir, metavar="DIR",
+                           help=f"resumable training checkpoints are written here (default: {checkpoint_dir})")
+    if resume is not _UNSET:
+        group.add_argument("--resume", default=resume, metavar="WHAT",
+                           help="start from: none, latest (the newest complete checkpoint in "
+                                f"--checkpoint-dir) or PATH of one checkpoint (default: {resume})")
+    return group
+
+
+def save_path(value: str | None, **fields: Any) -> str | None:
+    """The file ``--save`` names with its ``{placeholders}`` filled, or None for ``none``/unset."""
+    if value in (None, "", "none"):
+        return None
+    try:
+        return value.format(**fields)
+    except (KeyError, IndexError, ValueError) as exc:
+        from .runtime import UsageError
+
+        raise UsageError(f"--save {value!r}: unknown placeholder {exc} "
+                         f"(known: {', '.join('{' + k + '}' for k in fields) or 'none'})") from None

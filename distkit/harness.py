@@ -19,6 +19,28 @@ the *total* buffer for gathers/scatters as nccl-tests counts it) and ``bus_bytes
 rank sends on the wire in a ring/bandwidth-optimal algorithm, i.e. payload x the nccl-tests bus factor
 (all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, broadcast / reduce /
 send / recv 1). Bus bytes are what to compare between strategies.
+
+The record (schema 2)
+---------------------
+Every measured run appends one JSON line, built by :func:`make_record` (the harness calls it from
+:meth:`Harness.finish`; scripts that measure something other than a training step, like chapter
+04's bandwidth test, call it directly). Its fields:
+
+* ``schema`` (2), ``command`` (how the script was started), ``timestamp``, ``torch_version``,
+  ``machine`` (:func:`machine_info`), ``backend``, ``device``, ``world_size``: provenance;
+* ``strategy``: what ran (``ddp``, ``fsdp_full_shard``, ``zero2``, ``tp_sp``, ``pp_1f1b``, ... or a
+  measurement name such as ``bandwidth``);
+* ``model``: the model's configuration, one way everywhere: ``{"arch": "gpt", <GPTConfig fields>}``
+  for the small GPT, ``{"arch": "<name>", ...}`` for any other model, ``null`` when none;
+* ``param_count``: the full model's parameters (not a shard's);
+* ``config``: the script's settings (global batch, precision, mesh, micro-batches, engine settings);
+* ``metrics``: the measurement (for training runs: ``step_time_s_median``, ``samples_per_step``,
+  ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes``,
+  ``peak_rss_bytes``, ``model_state_bytes`` and ``comm_per_step``);
+* anything the script adds (``losses``, ``predicted`` ...).
+
+:func:`read_records` returns records in this schema whatever version wrote them
+(:func:`upgrade_record`).
 """
 from __future__ import annotations
 
@@ -39,8 +61,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .records import SCHEMA_VERSION
+from .models import GPTConfig, gpt_config
 from .runtime import DistContext
+
+RECORD_SCHEMA = 2  # the harness record described above; read_records upgrades older ones
 
 # op name (as the dispatcher names it) -> (collective, how to find payload tensors)
 # "in": the payload is the input tensor(s); "out": the output (gathers: the full gathered buffer);
@@ -361,6 +385,14 @@ class Harness:
     number processed by the whole job in that step (the global batch), the same value on every rank.
     Call :meth:`finish` on every rank at the end; it gathers all ranks' numbers and, on rank 0,
     appends the record to ``results_file``.
+
+    ``model_config``: the model's configuration for the record's ``model`` field (a
+    :class:`~distkit.models.GPTConfig`, or a dict with an ``arch`` key); by default the small GPT's
+    own ``cfg`` when ``model`` is one. ``param_count``: the full
+    model's parameter count when the module cannot tell (a ZeRO-3 parameter's ``numel()`` is 0
+    once partitioned; a pipeline rank holds only its stages); by default counted from ``model``.
+    ``state_modules``: the modules whose parameters, gradients and optimizer state this rank holds
+    (a pipeline rank's stages); by default ``model``.
     """
 
     ctx: DistContext
@@ -370,6 +402,9 @@ class Harness:
     warmup_steps: int = 2
     comm_steps: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    model_config: GPTConfig | dict[str, Any] | None = None
+    param_count: int | None = None
+    state_modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None
     _timer: StepTimer = field(init=False)
     _comm: CommCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
@@ -411,8 +446,13 @@ class Harness:
             self._timed_tokens += tokens
 
     def state_bytes(self) -> dict[str, int]:
-        """Model-state bytes on this rank now (override by subclassing for exotic engines)."""
-        return model_state_bytes(self.model, self.optimizer)
+        """Model-state bytes on this rank now: the parameters and gradients of ``state_modules``
+        (default ``model``) and the optimizer's state (override by subclassing for engines that keep
+        their own copies, like DeepSpeed's)."""
+        modules = self.model if self.state_modules is None else self.state_modules
+        if modules is not None and not isinstance(modules, torch.nn.Module):
+            modules = torch.nn.ModuleList(list(modules))
+        return model_state_bytes(modules, self.optimizer)
 
     @property
     def step_times(self) -> list[float]:
@@ -453,38 +493,66 @@ class Harness:
         step_s = max(medians) if medians else None
         samples_per_step = self._timed_samples / timed if timed else 0.0
         tokens_per_step = self._timed_tokens / timed if timed else 0.0
-        record = {
-            "schema": SCHEMA_VERSION,
-            "command": shlex.join([os.path.relpath(sys.argv[0]) if sys.argv[0] else "python"] + sys.argv[1:]),
-            "strategy": self.strategy,
-            "world_size": self.ctx.world_size,
-            "backend": self.ctx.backend,
-            "device": self.ctx.device.type,
-            "machine": machine_info(self.ctx.device),
-            "torch_version": torch.__version__,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "param_count": _param_count(self.model),
-            "config": self.config,
-            "metrics": {
-                "timed_steps": timed,
-                "step_time_s_median": step_s,
-                "samples_per_step": samples_per_step,
-                "tokens_per_step": tokens_per_step,
-                "samples_per_s": samples_per_step / step_s if step_s else None,
-                "tokens_per_s": tokens_per_step / step_s if step_s and tokens_per_step else None,
-                "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
-                "peak_memory_kind": per_rank[0]["peak_memory_kind"],
-                "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
-                "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
-                "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],
-                "comm_per_step": per_rank[0]["comm_per_step"],
-            },
+        metrics = {
+            "timed_steps": timed,
+            "step_time_s_median": step_s,
+            "samples_per_step": samples_per_step,
+            "tokens_per_step": tokens_per_step,
+            "samples_per_s": samples_per_step / step_s if step_s else None,
+            "tokens_per_s": tokens_per_step / step_s if step_s and tokens_per_step else None,
+            "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
+            "peak_memory_kind": per_rank[0]["peak_memory_kind"],
+            "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
+            "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
+            "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],
+            "comm_per_step": per_rank[0]["comm_per_step"],
         }
-        if extra:
-            record.update(extra)
+        param_count = self.param_count if self.param_count is not None else _param_count(self.model)
+        model_config = self.model_config
+        inner = getattr(self.model, "module", self.model)  # DDP wraps the model it trains
+        if model_config is None and isinstance(getattr(inner, "cfg", None), GPTConfig):
+            model_config = inner.cfg  # the small GPT says what it is
+        record = make_record(self.ctx, self.strategy, model=model_config, param_count=param_count,
+                             config=self.config, metrics=metrics, extra=extra)
         if results_file is not None:
             append_record(results_file, record)
         return record
+
+
+def describe_model(model_config: GPTConfig | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record's ``model`` field: ``{"arch": "gpt", <GPTConfig fields>}``, a dict that already
+    names its ``arch``, or None."""
+    if model_config is None:
+        return None
+    if isinstance(model_config, GPTConfig):
+        return {"arch": "gpt", **model_config.to_dict()}
+    if "arch" not in model_config:
+        raise ValueError(f"a model description needs an 'arch' key, got {sorted(model_config)}")
+    return dict(model_config)
+
+
+def make_record(ctx: DistContext, strategy: str, *, metrics: dict[str, Any],
+                model: GPTConfig | dict[str, Any] | None = None, param_count: int | None = None,
+                config: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One harness record (schema 2, see the module docstring) with this run's provenance."""
+    record = {
+        "schema": RECORD_SCHEMA,
+        "command": shlex.join([os.path.relpath(sys.argv[0]) if sys.argv[0] else "python"] + sys.argv[1:]),
+        "strategy": strategy,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "machine": machine_info(ctx.device),
+        "torch_version": torch.__version__,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": describe_model(model),
+        "param_count": param_count,
+        "config": dict(config or {}),
+        "metrics": metrics,
+    }
+    if extra:
+        record.update(extra)
+    return record
 
 
 def _param_count(model: torch.nn.Module | None) -> int | None:
@@ -509,11 +577,14 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A record written before schema 1, read with today's definitions.
+    """A record written by an older schema, read with today's definitions.
 
-    Those records computed throughput from the *mean* step time (``step_time_s_mean``) while
-    reporting the median. What one step processed is their throughput x their mean step time, so
-    the median-based throughput of today follows from fields the record already holds.
+    * Before schema 1, throughput came from the *mean* step time (``step_time_s_mean``) while the
+      median was reported. What one step processed is their throughput x their mean step time, so
+      the median-based throughput of today follows from fields the record already holds.
+    * Before schema 2 the model's configuration sat in different places: ``benchmark.gpt`` (the
+      benchmark runner), ``config.gpt``, ``config.model_size`` plus overrides, or a name string in
+      ``config.model``. Schema 2 keeps it in one top-level ``model`` field (:func:`describe_model`).
     """
     metrics = record.get("metrics") or {}
     mean = metrics.pop("step_time_s_mean", None)
@@ -524,4 +595,25 @@ def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
             per_step = rate * mean if rate else 0.0
             metrics[f"{kind}_per_step"] = per_step
             metrics[f"{kind}_per_s"] = per_step / median if per_step and median else None
+    if (record.get("schema") or 0) < 2 and "model" not in record:
+        record["model"] = _model_of_old_record(record)
+    if "metrics" in record or "strategy" in record:
+        record["schema"] = max(record.get("schema") or 0, RECORD_SCHEMA)
     return record
+
+
+def _model_of_old_record(record: dict[str, Any]) -> dict[str, Any] | None:
+    config = record.get("config") or {}
+    bench = record.get("benchmark") or {}
+    if isinstance(bench.get("gpt"), dict):  # the benchmark runner stored the exact config of its cell
+        return describe_model(GPTConfig(**bench["gpt"]))
+    if isinstance(config.get("gpt"), dict):
+        return describe_model(GPTConfig(**config["gpt"]))
+    if isinstance(config.get("model"), str):  # e.g. chapter 05's MLP: a name, no GPT
+        return {"arch": config["model"]}
+    if "model_size" in config:
+        fields = GPTConfig.__dataclass_fields__
+        overrides = {k: config[k] for k in fields if config.get(k) is not None}
+        overrides.update(config.get("gpt_overrides") or {})
+        return describe_model(gpt_config(config["model_size"], **overrides))
+    return None

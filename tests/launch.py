@@ -160,3 +160,41 @@ def readme_commands(readme: Path) -> list[str]:
         if _COMMAND_START.match(line):
             commands.append(line)
     return commands
+
+
+def readme_command(readme: Path, *needles: str, without: str | None = None) -> str:
+    """The one command of ``readme`` that contains every needle (and not ``without``).
+
+    Every chapter's tests find the README commands they run this way, so a README edit that renames
+    a flag or duplicates a command fails the test that runs it.
+    """
+    found = [c for c in readme_commands(readme)
+             if all(n in c for n in needles) and (without is None or without not in c)]
+    assert len(found) == 1, f"expected one command of {readme.name} with {needles}, found {found}"
+    return found[0]
+
+
+def assert_readme_covered(readme: Path, lookups: list) -> None:
+    """Every command of ``readme`` is matched by exactly one lookup, and every lookup by exactly one
+    command. A lookup is a string (a needle), a tuple of needles, or ``(needles_tuple, without)``,
+    exactly as the tests pass them to :func:`readme_command`; so a command added to a README without
+    a test, or a lookup that no longer finds its command, fails."""
+    def parts(lookup):
+        if isinstance(lookup, str):
+            return (lookup,), None
+        if len(lookup) == 2 and isinstance(lookup[0], tuple):
+            return lookup[0], lookup[1]
+        return tuple(lookup), None
+
+    def matches(command, lookup):
+        needles, without = parts(lookup)
+        return all(n in command for n in needles) and (without is None or without not in command)
+
+    commands = readme_commands(readme)
+    assert commands, f"{readme} shows no command"
+    for command in commands:
+        hits = [lookup for lookup in lookups if matches(command, lookup)]
+        assert len(hits) == 1, f"README command matched by {len(hits)} tests' lookups {hits}: {command}"
+    for lookup in lookups:
+        hits = [command for command in commands if matches(command, lookup)]
+        assert len(hits) == 1, f"lookup {lookup} finds {len(hits)} README commands: {hits}"

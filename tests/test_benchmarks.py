@@ -24,7 +24,7 @@ STATE_TOLERANCE = 0.05   # model-state bytes within 5%
 
 
 def _load(name: str):
-    """Import benchmarks/<name>.py as module ``name`` (plot.py imports theory by that name)."""
+    """Import benchmarks/<name>.py as module ``name``."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
@@ -34,7 +34,8 @@ def _load(name: str):
     return module
 
 
-theory = _load("theory")
+from distkit import theory  # noqa: E402
+from distkit.models import gpt_config  # noqa: E402
 
 
 # ---------------------------------------------------------------- formulas (no launch)
@@ -60,7 +61,7 @@ def test_zero_paper_example_and_napkin_formulas():
 
 
 def test_predictions_are_consistent_across_strategies():
-    cfg = theory.gpt_config("tiny", vocab_size=66, seq_len=30)  # shapes that do not divide by 4
+    cfg = gpt_config("tiny", vocab_size=66, seq_len=30)  # shapes that do not divide by 4
     psi = sum(math.prod(s) for s in theory.gpt_param_shapes(cfg).values())
     ddp = theory.predict("ddp", cfg, 4, 16)
     assert ddp["comm_per_rank"][0]["all_reduce"]["bytes"] == 4 * psi

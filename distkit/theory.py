@@ -1,6 +1,7 @@
 """What the textbooks predict for every strategy: per-rank model-state bytes and bytes communicated
 per optimizer step, as functions of the model's parameters, the world size, the precision and the
-mesh shape. ``plot.py``, the notebook and the tests put these predictions next to the harness's
+mesh shape. The one home of every formula: chapter scripts print their predictions from it, and
+``benchmarks/plot.py``, the notebooks and the tests put the same predictions next to the harness's
 measurements.
 
 Two kinds of formulas live here:
@@ -48,13 +49,12 @@ Sources
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from distkit.harness import bus_factor
-from distkit.models import GPTConfig, TinyGPT, gpt_config
+from .harness import bus_factor, upgrade_record
+from .models import GPTConfig, TinyGPT
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 STATE_KEYS = ("params", "grads", "optimizer")
@@ -105,6 +105,26 @@ def megatron_tp_bytes_per_layer(batch: int, seq_len: int, hidden: int, tp: int,
         return {"all_reduce": _stat(4, 4 * act, "all_reduce", tp)}
     return {"all_gather": _stat(4, 4 * act, "all_gather", tp),
             "reduce_scatter": _stat(4, 4 * act, "reduce_scatter", tp)}
+
+
+def megatron_tp_bytes(cfg: GPTConfig, batch: int, tp: int, sequence_parallel: bool = False) -> dict:
+    """:func:`megatron_tp_bytes_per_layer` for all ``cfg.n_layer`` blocks of the GPT (fp32 activations)."""
+    per_layer = megatron_tp_bytes_per_layer(batch, cfg.seq_len, cfg.n_embd, tp, sequence_parallel)
+    return {name: {key: value * cfg.n_layer for key, value in stat.items()} for name, stat in per_layer.items()}
+
+
+def zero_fp32_state_bytes(stage: int, psi: float, n: int) -> dict[str, float]:
+    """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it (chapter 03).
+
+    The ZeRO paper counts mixed precision (:func:`zero_paper_bytes`). In fp32 the weights and
+    gradients take 4 bytes each; DeepSpeed's ZeRO optimizer (stages 1-3) still keeps a separate
+    fp32 master partition, so K stays 12. Stage 0 wraps nothing: AdamW updates the weights in
+    place, K = 8. (:func:`deepspeed_prediction` adds DeepSpeed's padding, parameter by parameter.)
+    """
+    if stage == 0:
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    return {"params": 4 * psi / (n if stage >= 3 else 1), "grads": 4 * psi / (n if stage >= 2 else 1),
+            "optimizer": 12 * psi / n}
 
 
 def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) -> float:
@@ -198,8 +218,9 @@ def _units(shapes: dict[str, tuple[int, ...]]) -> tuple[list[list[str]], list[st
     return [blocks[i] for i in sorted(blocks)], root
 
 
-def _fsdp(shapes, shard: int, replicas: int, reshard_blocks: bool,
-          local_shapes: dict | None = None) -> tuple[list[dict], dict]:
+def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
+                    local_shapes: dict | None = None, gather_bytes: int = 4,
+                    wrap: str = "block") -> tuple[list[dict], dict]:
     """FSDP2 per block + root: state held by each rank of a shard group, and collectives per step.
 
     Each unit all-gathers its padded parameters before forward and, when resharded after forward,
@@ -208,9 +229,15 @@ def _fsdp(shapes, shard: int, replicas: int, reshard_blocks: bool,
     runs no all-gather / reduce-scatter (NO_SHARD = all-reduce only). The root unit (embeddings,
     final norm, LM head) is never resharded after forward: its weights are the first needed in
     backward (FSDP2 skips the root's reshard by default; chapter 02 sets it explicitly).
+
+    ``gather_bytes``: bytes per gathered element (2 when a bf16 ``MixedPrecisionPolicy`` casts the
+    parameters before the all-gather; gradients are still reduced in fp32). ``wrap="root"``: one
+    unit for the whole model (``fully_shard(model)`` alone), gathered once per step.
     """
     shapes = local_shapes or shapes
     blocks, root = _units(shapes)
+    if wrap == "root":
+        blocks, root = [], list(shapes)
     padded = {name: fsdp_padded_numel(shape, shard) for name, shape in shapes.items()}
     # A rank's local shard is its torch.chunk share of dim 0: the padding rides along in the
     # collectives' buffers but is not part of the last ranks' stored shard.
@@ -220,8 +247,8 @@ def _fsdp(shapes, shard: int, replicas: int, reshard_blocks: bool,
     if shard > 1:
         for unit in blocks:
             gathers = 2 if reshard_blocks else 1
-            _add(comm, "all_gather", gathers, gathers * 4 * sum(padded[n] for n in unit), shard)
-        _add(comm, "all_gather", 1, 4 * sum(padded[n] for n in root), shard)
+            _add(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
+        _add(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
         for unit in [*blocks, root]:
             _add(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
     if replicas > 1:
@@ -276,6 +303,114 @@ def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> 
     return names
 
 
+# ----------------------------------------------------------------------------------------------
+# predict: one function per family, each beside its formula; PREDICTORS maps a strategy to it
+# ----------------------------------------------------------------------------------------------
+
+def _same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
+    return [dict(state) for _ in range(n)], [comm for _ in range(n)]
+
+
+def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
+    """Data parallelism (DDP, DDP from scratch, ZeRO-0): every rank holds 16Ψ bytes of fp32 AdamW
+    state and all-reduces 4Ψ bytes of gradients. DDP's buckets are flat copies of the gradients (no
+    padding); from scratch, one all-reduce per parameter tensor moves the same bytes."""
+    psi = sum(_numel(s) for s in shapes.values())
+    calls = len(shapes) if strategy == "ddp_from_scratch" else None
+    return _same_on_every_rank(n, _adamw_state(psi), {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)})
+
+
+def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
+    """FSDP2 (:func:`fsdp_prediction`): FULL_SHARD / SHARD_GRAD_OP over all ranks, NO_SHARD as a
+    shard group of one, HYBRID_SHARD / HSDP as ``shard``-rank groups replicated n / shard times."""
+    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op"):
+        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == "fsdp_full_shard")
+        return states, [comm] * n
+    if strategy == "fsdp_no_shard":
+        states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
+        return _same_on_every_rank(n, states[0], comm)
+    shard = int(knobs.get("shard", 2))
+    # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
+    # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
+    by_shard_rank, comm = fsdp_prediction(shapes, shard, n // shard, reshard_blocks=True)
+    # mesh (replicate, shard): rank r sits at shard coordinate r % shard
+    return [by_shard_rank[r % shard] for r in range(n)], [comm] * n
+
+
+def _predict_zero(strategy, shapes, cfg, n, batch, knobs):
+    """DeepSpeed ZeRO-1/2/3 (and ZeRO-3 offload, whose bytes are the same): :func:`deepspeed_prediction`."""
+    state, comm = deepspeed_prediction(int(strategy[4]), shapes, n, knobs.get("stage3_max_live_parameters"))
+    return _same_on_every_rank(n, state, comm)
+
+
+def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
+    """Megatron tensor parallelism over all n ranks (:func:`megatron_tp_bytes`), with sequence
+    parallelism for ``tp_sp``. With SP the embedding tables are row-sharded, but their gradients
+    arrive as full replicated tensors (measured: DTensor's embedding backward returns Replicate)."""
+    sp = strategy == "tp_sp"
+    states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
+                           sum(_numel(s) if sp and k.startswith(("tok_emb", "pos_emb"))
+                               else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
+              for r in range(n)]
+    comm = megatron_tp_bytes(cfg, batch, n, sp)
+    if sp:
+        _tp_sp_extras(comm, shapes, cfg, batch, n)
+    return states, [comm for _ in range(n)]
+
+
+def _predict_fsdp_tp(strategy, shapes, cfg, n, batch, knobs):
+    """2-D mesh (dp, tp): TP inside a group of ``tp`` ranks, FSDP2 over the dp ranks that hold the
+    same TP shard; each dp group's batch is the global batch / dp."""
+    tp = int(knobs.get("tp", 2))
+    dp = n // tp
+    states, comms = [], []
+    for rank in range(n):
+        local = {k: _tp_local_shape(k, s, tp, rank % tp) for k, s in shapes.items()}
+        by_dp_rank, comm = fsdp_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
+        tp_comm = megatron_tp_bytes(cfg, batch // dp, tp)
+        _add(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)
+        states.append(by_dp_rank[rank // tp])  # mesh (dp, tp): rank r sits at dp coordinate r // tp
+        comms.append(comm)
+    return states, comms
+
+
+def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
+    """Pipeline parallelism: each rank holds its stages' parameters (blocks spread evenly,
+    embeddings on the first stage, head on the last) and sends one activation of a micro-batch
+    forward and receives its gradient backward per micro-batch and stage boundary; interleaved
+    1F1B gives each rank ``stages_per_rank`` stages (r, r + n, ...)."""
+    per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == "pp_interleaved_1f1b" else 1
+    m = int(knobs.get("microbatches", 4))
+    num_stages = n * per_rank
+    micro_act = batch * cfg.seq_len * cfg.n_embd * 4 / m  # one fp32 activation of a micro-batch
+    states, comms = [], []
+    for rank in range(n):
+        mine = [s for s in range(num_stages) if s % n == rank]
+        names = [k for s in mine for k in _pp_stage_names(shapes, s, num_stages, cfg.n_layer)]
+        states.append(_adamw_state(sum(_numel(shapes[k]) for k in names)))
+        comm: dict = {}
+        for s in mine:  # activations forward, their gradients backward, one per micro-batch
+            if s < num_stages - 1:
+                _add(comm, "send", m, m * micro_act, 2)
+                _add(comm, "recv", m, m * micro_act, 2)
+            if s > 0:
+                _add(comm, "recv", m, m * micro_act, 2)
+                _add(comm, "send", m, m * micro_act, 2)
+        comms.append(comm)
+    return states, comms
+
+
+PREDICTORS = {
+    "ddp": _predict_ddp, "ddp_from_scratch": _predict_ddp, "zero0": _predict_ddp,
+    "fsdp_no_shard": _predict_fsdp, "fsdp_shard_grad_op": _predict_fsdp, "fsdp_full_shard": _predict_fsdp,
+    "fsdp_hybrid_shard": _predict_fsdp, "hsdp": _predict_fsdp,
+    "zero1": _predict_zero, "zero2": _predict_zero, "zero3": _predict_zero, "zero3_offload": _predict_zero,
+    "tp": _predict_tp, "tp_sp": _predict_tp,
+    "pp_gpipe": _predict_pipeline, "pp_1f1b": _predict_pipeline, "pp_interleaved_1f1b": _predict_pipeline,
+    "fsdp_tp_2d": _predict_fsdp_tp,
+}
+
+
 def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: int,
             knobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted model-state bytes per rank and collectives per step per rank for one benchmark cell.
@@ -288,89 +423,12 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
     ``stage3_max_live_parameters`` (ZeRO-3's window of gathered parameters),
     ``stages_per_rank`` (interleaved pipeline).
     """
-    knobs = knobs or {}
-    n = world_size
-    shapes = gpt_param_shapes(cfg)
-    psi = sum(_numel(s) for s in shapes.values())
-    full_bytes = 4 * psi
-    act = global_batch_size * cfg.seq_len * cfg.n_embd * 4  # one fp32 activation of the global batch
-    same = lambda state, comm: ([dict(state) for _ in range(n)], [comm for _ in range(n)])  # noqa: E731
-
-    if strategy in ("ddp", "ddp_from_scratch", "zero0"):
-        # DDP buckets are flat copies of the gradients, no padding: exactly 4Ψ bytes all-reduced;
-        # from scratch: one all-reduce per parameter tensor, the same bytes.
-        calls = len(shapes) if strategy == "ddp_from_scratch" else None
-        comm = {"all_reduce": _stat(calls, full_bytes, "all_reduce", n)}
-        state = _adamw_state(psi)
-        if strategy == "zero0":
-            comm["all_reduce"]["calls"] = None
-        states, comms = same(state, comm)
-    elif strategy in ("fsdp_full_shard", "fsdp_shard_grad_op"):
-        states, comm = _fsdp(shapes, n, 1, reshard_blocks=strategy == "fsdp_full_shard")
-        comms = [comm] * n
-    elif strategy == "fsdp_no_shard":
-        state, comm = _fsdp(shapes, 1, n, reshard_blocks=False)
-        states, comms = same(state[0], comm)
-    elif strategy in ("fsdp_hybrid_shard", "hsdp"):
-        shard = int(knobs.get("shard", 2))
-        # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
-        # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
-        by_shard_rank, comm = _fsdp(shapes, shard, n // shard, reshard_blocks=True)
-        # mesh (replicate, shard): rank r sits at shard coordinate r % shard
-        states, comms = [by_shard_rank[r % shard] for r in range(n)], [comm] * n
-    elif strategy in ("zero1", "zero2", "zero3", "zero3_offload"):
-        states, comms = same(*_deepspeed(strategy, shapes, n, knobs.get("stage3_max_live_parameters")))
-    elif strategy in ("tp", "tp_sp"):
-        sp = strategy == "tp_sp"
-        # With SP the embedding tables are row-sharded, but their gradients arrive as full
-        # replicated tensors (measured: DTensor's embedding backward returns Replicate).
-        states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
-                               sum(_numel(s) if sp and k.startswith(("tok_emb", "pos_emb"))
-                                   else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
-                  for r in range(n)]
-        comm = megatron_tp_bytes_per_layer(global_batch_size, cfg.seq_len, cfg.n_embd, n, sp)
-        for entry in comm.values():
-            entry["calls"] *= cfg.n_layer
-            entry["bytes"] *= cfg.n_layer
-            entry["bus_bytes"] *= cfg.n_layer
-        if sp:
-            _tp_sp_extras(comm, shapes, cfg, global_batch_size, n)
-        comms = [comm for _ in range(n)]
-    elif strategy == "fsdp_tp_2d":
-        tp = int(knobs.get("tp", 2))
-        dp = n // tp
-        states, comms = [], []
-        for rank in range(n):
-            tp_rank = rank % tp
-            local = {k: _tp_local_shape(k, s, tp, tp_rank) for k, s in shapes.items()}
-            by_dp_rank, comm = _fsdp(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
-            state = by_dp_rank[rank // tp]  # mesh (dp, tp): rank r sits at dp coordinate r // tp
-            tp_comm = megatron_tp_bytes_per_layer(global_batch_size // dp, cfg.seq_len, cfg.n_embd, tp)
-            _add(comm, "all_reduce", 4 * cfg.n_layer, tp_comm["all_reduce"]["bytes"] * cfg.n_layer, tp)
-            states.append(state)
-            comms.append(comm)
-    elif strategy in ("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"):
-        per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == "pp_interleaved_1f1b" else 1
-        m = int(knobs.get("microbatches", 4))
-        num_stages = n * per_rank
-        micro_act = act / m
-        states, comms = [], []
-        for rank in range(n):
-            mine = [s for s in range(num_stages) if s % n == rank]
-            names = [k for s in mine for k in _pp_stage_names(shapes, s, num_stages, cfg.n_layer)]
-            states.append(_adamw_state(sum(_numel(shapes[k]) for k in names)))
-            comm: dict = {}
-            for s in mine:  # activations forward, their gradients backward, one per micro-batch
-                if s < num_stages - 1:
-                    _add(comm, "send", m, m * micro_act, 2)
-                    _add(comm, "recv", m, m * micro_act, 2)
-                if s > 0:
-                    _add(comm, "recv", m, m * micro_act, 2)
-                    _add(comm, "send", m, m * micro_act, 2)
-            comms.append(comm)
-    else:
+    if strategy not in PREDICTORS:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    return {"strategy": strategy, "param_count": psi, "state_per_rank": states, "comm_per_rank": comms}
+    shapes = gpt_param_shapes(cfg)
+    states, comms = PREDICTORS[strategy](strategy, shapes, cfg, world_size, global_batch_size, knobs or {})
+    return {"strategy": strategy, "param_count": sum(_numel(s) for s in shapes.values()),
+            "state_per_rank": states, "comm_per_rank": comms}
 
 
 def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int) -> None:
@@ -394,7 +452,7 @@ def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int)
     _add(comm, "reduce_scatter", 1, act, tp)
 
 
-def _deepspeed(strategy: str, shapes: dict, n: int, stage3_window: int | None = None) -> tuple[dict, dict]:
+def deepspeed_prediction(stage: int, shapes: dict, n: int, stage3_window: int | None = None) -> tuple[dict, dict]:
     """DeepSpeed ZeRO with this repository's configs (fp32, torch AdamW as the client optimizer).
 
     State held at the optimizer step (what ``ZeroHarness`` counts): the fp32 weights (stage 3: this
@@ -417,7 +475,6 @@ def _deepspeed(strategy: str, shapes: dict, n: int, stage3_window: int | None = 
     or two scalars (overflow flag, gradient norm) are not modelled.
     """
     psi = sum(_numel(s) for s in shapes.values())
-    stage = int(strategy[4])
     comm: dict = {}
     if stage in (1, 2):
         align = 2 * n
@@ -439,18 +496,12 @@ def _deepspeed(strategy: str, shapes: dict, n: int, stage3_window: int | None = 
 # ----------------------------------------------------------------------------------------------
 
 def config_of_record(record: dict) -> GPTConfig:
-    """The GPTConfig a harness record was trained with (from its config; checked by param count)."""
-    config = record.get("config", {})
-    bench = record.get("benchmark") or {}
-    if isinstance(bench.get("gpt"), dict):  # the runner stores the exact config of its cell
-        cfg = GPTConfig(**bench["gpt"])
-    elif isinstance(config.get("gpt"), dict):
-        cfg = GPTConfig(**config["gpt"])
-    else:
-        overrides = {k: config.get(k) for k in asdict(GPTConfig()) if k in config}
-        overrides.update(config.get("gpt_overrides") or {})
-        cfg = gpt_config(config.get("model_size", "small"), **overrides)
-    return cfg
+    """The GPTConfig a harness record was trained with (its ``model`` field; see
+    :func:`distkit.harness.upgrade_record` for records written before that field existed)."""
+    model = dict(upgrade_record(record).get("model") or {})
+    if model.pop("arch", None) != "gpt":
+        raise ValueError(f"record of {record.get('strategy')!r} is not of the small GPT: {record.get('model')}")
+    return GPTConfig(**model)
 
 
 def knobs_of_record(record: dict) -> dict[str, Any]:
