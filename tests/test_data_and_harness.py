@@ -253,3 +253,81 @@ def test_harness_throughput_is_per_step_amount_over_the_median_step(tmp_path):
     upgraded = read_records(tmp_path / "old.jsonl")[0]["metrics"]
     assert "step_time_s_mean" not in upgraded
     assert upgraded["samples_per_s"] == pytest.approx(4 / 0.2) and upgraded["tokens_per_s"] == pytest.approx(64 / 0.2)
+
+
+def test_one_record_format_with_the_model_in_one_field(tmp_path):
+    """Schema 2: every record carries the model's configuration in its top-level ``model`` field,
+    whether the model is the small GPT (read from its ``cfg``, also through DDP), another model
+    (named by the script), or split into pipeline stages (``model_config`` + ``param_count`` +
+    ``state_modules``). Records written before schema 2 stored it four ways; reading them gives the
+    same field."""
+    import json
+
+    from distkit.harness import RECORD_SCHEMA, Harness, make_record, read_records
+
+    cfg = gpt_config("tiny", n_layer=1)
+    gpt = TinyGPT(cfg)
+    optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
+    expected_model = {"arch": "gpt", **cfg.to_dict()}
+    record = Harness(ONE_PROCESS, "probe", model=gpt, optimizer=optimizer, warmup_steps=0,
+                     comm_steps=0).finish()
+    assert record["schema"] == RECORD_SCHEMA == 2 and record["model"] == expected_model
+    assert record["param_count"] == sum(p.numel() for p in gpt.parameters())
+
+    # A pipeline rank holding one block: its state is that block's, the record's count the model's.
+    block = gpt.blocks[0]
+    harness = Harness(ONE_PROCESS, "pp_probe", optimizer=torch.optim.SGD(block.parameters(), lr=0.1),
+                      model_config=cfg, param_count=12345, state_modules=[block], warmup_steps=0)
+    with harness.step():
+        pass
+    record = harness.finish()
+    block_bytes = 4 * sum(p.numel() for p in block.parameters())
+    assert record["metrics"]["model_state_bytes_per_rank"][0] == {"params": block_bytes, "grads": 0,
+                                                                  "optimizer": 0}
+    assert record["param_count"] == 12345 and record["model"] == expected_model
+
+    mnist = make_record(ONE_PROCESS, "bandwidth", metrics={}, model={"arch": "mnist_cnn"})
+    assert mnist["model"] == {"arch": "mnist_cnn"} and mnist["command"]
+    with pytest.raises(ValueError, match="needs an 'arch' key"):
+        make_record(ONE_PROCESS, "x", metrics={}, model={"n_layer": 2})
+
+    old_forms = [
+        {"strategy": "ddp", "benchmark": {"gpt": cfg.to_dict()}, "config": {"model_size": "small"}},
+        {"strategy": "ddp", "config": {"gpt": cfg.to_dict()}},
+        {"strategy": "ddp", "config": {"model_size": "tiny", "n_layer": 1}},
+        {"strategy": "ddp", "config": {"model_size": "tiny", "gpt_overrides": {"n_layer": 1}}},
+    ]
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old_forms))
+    for upgraded in read_records(tmp_path / "old.jsonl"):
+        assert upgraded["model"] == expected_model and upgraded["schema"] == 2, upgraded
+    (tmp_path / "mlp.jsonl").write_text(json.dumps({"strategy": "ddp", "config": {"model": "mlp"}}) + "\n")
+    assert read_records(tmp_path / "mlp.jsonl")[0]["model"] == {"arch": "mlp"}
+
+
+def test_shared_flags_have_one_name_and_meaning(capsys):
+    """The flags every script shares come from one place: per-script defaults, range checks where
+    the flag is defined, flags a script leaves out are absent, and ``--save`` placeholders are
+    filled (an unknown one is a one-line usage error)."""
+    from distkit import ArgumentParser
+    from distkit.flags import add_bucket_arg, add_checkpoint_args, add_training_args, save_path
+
+    parser = ArgumentParser(prog="script.py")
+    add_training_args(parser, steps=7, global_batch_size=None, grad_accum_steps=4,
+                      helps={"steps": "train until this step"})
+    add_bucket_arg(parser, [0.5, 25.0], sweep=True)
+    add_checkpoint_args(parser, save="checkpoints/run_{mode}.pt", resume="latest")
+    args = parser.parse_args([])
+    assert (args.steps, args.grad_accum_steps, args.lr, args.warmup_steps) == (7, 4, 1e-3, 2)
+    assert args.bucket_cap_mb == [0.5, 25.0] and args.resume == "latest"
+    assert not hasattr(args, "global_batch_size") and not hasattr(args, "checkpoint_dir")
+    assert "train until this step (default: 7)" in parser.format_help()
+    assert save_path(args.save, mode="hsdp") == "checkpoints/run_hsdp.pt"
+    assert save_path("none", mode="hsdp") is None
+    with pytest.raises(UsageError, match=r"--save 'x_\{size\}.pt': unknown placeholder 'size'"):
+        save_path("x_{size}.pt", mode="hsdp")
+    for flag, value, message in [("--grad-accum-steps", "0", "must be a positive integer, got 0"),
+                                 ("--bucket-cap-mb", "-1", "must be a number >= 0, got -1"),
+                                 ("--warmup-steps", "-1", "must be an integer >= 0, got -1")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, value])
+        assert f"error: argument {flag}: {message}" in capsys.readouterr().err
