@@ -11,6 +11,8 @@ import argparse
 import math
 from typing import Any, Callable
 
+from .errors import UsageError
+
 
 def _number(kind: Callable[[str], Any], text: str, what: str, in_range: Callable[[Any], bool]):
     """Parse ``text`` as ``kind`` and check ``in_range``; argparse's one-line error otherwise."""
@@ -49,8 +51,6 @@ def non_negative_float(text: str) -> float:
 def check_value(name: str, value: Any, kind: Callable[[str], Any]) -> Any:
     """Apply one of the types above to a value that did not come from the command line (a config
     file); raises :class:`distkit.UsageError` naming the key."""
-    from .runtime import UsageError
-
     if isinstance(value, bool):  # YAML's true/false is an int subclass in Python: never a count
         raise UsageError(f"{name}: must be a number, got {value!r}")
     try:
@@ -160,7 +160,5 @@ def save_path(value: str | None, **fields: Any) -> str | None:
     try:
         return value.format(**fields)
     except (KeyError, IndexError, ValueError) as exc:
-        from .runtime import UsageError
-
-        raise UsageError(f"--save {value!r}: unknown placeholder {exc} "
+            raise UsageError(f"--save {value!r}: unknown placeholder {exc} "
                          f"(known: {', '.join('{' + k + '}' for k in fields) or 'none'})") from None
