@@ -14,8 +14,10 @@
 * :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
   output block, table and plot regenerated from them (``python -m distkit.records render``).
 """
-from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,  # noqa: F401
+from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,
                       choose_backend_and_device, distributed, init_distributed, run_main,
                       seed_everything, shutdown_distributed)
 
+__all__ = ["ArgumentParser", "DistContext", "UsageError", "add_runtime_args", "choose_backend_and_device",
+           "distributed", "init_distributed", "run_main", "seed_everything", "shutdown_distributed"]
 __version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""Counting the collectives that really run, by kind, with their bytes on the wire.
+
+:class:`CommCounter` is a ``TorchDispatchMode``: while active it sees every ``c10d`` operation
+(DDP's C++ bucket all-reduce, FSDP's all-gather and reduce-scatter, DTensor's functional
+collectives, DeepSpeed's calls) with its tensors and process group, and adds up their sizes. The
+harness (:mod:`distkit.harness`) runs one on its communication-counting step.
+
+Each collective's ``bytes`` is the payload (the tensor handed to the collective; the *total*
+buffer for gathers/scatters, as nccl-tests counts it) and ``bus_bytes`` the bytes each rank sends
+on the wire in a ring/bandwidth-optimal algorithm: payload x :func:`bus_factor`.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (as the dispatcher names it) -> (collective, how to find payload tensors)
+# "in": the payload is the input tensor(s); "out": the output (gathers: the full gathered buffer);
+# "in_total": for reduce-scatter the payload is the full input buffer.
+_C10D_OPS = {
+    "c10d::allreduce_": ("all_reduce", "arg0"),
+    "c10d::allreduce_coalesced_": ("all_reduce", "arg0"),
+    "c10d::broadcast_": ("broadcast", "arg0"),
+    "c10d::reduce_": ("reduce", "arg0"),
+    "c10d::allgather_": ("all_gather", "arg0"),  # output lists: sum of the gathered list
+    "c10d::_allgather_base_": ("all_gather", "arg0"),
+    "c10d::allgather_coalesced_": ("all_gather", "arg0"),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", "arg0"),
+    "c10d::reduce_scatter_": ("reduce_scatter", "arg1"),  # input lists
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", "arg1"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", "arg1"),
+    "c10d::alltoall_": ("all_to_all", "arg1"),
+    "c10d::alltoall_base_": ("all_to_all", "arg1"),
+    "c10d::gather_": ("gather", "arg1"),
+    "c10d::scatter_": ("scatter", "arg0"),
+    "c10d::send": ("send", "arg0"),
+    "c10d::recv_": ("recv", "arg0"),
+    "c10d::recv_any_source_": ("recv", "arg0"),
+    "c10d::barrier": ("barrier", None),
+}
+# DTensor / functional collectives (same convention)
+_FUNCTIONAL_OPS = {
+    "_c10d_functional::all_reduce": ("all_reduce", "arg0"),
+    "_c10d_functional::all_reduce_": ("all_reduce", "arg0"),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce", "arg0"),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", "out"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "out"),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather", "out"),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", "arg0"),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", "arg0"),
+    "_c10d_functional::all_to_all_single": ("all_to_all", "arg0"),
+    "_c10d_functional::broadcast": ("broadcast", "arg0"),
+    "_c10d_functional::broadcast_": ("broadcast", "arg0"),
+}
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: wire bytes per rank = payload bytes x this factor."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    return 0.0
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    """Size of the process group a dispatched collective runs on.
+
+    c10d ops carry the group as a boxed ``ProcessGroup``; functional collectives carry its name as
+    their last string argument.
+    """
+    values = (*args, *kwargs.values())
+    for obj in values:
+        if isinstance(obj, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(obj).size()
+    names = [obj for obj in values if isinstance(obj, str)]
+    if names:
+        return dist.distributed_c10d._resolve_process_group(names[-1]).size()
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class CollectiveStats:
+    """Calls and bytes of one kind of collective."""
+
+    calls: int = 0
+    bytes: int = 0
+    bus_bytes: float = 0.0
+
+    def as_dict(self, steps: int = 1) -> dict:
+        return {"calls": self.calls / steps, "bytes": self.bytes / steps,
+                "bus_bytes": self.bus_bytes / steps}
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts every collective dispatched while active (``with CommCounter() as comm: ...``).
+
+    ``comm.stats`` maps a collective name (``all_reduce``, ``all_gather`` ...) to
+    :class:`CollectiveStats`. Tensor bytes are exact (numel x element size), so padding of flat
+    shards or a bucketed gradient buffer shows up as it really is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, CollectiveStats] = defaultdict(CollectiveStats)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        entry = _C10D_OPS.get(name) or _FUNCTIONAL_OPS.get(name)
+        if entry is not None:
+            collective, where = entry
+            if where is None:
+                payload = 0
+            elif where == "out":
+                payload = _tensor_bytes(out)
+            else:
+                payload = _tensor_bytes(args[int(where[3:])])
+            size = _group_size(args, kwargs)
+            stat = self.stats[collective]
+            stat.calls += 1
+            stat.bytes += payload
+            stat.bus_bytes += payload * bus_factor(collective, size)
+        return out
+
+    def summary(self, steps: int = 1) -> dict[str, dict]:
+        """Per-step averages: ``{collective: {"calls", "bytes", "bus_bytes"}}``."""
+        return {name: stat.as_dict(steps) for name, stat in sorted(self.stats.items())}
