@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import (ArgumentParser, UsageError, add_runtime_args, choose_backend_and_device, distributed,
                      run_main, seed_everything)
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
@@ -63,10 +63,9 @@ def parse_args():
     parser.add_argument("--per-rank-batch", type=positive_int, default=8,
                         help="weak scaling: sequences per rank; strong scaling: the global batch is "
                              "this x the largest world size (default: 8)")
-    parser.add_argument("--steps", type=positive_int, default=12, help="steps per mode, warm-up included (default: 12)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/ddp_benchmark.jsonl",
-                        help="harness records are appended here (default: runs/ddp_benchmark.jsonl)")
+    add_training_args(parser, steps=12, global_batch_size=None, lr=3e-3, warmup_steps=2,
+                      results="runs/ddp_benchmark.jsonl", helps={"steps": "steps per mode, warm-up included",
+                                                                 "lr": "AdamW learning rate"})
     parser.add_argument("--plot", default=str(HERE / "ddp_scaling.png"),
                         help="where the PNG goes (default: ddp_scaling.png beside this script, from any folder)")
     parser.add_argument("--job-timeout-s", type=positive_float, default=900,
@@ -90,13 +89,11 @@ def measure(ctx, args, mode: str, log) -> None:
         raise UsageError(f"strong scaling: global batch {global_batch} does not divide by {ctx.world_size}")
     seed_everything(args.seed)
     model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    param_count = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       config={"script": "ddp_benchmark", "scaling": mode, "run_id": args.run_id,
-                              "model_size": args.model_size, "global_batch_size": global_batch,
-                              "per_rank_batch": global_batch // ctx.world_size, "precision": "fp32",
-                              "param_count": param_count})
+                              "global_batch_size": global_batch, "per_rank_batch": global_batch // ctx.world_size,
+                              "precision": "fp32"})
     task = TokenTask(cfg, seed=args.seed)
     for step in progress(range(args.steps), ctx.rank, desc=f"{mode} x{ctx.world_size}"):
         inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device)
@@ -124,7 +121,8 @@ def launch(args, world_size: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            __file__, "--worker", "--run-id", args.run_id, "--world-sizes", *map(str, args.world_sizes),
            "--model-size", args.model_size, "--per-rank-batch", str(args.per_rank_batch),
-           "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--results", args.results,
+           "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--lr", str(args.lr),
+           "--results", args.results,
            "--backend", args.backend, "--device", args.device, "--timeout-s", str(args.timeout_s),
            "--seed", str(args.seed)]
     env = dict(os.environ)
@@ -188,9 +186,16 @@ def newest_run(records: list[dict]) -> list[dict]:
     return [r for r in records if r["config"].get("run_id") == run_id]
 
 
+def size_name(record: dict) -> str:
+    """The preset a record's model is (its ``model`` field), or its shape when it is none of them."""
+    shape = {k: v for k, v in (record["model"] or {}).items() if k != "arch"}
+    names = [name for name, cfg in GPT_PRESETS.items() if cfg.to_dict() == shape]
+    return names[0] if names else f"{shape.get('n_layer')}-layer, {shape.get('n_embd')}-wide"
+
+
 def title(records: list[dict]) -> str:
     r = records[0]
-    return f"DDP scaling: {r['config']['model_size']} model, {r['backend']}, {r['machine']['device_name']}"
+    return f"DDP scaling: {size_name(r)} model, {r['backend']}, {r['machine']['device_name']}"
 
 
 def readme_figures(out_dir: Path) -> str:
@@ -208,7 +213,7 @@ def readme_figures(out_dir: Path) -> str:
     where = machine_label(r["machine"], r["backend"])
     return ("\n".join(lines) + "\n\n![DDP strong and weak scaling: speedup and efficiency against ranks]"
             "(ddp_scaling.png)\n\n"
-            f"<sub>{r['config']['model_size']} model; step time = median timed step of the slowest rank; "
+            f"<sub>{size_name(r)} model; step time = median timed step of the slowest rank; "
             f"speedup and efficiency against 1 rank; measured on {where}, "
             f"torch {r['torch_version']}, {r['timestamp'][:10]} (run {r['config']['run_id']} in "
             f"[records/ddp_benchmark.jsonl](records/ddp_benchmark.jsonl)).</sub>\n")

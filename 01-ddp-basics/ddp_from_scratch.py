@@ -12,7 +12,7 @@ instead of one per tensor) and launches each bucket's all-reduce while backward 
 the remaining gradients. The README compares both with the harness's measured numbers.
 
     torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py
-    torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py --bucket-mb 25
+    torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py --bucket-cap-mb 25
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import non_negative_float, non_negative_int, positive_float, positive_int
+from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_args, non_negative_float,
+                           non_negative_int, positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
@@ -37,26 +38,19 @@ def parse_args():
                     "all-reduce and average every gradient by hand. Launch with torchrun.",
         epilog="example: torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: 200)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per step over all ranks; each rank takes 1/world size (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--lr-warmup-steps", type=non_negative_int, default=10,
-                        help="linear LR warm-up, then cosine decay to 10%% (default: 10)")
-    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01,
-                        help="AdamW weight decay (default: 0.01)")
-    parser.add_argument("--grad-clip", type=non_negative_float, default=1.0,
-                        help="clip the gradient norm (0 = off; default: 1.0)")
-    parser.add_argument("--bucket-mb", type=non_negative_float, default=0.0,
-                        help="0 = one all-reduce per parameter tensor (default); >0 = flatten gradients "
-                             "into buckets of this many MiB first, as DDP does (but still after backward)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                        help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--log-every", type=positive_int, default=20, help="log the loss every N steps (default: 20)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="the harness appends this run's JSON record here (default: runs/results.jsonl)")
-    parser.add_argument("--save", default="checkpoints/ddp_from_scratch.pt",
-                        help="rank 0 saves the final model here (default: checkpoints/ddp_from_scratch.pt)")
+    train = add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, helps={
+        "global_batch_size": "sequences per step over all ranks; each rank takes 1/world size",
+        "lr": "peak AdamW learning rate"})
+    train.add_argument("--lr-warmup-steps", type=non_negative_int, default=10,
+                       help="linear LR warm-up, then cosine decay to 10%% (default: 10)")
+    train.add_argument("--weight-decay", type=non_negative_float, default=0.01,
+                       help="AdamW weight decay (default: 0.01)")
+    train.add_argument("--grad-clip", type=non_negative_float, default=1.0,
+                       help="clip the gradient norm (0 = off; default: 1.0)")
+    train.add_argument("--log-every", type=positive_int, default=20, help="log the loss every N steps (default: 20)")
+    add_bucket_arg(parser, 0.0, help_extra=": 0 = one all-reduce per parameter tensor; >0 = flatten gradients "
+                   "into buckets of this size first, as DDP does (but still after backward)")
+    add_checkpoint_args(parser, save="checkpoints/ddp_from_scratch.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -111,15 +105,13 @@ def main():
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, args.lr_warmup_steps, args.steps))
         param_count = sum(p.numel() for p in model.parameters())
+        bucketed = f"{args.bucket_cap_mb:g} MiB buckets" if args.bucket_cap_mb > 0 else "one all-reduce per tensor"
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {param_count:,} parameters in "
-                 f"{len(list(model.parameters()))} tensors | "
-                 f"{'one all-reduce per tensor' if args.bucket_mb <= 0 else f'{args.bucket_mb:g} MiB buckets'}")
+                 f"{len(list(model.parameters()))} tensors | {bucketed}")
         harness = Harness(ctx, "ddp_from_scratch", model=model, optimizer=optimizer,
                           warmup_steps=args.warmup_steps,
-                          config={"script": "ddp_from_scratch", "model_size": args.model_size,
-                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
-                                  "param_count": param_count, "bucket_mb": args.bucket_mb,
-                                  "model": gpt.to_dict()})
+                          config={"script": "ddp_from_scratch", "global_batch_size": args.global_batch_size,
+                                  "precision": "fp32", "bucket_cap_mb": args.bucket_cap_mb})
         task = TokenTask(gpt, seed=args.seed)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc="train"):
@@ -129,7 +121,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
                 loss = lm_loss(model(inputs), targets)
                 loss.backward()  # purely local: no communication happens here (unlike DDP)
-                average_gradients(model, ctx.world_size, int(args.bucket_mb * 2**20))
+                average_gradients(model, ctx.world_size, int(args.bucket_cap_mb * 2**20))
                 if args.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                 optimizer.step()
@@ -141,12 +133,15 @@ def main():
                 log.info(f"step {step + 1}/{args.steps} | loss {losses[-1]:.4f}")
 
         record = harness.finish(args.results, extra={"final_loss": losses[-1], "loss_history": losses})
+        save = save_path(args.save)
         if ctx.is_main:
-            atomic_save({"model": model.state_dict(), "step": args.steps}, args.save)
+            if save:
+                atomic_save({"model": model.state_dict(), "step": args.steps}, save)
             rate = record["metrics"]["tokens_per_s"]
             comm = record["metrics"]["comm_per_step"].get("all_reduce", {})
             log.info(f"all-reduce per step: {comm.get('calls', 0):.0f} calls, {comm.get('bytes', 0) / 2**20:.2f} MiB "
-                     f"| median step {record['metrics']['step_time_s_median'] or 0:.3f} s | saved {args.save}")
+                     f"| median step {record['metrics']['step_time_s_median'] or 0:.3f} s"
+                     + (f" | saved {save}" if save else ""))
             log.info(f"done: loss {losses[-1]:.4f} | wall time {time.perf_counter() - wall_start:.1f} s | "
                      f"{f'{rate:,.0f} tokens/s' if rate else 'too few steps to time'} | world size "
                      f"{ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")

@@ -27,7 +27,8 @@ from distkit.runtime import (choose_backend_and_device, local_world_size_from_en
                              use_world_of_one)
 from distkit.checkpoint import atomic_save
 from distkit.data import prepare_mnist
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_int, positive_float,
+                           positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MnistCNN
@@ -42,7 +43,6 @@ def parse_args():
                         help="passes over the training set (default: 3)")
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="samples per rank per step; the global batch is this x world size (default: 64)")
-    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: 1.0)")
     parser.add_argument("--gamma", type=positive_float, default=0.7, help="learning-rate decay per epoch (default: 0.7)")
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop each epoch after this many steps (quick runs and tests; default: full epoch)")
@@ -52,11 +52,10 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="where MNIST is stored or downloaded (default: data)")
     parser.add_argument("--offline", action="store_true",
                         help="do not try to download; use the files in --data-dir or the 5k offline sample")
-    parser.add_argument("--checkpoint", default="checkpoints/ddp_mnist.pt",
-                        help="rank 0 saves the trained model here (default: checkpoints/ddp_mnist.pt)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="the harness appends one JSON record of this run here (default: runs/results.jsonl)")
     parser.add_argument("--log-file", default="runs/ddp_mnist.log", help="rank 0's log file (default: runs/ddp_mnist.log)")
+    # --batch-size above is per rank (this script's lesson); the shared flags add --lr, --warmup-steps, --results
+    add_training_args(parser, steps=None, global_batch_size=None, lr=1.0, helps={"lr": "Adadelta learning rate"})
+    add_checkpoint_args(parser, save="checkpoints/ddp_mnist.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -173,7 +172,8 @@ def train(args, ctx: DistContext, wall_start: float) -> None:
     model = DDP(model, device_ids=ctx.device_ids)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-    harness = Harness(ctx, "ddp", model=model, optimizer=optimizer,
+    harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                      model_config={"arch": "mnist_cnn"},
                       config={"script": "ddp_mnist", "batch_size_per_rank": args.batch_size,
                               "epochs": args.epochs, "data": source})
 
@@ -189,15 +189,16 @@ def train(args, ctx: DistContext, wall_start: float) -> None:
         log.info(f"epoch {epoch}/{args.epochs} | train loss {train_loss:.4f} acc {train_acc:.2%} "
                  f"| test loss {test_loss:.4f} acc {test_acc:.2%} | {time.perf_counter() - start:.1f} s")
 
-    if ctx.is_main:  # one copy is enough: every rank holds identical weights
+    save = save_path(args.save)
+    if ctx.is_main and save:  # one copy is enough: every rank holds identical weights
         atomic_save({"model": model.module.state_dict(), "test_accuracy": test_acc,
-                     "world_size": ctx.world_size}, args.checkpoint)
+                     "world_size": ctx.world_size}, save)
     record = harness.finish(args.results, extra={"test_accuracy": test_acc, "data": source})
     if ctx.is_main:
         wall = time.perf_counter() - wall_start
         rate = record["metrics"]["samples_per_s"]
         rate_text = f"{rate:.0f} samples/s" if rate else "too few steps to time"
-        log.info(f"saved {args.checkpoint} | record appended to {args.results}")
+        log.info(f"{f'saved {save} | ' if save else ''}record appended to {args.results}")
         log.info(f"done: test accuracy {test_acc:.2%} | wall time {wall:.1f} s | {rate_text} "
                  f"| world size {ctx.world_size} | backend {ctx.backend} ({ctx.device.type})")
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
-from distkit.flags import positive_float, positive_int
+from distkit.flags import add_training_args, positive_int
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
@@ -34,10 +34,8 @@ def parse_args():
     parser.add_argument("--nproc", type=positive_int, default=gpus or 4,
                         help=f"processes to spawn (default here: {gpus or 4}: one per GPU, else 4)")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=positive_int, default=100, help="optimizer steps (default: 100)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per step, all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    add_training_args(parser, steps=100, global_batch_size=32, lr=3e-3, warmup_steps=None, results=None,
+                      helps={"lr": "AdamW learning rate"})
     add_runtime_args(parser)
     args = parser.parse_args()
     if args.global_batch_size % args.nproc:

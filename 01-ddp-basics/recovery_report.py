@@ -3,8 +3,10 @@
 ``--measure`` runs the README's restart command (4 ranks, rank 2 sends itself SIGKILL at step 60,
 ``torchrun --max-restarts=3`` restarts the group, which resumes from the step-50 checkpoint) with
 default DDP flags and with ``--find-unused-parameters``, next to an uninterrupted run of each. The
-recovery phases come from the milestone timestamps every rank of ``ddp_training.py`` appends to
-``<log-dir>/events.jsonl``; the final parameters are compared with the uninterrupted run's. Each
+crash comes from ``tests/workers/ch01_faults.py``, which runs ``ddp_training.py`` with the fault
+injected and every rank's milestone timestamps appended to ``<log-dir>/events.jsonl``; the recovery
+phases come from those, and the final parameters are compared with the uninterrupted run's (plain
+``ddp_training.py``, same flags). Each
 crashed run appends one JSON line (command, machine, torch version, date, phases, exactness) to
 ``records/recovery_times.jsonl`` beside this script.
 
@@ -34,8 +36,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RECORD = HERE / "records" / "recovery_times.jsonl"
 # The README's restart command, ending sooner (--steps 64: resume at 50, 14 steps recomputed).
-COMMAND = ("torchrun --standalone --nproc_per_node=4 --max-restarts=3 01-ddp-basics/ddp_training.py "
+COMMAND = ("torchrun --standalone --nproc_per_node=4 --max-restarts=3 tests/workers/ch01_faults.py "
            "--crash-at-step 60 --crash-rank 2 --steps 64")
+SCRIPT = "01-ddp-basics/ddp_training.py"  # what the uninterrupted runs start instead of the fault worker
 CONFIGS = {"default flags": [], "--find-unused-parameters": ["--find-unused-parameters"]}
 # (name, description, event that ends it); each phase starts where the previous one ended.
 PHASES = [
@@ -56,7 +59,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def recovery_phases(events: list[dict]) -> dict[str, float]:
-    """Seconds per phase of one crash and restart, from ``ddp_training.py``'s events.
+    """Seconds per phase of one crash and restart, from the events ``tests/workers/ch01_faults.py`` wrote.
 
     The crash is the fault-injecting rank's ``fault_injected`` (attempt 0); detection ends when the
     first surviving rank noticed: its collective failed (``collective_failed``) or torchrun's SIGTERM
@@ -83,7 +86,7 @@ def recovery_phases(events: list[dict]) -> dict[str, float]:
 
 
 def run_job(argv: list[str], folder: Path, env: dict) -> dict:
-    """One ddp_training.py job in ``folder``; returns its final parameters and harness record."""
+    """One training job in ``folder``; returns its final parameters and harness record."""
     from distkit.checkpoint import safe_load
     from distkit.harness import read_records
 
@@ -111,7 +114,8 @@ def measure(repeats: int, record: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="recovery_") as scratch:
         env["TMPDIR"] = scratch  # torchrun's own scratch folders
         for label, extra in CONFIGS.items():
-            clean_argv = [a for a in shlex.split(COMMAND) if a not in ("--max-restarts=3",)]
+            clean_argv = [SCRIPT if a.endswith("ch01_faults.py") else a for a in shlex.split(COMMAND)
+                          if a != "--max-restarts=3"]
             clean_argv = clean_argv[:clean_argv.index("--crash-at-step")] + clean_argv[
                 clean_argv.index("--crash-rank") + 2:]
             clean = run_job(clean_argv + extra, Path(scratch) / f"{label}-clean", env)
@@ -168,7 +172,7 @@ def table(records: list[dict]) -> str:
     where = machine_label(first["machine"], first["backend"])
     lines += ["", f"Medians of {runs}; {first['world_size']} ranks on {where}, torch {first['torch_version']}, measured "
                   f"{min(r['date'] for r in records)[:10]} (load average before each run "
-                  f"{min(loads):g}-{max(loads):g}). Command: `{COMMAND}` (+ the flag of each column)."]
+                  f"{min(loads):g}-{max(loads):g}). Command: `{first['command']}` (+ the flag of each column)."]
     return "\n".join(lines)
 
 
