@@ -12,9 +12,9 @@ events on GPU, ``time.perf_counter`` on CPU), the time averaged over ranks, then
   (exactly; for sums whose partial results a low-precision dtype cannot hold exactly, beyond the
   rounding that summation order allows).
 
-Output: a table per collective in the nccl-tests layout, one JSON record per collective (through the
-harness's ``append_record``, with the command, machine, torch version and the run's start time) and a
-PNG of busbw vs size stamped with device, backend and world size. With several GPUs (or
+Output: a table per collective in the nccl-tests layout, one JSON record per collective (the harness's
+record, ``distkit.harness.make_record``: command, machine, torch version; plus the collective, its rows
+and the run's start time) and a PNG of busbw vs size stamped with device, backend and world size. With several GPUs (or
 ``--p2p-matrix``) also a send/recv bandwidth matrix between every pair of ranks. ``readme_figures``
 redraws the README's plot and tables from the committed record ``records/bandwidth_cpu_gloo_4ranks.jsonl``
 (``python -m distkit.records render 04-nccl-operations``).
@@ -24,8 +24,6 @@ redraws the README's plot and tables from the committed record ``records/bandwid
 """
 from __future__ import annotations
 
-import os
-import shlex
 import sys
 import time
 from argparse import ArgumentTypeError, BooleanOptionalAction
@@ -36,19 +34,23 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.flags import non_negative_int, positive_int
-from distkit.harness import append_record, bus_factor, machine_info, read_records
-from distkit.records import SCHEMA_VERSION, machine_label, save_figure
+from distkit.harness import append_record, bus_factor, machine_info, make_record, read_records
+from distkit.records import machine_label, save_figure
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "sendrecv"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-HARNESS_NAME = {"sendrecv": "send"}  # distkit.harness names the point-to-point factor "send"
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 CHECK_SLICE = 2**24  # elements compared at a time by the #wrong check (bounds its extra memory)
 README_RECORD = Path(__file__).resolve().parent / "records" / "bandwidth_cpu_gloo_4ranks.jsonl"
 
 
-def parse_size(text: str) -> int:
+def factor(collective: str, n: int) -> float:
+    """busbw / algbw for ``collective`` on ``n`` ranks (the harness calls sendrecv's factor "send")."""
+    return bus_factor("send" if collective == "sendrecv" else collective, n)
+
+
+def parse_size(text: str) -> int | None:
     """'64M' -> 67108864 (nccl-tests style: K, M, G are powers of 1024); None when unreadable."""
     text = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = text[-1] if text and text[-1] in UNITS else ""
@@ -81,35 +83,28 @@ def parse_args():
                             "busbw (nccl-tests definitions) and wrong elements; write JSON records and a plot.",
                             epilog="example: torchrun --standalone --nproc_per_node=4 04-nccl-operations/"
                                    "bandwidth_test.py --max-bytes 16M")
-    parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
-                        help="which collectives to test (default: all)")
-    parser.add_argument("--min-bytes", type=byte_size, default="1K", help="smallest message, e.g. 1K (default: 1K)")
-    parser.add_argument("--max-bytes", type=byte_size, default=None,
-                        help="largest message (default: 16M on CPU; on GPU 4G, or less when the GPU "
-                             "with the least free memory is short of it)")
-    parser.add_argument("--step-factor", type=step_factor, default=None,
-                        help="multiply the size by this between rows (default: 4 on CPU, 2 on GPU)")
-    parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per size (default: 20)")
-    parser.add_argument("--warmup-iters", type=non_negative_int, default=5,
-                        help="untimed iterations before (default: 5)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="element type (default: float32)")
-    parser.add_argument("--p2p-matrix", action=BooleanOptionalAction, default=None,
-                        help="also measure send/recv bandwidth between every pair of ranks "
-                             "(default: on when there are several GPUs)")
-    parser.add_argument("--p2p-bytes", type=byte_size, default=None,
-                        help="message size of the pair matrix (default: 4M CPU, 256M GPU)")
-    parser.add_argument("--results", default="runs/bandwidth.jsonl",
-                        help="JSON-lines file the records are appended to (default: runs/bandwidth.jsonl)")
-    parser.add_argument("--plot", default=None,
-                        help="PNG of busbw vs size (default: runs/bandwidth_<device>_<backend>_<n>ranks.png)")
+    add = parser.add_argument
+    add("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES, help="which collectives to test (default: all)")
+    add("--min-bytes", type=byte_size, default="1K", help="smallest message, e.g. 1K (default: 1K)")
+    add("--max-bytes", type=byte_size, default=None, help="largest message (default: 16M on CPU; on GPU 4G, or "
+        "less when the GPU with the least free memory is short of it)")
+    add("--step-factor", type=step_factor, default=None,
+        help="multiply the size by this between rows (default: 4 on CPU, 2 on GPU)")
+    add("--iters", type=positive_int, default=20, help="timed iterations per size (default: 20)")
+    add("--warmup-iters", type=non_negative_int, default=5, help="untimed iterations before (default: 5)")
+    add("--dtype", choices=sorted(DTYPES), default="float32", help="element type (default: float32)")
+    add("--p2p-matrix", action=BooleanOptionalAction, default=None, help="also measure send/recv bandwidth "
+        "between every pair of ranks (default: on when there are several GPUs)")
+    add("--p2p-bytes", type=byte_size, default=None, help="message size of the pair matrix (default: 4M CPU, 256M GPU)")
+    add("--results", default="runs/bandwidth.jsonl",
+        help="JSON-lines file the records are appended to (default: runs/bandwidth.jsonl)")
+    add("--plot", default=None, help="PNG of busbw vs size (default: runs/bandwidth_<device>_<backend>_<n>ranks.png)")
     add_runtime_args(parser)
     return parser.parse_args()
 
 
 def size_sweep(args, ctx, elem):
-    """The message sizes in bytes, each a whole number of elements divisible by the world size.
-
-    Every rank gets the same list: the largest size is agreed on by all ranks (see below)."""
+    """The message sizes in bytes, each a whole number of elements divisible by the world size."""
     gpu = ctx.device.type == "cuda"
     if args.max_bytes is not None:
         top = args.max_bytes
@@ -122,23 +117,21 @@ def size_sweep(args, ctx, elem):
     # they agree on the smallest limit.
     agreed = torch.tensor([top], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    top = int(agreed.item())
-    low, factor = args.min_bytes, args.step_factor or (2 if gpu else 4)
+    top, low, step = int(agreed.item()), args.min_bytes, args.step_factor or (2 if gpu else 4)
     if top < low:
         where = "--max-bytes" if args.max_bytes is not None else "the size the GPU memory allows"
         raise UsageError(f"--min-bytes ({low} B) is larger than {where} ({top} B)")
-    unit = elem * ctx.world_size
-    sizes, size = [], low
-    while size <= top:
-        aligned = max(unit, size // unit * unit)
+    unit, sizes = elem * ctx.world_size, []
+    while low <= top:
+        aligned = max(unit, low // unit * unit)
         if aligned not in sizes:
             sizes.append(aligned)
-        size *= factor
+        low *= step
     return sizes
 
 
 def make_case(collective, count, dtype, ctx):
-    """Buffers, the call to time, and a function returning #wrong after one run on fresh data.
+    """The call to time, and a function returning #wrong after one run on fresh data.
 
     Rank q's input element i is (q+1) * pattern[i] with pattern = 1..7 repeating, so every result is
     a small integer multiple of the pattern. Everything is built in ``dtype`` on ``ctx.device``: an
@@ -146,65 +139,45 @@ def make_case(collective, count, dtype, ctx):
     pattern, the collective's buffers and, while checking, one expected result: about 4-5x the message.
     """
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
-    block = count // n
+    block, total, left = count // n, n * (n + 1) // 2, (r - 1) % n  # total: sum over ranks of (q+1)
     pattern = torch.arange(1, 8, dtype=dtype, device=dev).repeat(-(-count // 7))[:count]
     mine = pattern[r * block:(r + 1) * block]  # the pattern at this rank's block position
+    empty = lambda numel: torch.empty(numel, dtype=dtype, device=dev)  # noqa: E731
+    inp = empty(block if collective == "all_gather" else count)  # in place: inp is also the result
+    out = inp if collective in ("all_reduce", "broadcast", "reduce") else empty(
+        block if collective == "reduce_scatter" else count)
 
     def by_block(source):
         """n blocks, block q = source(q) x (q+1), computed exactly as rank q computes its input."""
-        out = torch.empty(count, dtype=dtype, device=dev)
+        result = empty(count)
         for q in range(n):
-            torch.mul(source(q), q + 1, out=out[q * block:(q + 1) * block])
-        return out
-    total = n * (n + 1) // 2  # sum over ranks of (q+1)
-    right, left = (r + 1) % n, (r - 1) % n
+            torch.mul(source(q), q + 1, out=result[q * block:(q + 1) * block])
+        return result
 
-    if collective == "all_reduce":
-        buf = torch.empty(count, dtype=dtype, device=dev)
-        call = lambda: dist.all_reduce(buf)  # noqa: E731
-        fill, result, expected = lambda: torch.mul(pattern, r + 1, out=buf), lambda: buf, lambda: pattern * total
-    elif collective == "all_gather":
-        inp, out = torch.empty(block, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
-        call = lambda: dist.all_gather_single(out, inp)  # noqa: E731
-        fill, result = lambda: torch.mul(mine, r + 1, out=inp), lambda: out
-        # output block q came from rank q: the pattern there times (q+1)
-        expected = lambda: by_block(lambda q: pattern[q * block:(q + 1) * block])  # noqa: E731
-    elif collective == "reduce_scatter":
-        inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(block, dtype=dtype, device=dev)
-        call = lambda: dist.reduce_scatter_single(out, inp)  # noqa: E731
-        fill, result = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out
-        expected = lambda: mine * total  # noqa: E731
-    elif collective == "all_to_all":
-        inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
-        call = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
-        fill, result = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out
-        # block s of the output is block r of rank s's input: this rank's pattern block times (s+1)
-        expected = lambda: by_block(lambda s: mine)  # noqa: E731
-    elif collective in ("broadcast", "reduce"):
-        buf = torch.empty(count, dtype=dtype, device=dev)
-        call = (lambda: dist.broadcast(buf, src=0)) if collective == "broadcast" else (lambda: dist.reduce(buf, dst=0))
-        fill, result = lambda: torch.mul(pattern, r + 1, out=buf), lambda: buf
-        if collective == "broadcast":
-            expected = lambda: pattern  # noqa: E731
-        else:  # only the root's buffer is defined
-            expected = (lambda: pattern * total) if r == 0 else None
-    else:  # sendrecv: everyone sends to the right and receives from the left at once
-        inp, out = torch.empty(count, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
-
-        def call():
-            ops = [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        fill, result, expected = lambda: torch.mul(pattern, r + 1, out=inp), lambda: out, lambda: pattern * (left + 1)
-
+    def sendrecv():  # everyone sends to the right and receives from the left at once
+        ops = [dist.P2POp(dist.isend, inp, (r + 1) % n), dist.P2POp(dist.irecv, out, left)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    call = {"all_reduce": lambda: dist.all_reduce(inp), "all_gather": lambda: dist.all_gather_single(out, inp),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(out, inp),
+            "all_to_all": lambda: dist.all_to_all_single(out, inp), "broadcast": lambda: dist.broadcast(inp, src=0),
+            "reduce": lambda: dist.reduce(inp, dst=0), "sendrecv": sendrecv}[collective]
+    # What this rank must hold afterwards, by the collective's definition:
+    expected = {"all_reduce": lambda: pattern * total,
+                # output block q came from rank q: the pattern there times (q+1)
+                "all_gather": lambda: by_block(lambda q: pattern[q * block:(q + 1) * block]),
+                "reduce_scatter": lambda: mine * total,
+                # block s of the output is block r of rank s's input: this rank's pattern block times (s+1)
+                "all_to_all": lambda: by_block(lambda s: mine),
+                "broadcast": lambda: pattern,
+                "reduce": (lambda: pattern * total) if r == 0 else None,  # only the root's buffer is defined
+                "sendrecv": lambda: pattern * (left + 1)}[collective]
     rtol = summation_rtol(dtype, n) if collective in REDUCING else 0.0
 
     def wrong():
-        fill()
+        torch.mul(mine if collective == "all_gather" else pattern, r + 1, out=inp)
         call()
-        if expected is None:
-            return 0
-        return count_wrong(result(), expected(), rtol)
+        return 0 if expected is None else count_wrong(out, expected(), rtol)
     return call, wrong
 
 
@@ -256,8 +229,7 @@ def timed(call, ctx, iters, warmup):
 
 def run_collective(collective, sizes, args, ctx, dtype):
     """Rows of the sweep for one collective (or None when the backend cannot run it)."""
-    n, elem = ctx.world_size, dtype.itemsize
-    rows = []
+    n, elem, rows = ctx.world_size, dtype.itemsize, []
     for size in sizes:
         try:
             call, wrong = make_case(collective, size // elem, dtype, ctx)
@@ -279,17 +251,17 @@ def run_collective(collective, sizes, args, ctx, dtype):
         dist.all_reduce(totals)  # time: average over ranks; #wrong: summed over ranks
         seconds, bad = totals[0].item() / n, int(totals[1].item())
         algbw = size / seconds / 1e9
-        rows.append({"size_bytes": size, "count": size // elem, "time_us": seconds * 1e6,
-                     "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(HARNESS_NAME.get(collective, collective), n), "wrong": bad})
+        rows.append({"size_bytes": size, "count": size // elem, "time_us": seconds * 1e6, "algbw_GBps": algbw,
+                     "busbw_GBps": algbw * factor(collective, n), "wrong": bad})
     return rows
 
 
 def print_table(collective, rows, ctx, args):
-    redop = "sum" if collective in ("all_reduce", "reduce_scatter", "reduce") else "none"
+    redop = "sum" if collective in REDUCING else "none"
     root = "0" if collective in ("broadcast", "reduce") else "-1"
     print(f"\n# {collective} | {ctx.world_size} ranks | {ctx.backend} on {ctx.device.type} | {args.dtype} "
           f"| {args.warmup_iters} warm-up + {args.iters} timed iterations | bus factor "
-          f"{bus_factor(HARNESS_NAME.get(collective, collective), ctx.world_size):.4f}")
+          f"{factor(collective, ctx.world_size):.4f}")
     print(f"#{'size':>11} {'count':>13} {'type':>9} {'redop':>7} {'root':>7} {'time':>10} {'algbw':>8} "
           f"{'busbw':>8} {'#wrong':>7}")
     print(f"#{'(B)':>11} {'(elements)':>13} {'':>9} {'':>7} {'':>7} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}")
@@ -305,27 +277,24 @@ def p2p_matrix(ctx, size, args):
     buf = torch.ones(size, dtype=torch.uint8, device=ctx.device)  # bytes: any --p2p-bytes is exact
     matrix = torch.zeros(n, n, dtype=torch.float64, device=ctx.device)
     for src in range(n):
-        for dst in range(n):
-            if src == dst:
-                continue
-            if r == src:
-                call = lambda: dist.send(buf, dst=dst)  # noqa: E731
-            elif r == dst:
-                call = lambda: dist.recv(buf, src=src)  # noqa: E731
-            else:
-                call = lambda: None  # noqa: E731  (idle ranks only join the barrier)
+        for dst in (d for d in range(n) if d != src):
+            call = {src: lambda: dist.send(buf, dst=dst), dst: lambda: dist.recv(buf, src=src)}.get(
+                r, lambda: None)  # idle ranks only join the barrier
             seconds = timed(call, ctx, args.iters, args.warmup_iters)
             if r == dst:
                 matrix[src, dst] = size / seconds / 1e9
     dist.all_reduce(matrix)  # each entry was filled by exactly one rank
-    return matrix.cpu()
+    if ctx.is_main:
+        print(f"\n# send/recv bandwidth matrix, GB/s (row: sender, column: receiver), {size} B messages")
+        print("       " + "".join(f"{f'rank {j}':>9}" for j in range(n)))
+        for i in range(n):
+            print(f"rank {i:<2}" + "".join(f"{'-' if i == j else f'{matrix[i, j]:.2f}':>9}" for j in range(n)))
+    return matrix.cpu().tolist()
 
 
 def human_size(size: float) -> str:
-    for unit in ("G", "M", "K"):
-        if size >= UNITS[unit]:
-            return f"{size / UNITS[unit]:g}{unit}"
-    return f"{size:g}"
+    unit = next((u for u in ("G", "M", "K") if size >= UNITS[u]), "")
+    return f"{size / UNITS[unit]:g}{unit}"
 
 
 def draw(records):
@@ -347,8 +316,7 @@ def draw(records):
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     if all(r["busbw_GBps"] > 0 for record in records for r in record["rows"]):
         ax.set_yscale("log")  # small messages are 100-1000x slower: a linear axis hides them
-    ax.set_xlabel("message size (bytes, nccl-tests definition)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set(xlabel="message size (bytes, nccl-tests definition)", ylabel="bus bandwidth (GB/s)")
     ax.set_title(f"busbw vs size: {machine_label(first['machine'], first['backend'])}, "
                  f"{first['world_size']} ranks, {first['config']['dtype']}")
     ax.grid(True, which="both", alpha=0.3)
@@ -365,32 +333,27 @@ def last_sweep(path):
     records = [r for r in read_records(path) if r.get("collective")]
     if not records:
         raise ValueError(f"{path} holds no bandwidth records")
-    run = records[-1].get("run_started")
-    return [r for r in records if r.get("run_started") == run]
+    return [r for r in records if r.get("run_started") == records[-1].get("run_started")]
 
 
 def readme_figures(out_dir):
     """The README's plot and tables, from the committed record of a sweep (``distkit.records`` render
     mark): busbw vs size as a PNG, then time per call and busbw per size for every collective."""
     records = last_sweep(README_RECORD)
-    first = records[0]
-    name = README_RECORD.with_suffix(".png").name
+    first, name = records[0], README_RECORD.with_suffix(".png").name
     save_figure(draw(records), Path(out_dir) / name)
-    sizes = [row["size_bytes"] for row in first["rows"]]
-    header = "| size | " + " | ".join(f"`{r['collective']}`" for r in records) + " |\n"
-    rule = "|---:|" + "---:|" * len(records) + "\n"
 
     def table(field, fmt):
-        lines = [header, rule]
-        for i, size in enumerate(sizes):
-            lines.append(f"| {human_size(size)} | " + " | ".join(fmt(r["rows"][i][field]) for r in records) + " |\n")
-        return "".join(lines)
-    where = machine_label(first["machine"], first["backend"])
+        lines = ["| size | " + " | ".join(f"`{r['collective']}`" for r in records) + " |",
+                 "|---:|" + "---:|" * len(records)]
+        lines += [f"| {human_size(row['size_bytes'])} | " + " | ".join(fmt(r["rows"][i][field]) for r in records)
+                  + " |" for i, row in enumerate(first["rows"])]
+        return "\n".join(lines) + "\n"
+    where, cfg = machine_label(first["machine"], first["backend"]), first["config"]
     rel = README_RECORD.relative_to(README_RECORD.parent.parent)
-    caption = (f"<sub>Measured on {where}, {first['world_size']} ranks, {first['config']['dtype']}, "
-               f"{first['config']['warmup_iters']} warm-up + {first['config']['iters']} timed calls per size, "
-               f"torch {first['torch_version']}, {first['timestamp'][:10]}: [{rel}]({rel}), from "
-               f"`{first['command']}` (launched with torchrun).</sub>\n")
+    caption = (f"<sub>Measured on {where}, {first['world_size']} ranks, {cfg['dtype']}, {cfg['warmup_iters']} "
+               f"warm-up + {cfg['iters']} timed calls per size, torch {first['torch_version']}, "
+               f"{first['timestamp'][:10]}: [{rel}]({rel}), from `{first['command']}` (launched with torchrun).</sub>\n")
     return (f"![busbw vs message size, {where}, {first['world_size']} ranks]({name})\n\n"
             f"Time per call (µs, mean over ranks):\n\n{table('time_us', lambda v: f'{v:,.0f}')}\n"
             f"busbw (GB/s):\n\n{table('busbw_GBps', lambda v: f'{v:.3g}')}\n{caption}")
@@ -400,15 +363,15 @@ def main():
     args = parse_args()
     dtype = DTYPES[args.dtype]
     with distributed(args) as ctx:
-        n = ctx.world_size
+        n, cuda = ctx.world_size, ctx.device.type == "cuda"
         sizes = size_sweep(args, ctx, dtype.itemsize)
-        machine = machine_info(ctx.device)
         if ctx.is_main:
-            print(f"# bandwidth test | {n} ranks | backend {ctx.backend} | {machine['device_name']} "
+            print(f"# bandwidth test | {n} ranks | backend {ctx.backend} | {machine_info(ctx.device)['device_name']} "
                   f"| sizes {sizes[0]} B .. {sizes[-1]} B ({len(sizes)} sizes)")
-        # provenance for every record of this run; run_started tells one run's records from the next
-        command = shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+        # One record per collective, in the harness's schema; run_started tells one run's records from the next.
         run_started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        config = {"dtype": args.dtype, "iters": args.iters, "warmup_iters": args.warmup_iters,
+                  "timer": "cuda_events" if cuda else "perf_counter"}
         records, wrong = [], 0
         for collective in args.collectives:
             if collective == "sendrecv" and n < 2:
@@ -420,35 +383,22 @@ def main():
             if rows is None or not ctx.is_main:
                 continue
             print_table(collective, rows, ctx, args)
-            record = {"schema": SCHEMA_VERSION, "command": command, "run_started": run_started,
-                      "strategy": f"bandwidth_{collective}", "collective": collective, "world_size": n,
-                      "backend": ctx.backend, "device": ctx.device.type, "machine": machine,
-                      "torch_version": torch.__version__, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                      "config": {"dtype": args.dtype, "iters": args.iters, "warmup_iters": args.warmup_iters,
-                                 "bus_factor": bus_factor(HARNESS_NAME.get(collective, collective), n), "timer":
-                                 "cuda_events" if ctx.device.type == "cuda" else "perf_counter"},
-                      "rows": rows,
-                      "metrics": {"peak_busbw_GBps": max(r["busbw_GBps"] for r in rows),
-                                  "avg_busbw_GBps": sum(r["busbw_GBps"] for r in rows) / len(rows),
-                                  "wrong": sum(r["wrong"] for r in rows)}}
-            append_record(args.results, record)
-            records.append(record)
+            busbw = [r["busbw_GBps"] for r in rows]
+            records.append(make_record(
+                ctx, f"bandwidth_{collective}", config={**config, "bus_factor": factor(collective, n)},
+                metrics={"peak_busbw_GBps": max(busbw), "avg_busbw_GBps": sum(busbw) / len(busbw),
+                         "wrong": sum(r["wrong"] for r in rows)},
+                extra={"collective": collective, "run_started": run_started, "rows": rows}))
+            append_record(args.results, records[-1])
 
-        want_matrix = args.p2p_matrix if args.p2p_matrix is not None else (ctx.device.type == "cuda" and n > 1)
-        if want_matrix and n > 1:
-            size = args.p2p_bytes or parse_size("256M" if ctx.device.type == "cuda" else "4M")
+        if (args.p2p_matrix if args.p2p_matrix is not None else cuda) and n > 1:
+            size = args.p2p_bytes or parse_size("256M" if cuda else "4M")
             matrix = p2p_matrix(ctx, size, args)
             if ctx.is_main:
-                print(f"\n# send/recv bandwidth matrix, GB/s (row: sender, column: receiver), {size} B messages")
-                print("       " + "".join(f"{f'rank {j}':>9}" for j in range(n)))
-                for i in range(n):
-                    print(f"rank {i:<2}" + "".join(f"{'-' if i == j else f'{matrix[i, j]:.2f}':>9}" for j in range(n)))
-                append_record(args.results, {
-                    "schema": SCHEMA_VERSION, "command": command, "run_started": run_started,
-                    "strategy": "bandwidth_p2p_matrix", "world_size": n, "backend": ctx.backend,
-                    "device": ctx.device.type, "machine": machine, "torch_version": torch.__version__,
-                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "config": {"size_bytes": size, "iters": args.iters}, "matrix_GBps": matrix.tolist()})
+                append_record(args.results, make_record(
+                    ctx, "bandwidth_p2p_matrix", config={**config, "size_bytes": size},
+                    metrics={"min_GBps": min(v for i, row in enumerate(matrix) for j, v in enumerate(row) if i != j)},
+                    extra={"run_started": run_started, "matrix_GBps": matrix}))
 
         if ctx.is_main and records:
             path = args.plot or f"runs/bandwidth_{ctx.device.type}_{ctx.backend}_{n}ranks.png"

@@ -4,24 +4,21 @@ rounding (not failed for a last-bit difference, still failed for a real error), 
 #wrong check, and one-line errors for bad flags."""
 from __future__ import annotations
 
-import importlib.util
+import functools
 import re
 
 import pytest
 import torch
 
-from launch import REPO, assert_one_line_error, python, torchrun
+from ch04_common import CHAPTER, load_script, parse_args_result
+from launch import assert_one_line_error, python, torchrun
 from workers import ch04_ring_model as ring_model
 
-CHAPTER = REPO / "04-nccl-operations"
 
-
+@functools.cache
 def chapter_module(name: str):
-    """Import a chapter script as a module (its folder name is not a package name)."""
-    spec = importlib.util.spec_from_file_location(f"ch04_{name}", CHAPTER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A chapter script imported as a module, once per test session."""
+    return load_script(CHAPTER / f"{name}.py")
 
 
 def test_every_collective_on_two_ranks_and_a_wrong_result_fails(tmp_path):
@@ -41,18 +38,17 @@ def test_every_collective_on_two_ranks_and_a_wrong_result_fails(tmp_path):
 
 
 def test_bad_input_gives_one_error_line(tmp_path):
-    assert_one_line_error(python(CHAPTER / "collective_ops.py", "--only", "allreduce", tmp_path=tmp_path,
-                                 check=False), "unknown demo 'allreduce'")
-    assert_one_line_error(python(CHAPTER / "bandwidth_test.py", "--max-bytes", "12Q", tmp_path=tmp_path,
-                                 check=False), "argument --max-bytes: '12Q': write bytes like")
     # a world of one cannot do point-to-point: the process group starts, then a clear error ends it
     assert_one_line_error(python(CHAPTER / "point_to_point.py", tmp_path=tmp_path, check=False),
                           "point-to-point needs at least 2 ranks")
 
 
-def test_numeric_flags_are_range_checked_where_defined(tmp_path):
-    # argparse rejects these before any process group exists: one line each, exit code 2
+def test_bad_flags_are_one_argparse_line_where_defined():
+    # argparse rejects these before any process group exists: one line each, exit code 2. The
+    # parsers run in this process (ch04_common.parse_args_result): the same code and output as a launch.
     cases = [
+        ("collective_ops.py", ["--only", "allreduce"], "unknown demo 'allreduce'"),
+        ("bandwidth_test.py", ["--max-bytes", "12Q"], "argument --max-bytes: '12Q': write bytes like"),
         ("collective_ops.py", ["--numel", "0"], "argument --numel: must be a positive integer, got 0"),
         ("point_to_point.py", ["--deadlock-timeout-s", "0"],
          "argument --deadlock-timeout-s: must be a positive number, got 0"),
@@ -63,12 +59,13 @@ def test_numeric_flags_are_range_checked_where_defined(tmp_path):
          "argument --timeout-s: must be a positive number, got -1"),
     ]
     for script, args, expected in cases:
-        result = python(CHAPTER / script, *args, tmp_path=tmp_path, check=False)
+        result = parse_args_result(chapter_module(script.removesuffix(".py")), *args)
         assert result.returncode == 2, (script, args, result.stdout[-2000:])
         assert_one_line_error(result, expected)
     # the lab's --help tells the default it really uses (10 s), not the shared 300 s
-    help_text = " ".join(python(CHAPTER / "debug_lab.py", "--help", tmp_path=tmp_path).stdout.split())
-    assert "(default: 10)" in help_text and "(default: 300)" not in help_text
+    result = parse_args_result(chapter_module("debug_lab"), "--help")
+    help_text = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "(default: 10)" in help_text and "(default: 300)" not in help_text
 
 
 def test_bfloat16_sums_judged_by_their_rounding_and_a_real_error_still_fails(tmp_path):
@@ -158,7 +155,7 @@ def test_bandwidth_bus_factors_equal_the_bytes_a_ring_sends_for_every_rank_count
     assert sorted(bw.COLLECTIVES) == sorted(ring_model.COLLECTIVES)
     for n in range(2, 9):
         for collective in bw.COLLECTIVES:
-            reported = bw.bus_factor(bw.HARNESS_NAME.get(collective, collective), n)
+            reported = bw.factor(collective, n)
             assert reported == pytest.approx(float(ring_model.bus_factor(collective, n)), rel=1e-12), (collective, n)
 
 

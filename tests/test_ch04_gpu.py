@@ -11,25 +11,18 @@ message, the missing rank's wait really lasting the timeout and torchrun naming 
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, assert_one_line_error, job_env, require_gpus, run
-from test_ch04_readme import COMMANDS, NCCL_TESTS_FACTOR, ROOT_CAUSE, as_argv, key, own_processes
+from distkit.harness import read_records
+from ch04_common import NCCL_TESTS_FACTOR, ROOT_CAUSE, own_processes, readme_argv
+from launch import assert_one_line_error, job_env, require_gpus, run
 
 pytestmark = pytest.mark.gpu
-CHAPTER = REPO / "04-nccl-operations"
 NCCL = ["--backend", "nccl"]
-
-
-def readme_argv(name: str, nproc: int) -> list[str]:
-    """The README command ``name`` (a script, or ``debug_lab:<scenario>``) with ``nproc`` workers."""
-    command = next(c for c in COMMANDS if key(c) == name)
-    return [f"--nproc_per_node={nproc}" if a.startswith("--nproc_per_node=") else a for a in as_argv(command)]
 
 
 def run_on_gpus(name: str, nproc: int, *flags: str, folder: Path, expected_rc: int = 0, timeout: float = 600):
@@ -99,7 +92,7 @@ def test_jobs_that_need_two_ranks_say_so_on_one_gpu(tmp_path):
 # ---------------------------------------------------------------- bandwidth_test.py
 
 def bandwidth_records(path: Path) -> dict[str, dict]:
-    return {r["strategy"]: r for r in (json.loads(line) for line in path.read_text().splitlines())}
+    return {r["strategy"]: r for r in read_records(path)}
 
 
 def assert_bandwidth_record(record: dict, world_size: int) -> None:

@@ -7,58 +7,18 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, job_env, readme_commands, run
-from workers import ch04_ring_model as ring_model
+from ch04_common import (BANDWIDTH_RECORD, LOOKUPS, NCCL_TESTS_FACTOR, README, ROOT_CAUSE, own_processes,
+                         readme_argv)
+from launch import assert_readme_covered, job_env, readme_command, run
 
-CHAPTER = REPO / "04-nccl-operations"
-README = CHAPTER / "README.md"
-BANDWIDTH_RECORD = CHAPTER / "records" / "bandwidth_cpu_gloo_4ranks.jsonl"  # the README's committed sweep
-# The nccl-tests bus factors, not written out again but counted: tests/workers/ch04_ring_model.py runs
-# each collective's bandwidth-optimal algorithm on simulated ranks (checking it computes the
-# definition) and divides the most bytes any rank sent by the collective's size S.
-NCCL_TESTS_FACTOR = {c: (lambda n, c=c: float(ring_model.bus_factor(c, n))) for c in ring_model.COLLECTIVES}
 # busbw/algbw is one multiplication, exact to ~1e-16; the closest wrong factor (1 instead of (n-1)/n,
 # or (n-1)/n instead of 2(n-1)/n) is off by 1/(n-1) or more relative, 14% even at 8 ranks.
 FACTOR_RTOL = 1e-9
-
-
-def as_argv(command: str) -> list[str]:
-    """A README command line as an argv for this interpreter."""
-    argv = shlex.split(command)
-    if argv[0] == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
-    if argv[0] == "python":
-        return [sys.executable, *argv[1:]]
-    raise AssertionError(f"unexpected README command {command}")
-
-
-def key(command: str) -> str:
-    """Which behaviour a README command shows: the script name, plus the lab scenario."""
-    script = Path(next(a for a in shlex.split(command) if a.endswith(".py"))).stem
-    scenario = re.search(r"--scenario (\S+)", command)
-    if "--only" in command:  # collective_ops.py on a subset of its demos
-        return f"{script}:only"
-    return f"{script}:{scenario.group(1)}" if scenario else script
-
-
-def own_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention ``marker`` (a path only this test uses)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in text:
-            found.append(text)
-    return found
 
 
 def check_collective_ops(out: str, tmp_path: Path) -> None:
@@ -126,8 +86,10 @@ def check_bandwidth(out: str, tmp_path: Path) -> None:
         record = by_strategy[f"bandwidth_{collective}"]
         assert record["world_size"] == 4 and record["backend"] == "gloo"
         # provenance, as every record carries: what ran, one start time for the whole run
-        assert record["schema"] == 1 and "04-nccl-operations/bandwidth_test.py" in record["command"]
+        assert record["schema"] == 2 and "04-nccl-operations/bandwidth_test.py" in record["command"]
         assert record["run_started"] == records[0]["run_started"]
+        assert record["model"] is None and record["config"]["bus_factor"] == NCCL_TESTS_FACTOR[collective](4)
+        assert record["metrics"]["wrong"] == 0
         assert [row["size_bytes"] for row in record["rows"]] == [1024, 4096, 16384]
         assert all(row["wrong"] == 0 for row in record["rows"])
     matrix = by_strategy["bandwidth_p2p_matrix"]["matrix_GBps"]
@@ -167,10 +129,6 @@ def check_missing_rank(out: str, tmp_path: Path) -> None:
     assert "Ranks 3 failed to pass monitoredBarrier" in out
 
 
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank +: (\d+) .*\n"
-                        r"  exitcode +: (-?\d+)")
-
-
 def check_crash(out: str, tmp_path: Path) -> None:
     assert "[rank 3] step 3: simulated crash" in out, out[-3000:]
     # rank 3 reached step 3 only after rank 0 finished step 2, so rank 0 had logged step 1 by then
@@ -195,19 +153,21 @@ CASES = {
     "debug_lab:missing-rank": (["--timeout-s", "2", "--log-dir", "{tmp}/lab"], 1, check_missing_rank),
     "debug_lab:crash": (["--timeout-s", "3", "--log-dir", "{tmp}/lab"], 1, check_crash),
 }
-COMMANDS = readme_commands(README)
 
 
 def test_readme_commands_are_all_covered():
-    keys = [key(c) for c in COMMANDS]
-    assert sorted(keys) == sorted(CASES), f"README commands {keys} vs tested {sorted(CASES)}"
-    assert all("--nproc_per_node=4" in c and "--standalone" in c for c in COMMANDS if c.startswith("torchrun"))
+    """Every README command is found by exactly one lookup, and each lookup is a case run below."""
+    assert_readme_covered(README, list(LOOKUPS.values()))
+    assert sorted(LOOKUPS) == sorted(CASES)
+    for needles, without in LOOKUPS.values():  # as the README writes them: 4 ranks, a private rendezvous
+        command = readme_command(README, *needles, without=without)
+        assert command.startswith("torchrun --standalone --nproc_per_node=4 "), command
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[key(c) for c in COMMANDS])
-def test_readme_command(command: str, tmp_path: Path):
-    extra, expected_rc, check = CASES[key(command)]
-    argv = as_argv(command) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+@pytest.mark.parametrize("name", list(CASES))
+def test_readme_command(name: str, tmp_path: Path):
+    extra, expected_rc, check = CASES[name]
+    argv = readme_argv(name) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
     start = time.perf_counter()
     # the lab scenarios must end by themselves well inside this limit (timeouts of 2-3 s)
     result = run(argv, timeout=180, env=job_env(tmp_path), check=False)
