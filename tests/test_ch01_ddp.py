@@ -2,125 +2,110 @@
 a torn checkpoint and a two-agent (multi-node) job all end where an uninterrupted run ends.
 
 Every job is launched from the command the chapter README shows (so the README cannot rot), with
-small flags appended (argparse keeps the last value of a repeated flag).
+small flags appended (argparse keeps the last value of a repeated flag). The five jobs run once, two
+at a time, in one module fixture; each test asserts on the jobs it names.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import shlex
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from distkit import seed_everything
+from ch01_common import (CHAPTER, README, STEPS, TINY, TOLERANCE, final_params, load_script, max_diff,
+                         readme_argv, restart_env, single_process_params, training_flags)
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import REPO, free_port, job_env, readme_commands, run
+from launch import free_port, job_env, readme_command, run
 
-README = REPO / "01-ddp-basics" / "README.md"
-STEPS, GLOBAL_BATCH = 8, 16
-TINY = ["--model-size", "tiny", "--global-batch-size", str(GLOBAL_BATCH), "--steps", str(STEPS),
-        "--timeout-s", "120"]
-# DDP averages gradients in a different order than one process sums them; AdamW's first steps
-# (update ~ lr * g / |g|) amplify those float32 rounding differences to a few 1e-6. 5e-5 is 10x that.
-# What this comparison cannot see: AdamW and clipping at 1.0 make the update independent of the
-# gradient's scale, so a gradient summed instead of averaged (or an accumulated loss not divided by
-# k) passes here. test_ch01_negative.py checks the same tolerance with SGD on the script's own
-# average_gradients and proves those bugs exceed it (by 1,300x; correct runs 1.2e-7).
-TOLERANCE = 5e-5
+def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
+    """ddp_training.py with 4 ranks, 2 micro-batches per step, checkpoints every 2 steps, no faults."""
+    return run([*readme_argv("--config"), *training_flags(folder)], env=job_env(folder), timeout=900)
 
 
-def readme_argv(fragment: str) -> list[str]:
-    """The one README command containing ``fragment``, as argv for this interpreter."""
-    matches = sorted({c for c in readme_commands(README) if fragment in c})
-    assert len(matches) == 1, f"README commands containing {fragment!r}: {matches}"
-    argv = shlex.split(matches[0])
-    head = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "python": [sys.executable]}
-    return head.get(argv[0], argv[:1]) + argv[1:]
+def scratch(folder: Path) -> subprocess.CompletedProcess:
+    return run([*readme_argv("ddp_from_scratch.py"), *TINY, "--save", str(folder / "scratch.pt"),
+                "--results", str(folder / "scratch.jsonl")], env=job_env(folder), timeout=900)
 
 
-def training_flags(folder: Path) -> list[str]:
-    # --find-unused-parameters: DDP then never rebuilds its bucket layout. By default DDP re-orders
-    # its buckets after the first iteration; a resumed job's first iteration uses the initial order,
-    # so one step sums some gradients in another order (~1e-7) and the restart test could only be
-    # "close" (2e-6 measured), not bit-for-bit identical.
-    return [*TINY, "--find-unused-parameters", "--grad-accum-steps", "2", "--checkpoint-every", "2", "--log-every", "2",
-            "--checkpoint-dir", str(folder / "ck"), "--log-dir", str(folder / "logs"),
-            "--results", str(folder / "results.jsonl")]
+def killed_rank(folder: Path) -> subprocess.CompletedProcess:
+    """SIGKILL rank 2 at step 5 (first attempt only); torchrun restarts all four workers."""
+    return run([*readme_argv("--crash-at-step"), *training_flags(folder), "--crash-at-step", "5",
+                "--crash-rank", "2"], env=restart_env(folder), timeout=900)
 
 
-def restart_env(folder: Path) -> dict:
-    # torch.distributed.run shares its rendezvous TCPStore with the workers; after a restart the
-    # new gloo workers can read the dead workers' addresses from it (pytorch/pytorch#135712) and
-    # fail to connect. A separate store per rendezvous round avoids that; the README says the same.
-    return job_env(folder, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+def torn_checkpoint(folder: Path) -> subprocess.CompletedProcess:
+    """Rank 0 dies half-way through writing the step-6 checkpoint (2 ranks); torchrun restarts both."""
+    return run([*readme_argv("--crash-in-checkpoint-at-step"), *training_flags(folder),
+                "--crash-in-checkpoint-at-step", "6"], env=restart_env(folder), timeout=900)
 
 
-def final_params(folder: Path) -> dict[str, torch.Tensor]:
-    return safe_load(folder / "ck" / f"step_{STEPS:06d}.pt")["model"]
-
-
-def lr_factor(step: int, warmup: int = 10, total: int = STEPS) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def single_process_params() -> dict[str, torch.Tensor]:
-    """The reference: one process, the whole global batch each step, same optimizer and schedule."""
-    seed_everything(0)
-    cfg = gpt_config("tiny")
-    model, task = TinyGPT(cfg), TokenTask(cfg, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    for step in range(STEPS):
-        inputs, targets = task.global_batch(step, GLOBAL_BATCH)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-    return model.state_dict()
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+def two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents x 2 workers rendezvous over c10d on loopback, as two nodes would. (Not
+    command_argv: it would add --standalone, and each agent would rendezvous alone.)"""
+    command = readme_command(README, "--nnodes=2").replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}")
+    argv = [sys.executable, "-m", "torch.distributed.run", *command.split()[1:], *training_flags(folder)]
+    results: list[subprocess.CompletedProcess] = []
+    agents = [threading.Thread(target=lambda: results.append(run(argv, env=job_env(folder), timeout=900,
+                                                                 check=False))) for _ in range(2)]
+    for agent in agents:
+        agent.start()
+    for agent in agents:
+        agent.join()
+    return results
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """ddp_training.py with 4 ranks, 2 micro-batches per step, checkpoints every 2 steps, no faults."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    out = run([*readme_argv("--config"), *training_flags(folder)], env=job_env(folder), timeout=600)
+def jobs(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """Every job of this file, two at a time: ``{name: (folder, result or the exception it raised)}``."""
+    specs = {"uninterrupted": uninterrupted, "scratch": scratch, "killed_rank": killed_rank,
+             "torn_checkpoint": torn_checkpoint, "two_agents": two_agents}
+    folders = {name: tmp_path_factory.mktemp(name) for name in specs}
+
+    def attempt(name):
+        try:
+            return specs[name](folders[name])
+        except AssertionError as exc:  # a failed job fails the tests that use it, not the others
+            return exc
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(specs, pool.map(attempt, specs)))
+    return {name: (folders[name], results[name]) for name in specs}
+
+
+def job(jobs, name: str):
+    folder, result = jobs[name]
+    if isinstance(result, BaseException):
+        raise result
+    return folder, result
+
+
+def test_ddp_and_ddp_from_scratch_match_single_process(jobs):
+    clean, out = job(jobs, "uninterrupted")
     assert "done: loss" in out.stdout
-    return folder
-
-
-def test_ddp_and_ddp_from_scratch_match_single_process(uninterrupted, tmp_path):
-    scratch = run([*readme_argv("ddp_from_scratch.py"), *TINY, "--save", str(tmp_path / "scratch.pt"),
-                   "--results", str(tmp_path / "scratch.jsonl")], env=job_env(tmp_path), timeout=600)
+    folder, scratch_run = job(jobs, "scratch")
     reference = single_process_params()
-    ddp = final_params(uninterrupted)
-    by_hand = safe_load(tmp_path / "scratch.pt")["model"]
+    ddp = final_params(clean)
+    by_hand = safe_load(folder / "scratch.pt")["model"]
     assert max_diff(ddp, reference) < TOLERANCE
     assert max_diff(by_hand, reference) < TOLERANCE
     assert max_diff(by_hand, ddp) < TOLERANCE
 
     # Communication, as the harness counted it from the collectives that really ran.
     grad_bytes = sum(t.numel() * 4 for t in reference.values())
-    ddp_record = read_records(uninterrupted / "results.jsonl")[-1]
-    scratch_record = read_records(tmp_path / "scratch.jsonl")[-1]
+    ddp_record = read_records(clean / "results.jsonl")[-1]
+    scratch_record = read_records(folder / "scratch.jsonl")[-1]
     assert ddp_record["strategy"] == "ddp" and scratch_record["strategy"] == "ddp_from_scratch"
-    for rec in (ddp_record, scratch_record):
-        assert {"model_size", "global_batch_size", "precision", "param_count"} <= rec["config"].keys()
+    for rec in (ddp_record, scratch_record):  # the model lives in the record's model field only
+        assert rec["model"]["arch"] == "gpt" and rec["model"]["n_layer"] == 2 and rec["param_count"] > 0
+        assert {"global_batch_size", "precision"} <= rec["config"].keys()
+        assert not {"model_size", "param_count", "model", "gpt"} & rec["config"].keys()
         assert rec["world_size"] == 4
     # The fp32 gradients exactly once per step: no_sync() skipped the first micro-batch's all-reduce.
     # With --find-unused-parameters DDP also all-reduces one int32 "was it used" flag per parameter.
@@ -129,75 +114,64 @@ def test_ddp_and_ddp_from_scratch_match_single_process(uninterrupted, tmp_path):
     assert ddp_comm["calls"] == 2  # one 25 MiB bucket holds every gradient, plus the flags
     scratch_comm = scratch_record["metrics"]["comm_per_step"]["all_reduce"]
     assert scratch_comm["bytes"] == grad_bytes and scratch_comm["calls"] == len(reference)
-    assert "37 calls" in scratch.stdout
+    assert "37 calls" in scratch_run.stdout
 
 
-def test_killed_rank_restarts_and_ends_identical(uninterrupted, tmp_path):
-    """SIGKILL rank 2 at step 5 (first attempt only); torchrun restarts all four workers, they resume
-    from the step-4 checkpoint, and finish bit-for-bit equal to the uninterrupted run."""
-    out = run([*readme_argv("--crash-at-step"), *training_flags(tmp_path), "--crash-at-step", "5",
-               "--crash-rank", "2"], env=restart_env(tmp_path), timeout=600)
+def test_killed_rank_restarts_and_ends_identical(jobs):
+    """Rank 2 killed at step 5: the restart resumes from the step-4 checkpoint and finishes bit-for-bit
+    equal to the uninterrupted run."""
+    clean, _ = job(jobs, "uninterrupted")
+    folder, out = job(jobs, "killed_rank")
     assert "rank 2 sends itself SIGKILL at step 5" in out.stdout
-    assert f"resumed from {tmp_path / 'ck' / 'step_000004.pt'} at step 4" in out.stdout
-    resumed, clean = final_params(tmp_path), final_params(uninterrupted)
+    assert f"resumed from {folder / 'ck' / 'step_000004.pt'} at step 4" in out.stdout
+    resumed, uninterrupted_params = final_params(folder), final_params(clean)
     # CPU kernels are deterministic and the whole state (optimizer, scheduler, RNG, data position)
     # is restored, so the arithmetic is repeated exactly: identical, not merely close.
-    assert all(torch.equal(resumed[k], clean[k]) for k in clean)
+    assert all(torch.equal(resumed[k], uninterrupted_params[k]) for k in uninterrupted_params)
     # What this equality catches: a resume that loses any state (optimizer moments, scheduler, RNG,
     # data position) or any step changes the arithmetic. The comparison can see a lost step: the
     # uninterrupted run's own weights two steps before the end differ from its final ones far
     # beyond float rounding (two AdamW steps at lr 0.7-0.8 x 3e-3 move a weight by up to ~4e-3;
     # a resume from the wrong checkpoint that stopped at --steps would land there).
-    two_short = safe_load(uninterrupted / "ck" / f"step_{STEPS - 2:06d}.pt")["model"]
-    assert max_diff(two_short, clean) > 10 * TOLERANCE
-    restarted = safe_load(tmp_path / "ck" / f"step_{STEPS:06d}.pt")
-    assert restarted["loss_history"] == safe_load(uninterrupted / "ck" / f"step_{STEPS:06d}.pt")["loss_history"]
+    two_short = safe_load(clean / "ck" / f"step_{STEPS - 2:06d}.pt")["model"]
+    assert max_diff(two_short, uninterrupted_params) > 10 * TOLERANCE
+    restarted = safe_load(folder / "ck" / f"step_{STEPS:06d}.pt")
+    assert restarted["loss_history"] == safe_load(clean / "ck" / f"step_{STEPS:06d}.pt")["loss_history"]
 
     # The milestone timestamps every rank recorded turn into the recovery phases that
     # recovery_report.py measures: each phase present, none negative, adding up to the total.
-    events = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (folder / "logs" / "events.jsonl").read_text().splitlines()]
     rank2 = {(e["event"], e["attempt"]) for e in events if e["rank"] == 2}
     assert rank2 >= {("fault_injected", 0), ("first_step_done", 1)}
     noticed = {e["rank"] for e in events if e["event"] in ("collective_failed", "stop_signal")}
     assert noticed and 2 not in noticed  # survivors noticed; the killed rank could not
-    spec = importlib.util.spec_from_file_location("recovery_report", REPO / "01-ddp-basics" / "recovery_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_script(CHAPTER / "recovery_report.py")
     phases = report.recovery_phases(events)
     assert [name for name in phases] == [name for name, _, _ in report.PHASES] + ["total"]
     assert all(seconds >= 0 for seconds in phases.values()), phases
     assert math.isclose(sum(v for k, v in phases.items() if k != "total"), phases["total"], rel_tol=1e-9)
 
 
-def test_kill_while_writing_checkpoint_keeps_previous_one(uninterrupted, tmp_path):
-    """Rank 0 dies half-way through writing the step-6 checkpoint: the torn temp file never takes
-    the real name, the restart removes it (its writer is dead), resumes from step 4, and training
-    still ends at the right weights."""
-    out = run([*readme_argv("--crash-in-checkpoint-at-step"), *training_flags(tmp_path),
-               "--crash-in-checkpoint-at-step", "6"], env=restart_env(tmp_path), timeout=600)
+def test_kill_while_writing_checkpoint_keeps_previous_one(jobs):
+    """The torn temp file never takes the real name, the restart removes it (its writer is dead),
+    resumes from step 4, and training still ends at the right weights."""
+    clean, _ = job(jobs, "uninterrupted")
+    folder, out = job(jobs, "torn_checkpoint")
     killed_line = next(line for line in out.stdout.splitlines() if "rank 0 killed while writing" in line)
     torn = Path(killed_line.split("killed while writing ")[1].strip())
     assert torn.name.startswith("step_000006.pt.tmp.")  # atomic_save's naming: host and writer PID
     assert f"removed {torn}: a temporary file left by a save that was killed mid-write" in out.stdout
-    assert not torn.exists() and not list((tmp_path / "ck").glob("*.tmp*"))
-    assert f"resumed from {tmp_path / 'ck' / 'step_000004.pt'} at step 4" in out.stdout
-    assert safe_load(tmp_path / "ck" / "step_000004.pt")["step"] == 4
+    assert not torn.exists() and not list((folder / "ck").glob("*.tmp*"))
+    assert f"resumed from {folder / 'ck' / 'step_000004.pt'} at step 4" in out.stdout
+    assert safe_load(folder / "ck" / "step_000004.pt")["step"] == 4
     # 2 ranks here vs 4 in the clean run: same arithmetic, different summation order.
-    assert max_diff(final_params(tmp_path), final_params(uninterrupted)) < TOLERANCE
+    assert max_diff(final_params(folder), final_params(clean)) < TOLERANCE
 
 
-def test_two_agents_as_two_nodes_match_one_agent(uninterrupted, tmp_path):
-    """Two torchrun agents x 2 workers rendezvous over c10d on loopback, as two nodes would."""
-    argv = [a.replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}") for a in readme_argv("--nnodes=2")]
-    argv += training_flags(tmp_path)
-    results: list[subprocess.CompletedProcess] = []
-    agents = [threading.Thread(target=lambda: results.append(run(argv, env=job_env(tmp_path), timeout=600,
-                                                                 check=False))) for _ in range(2)]
-    for agent in agents:
-        agent.start()
-    for agent in agents:
-        agent.join()
+def test_two_agents_as_two_nodes_match_one_agent(jobs):
+    clean, _ = job(jobs, "uninterrupted")
+    folder, results = job(jobs, "two_agents")
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     assert any("world size 4" in r.stdout for r in results)
     # Same 4 global ranks, same data per rank, same gloo reduction: identical to one 4-rank agent.
-    assert max_diff(final_params(tmp_path), final_params(uninterrupted)) == 0.0
+    assert max_diff(final_params(folder), final_params(clean)) == 0.0

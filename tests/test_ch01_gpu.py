@@ -16,12 +16,11 @@ import torch
 
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from launch import REPO, assert_one_line_error, gpu_count, job_env, require_gpus, run
-from test_ch01_ddp import (STEPS, TINY, TOLERANCE, final_params, max_diff, readme_argv,
-                           single_process_params, training_flags)
+from ch01_common import (CHAPTER, STEPS, TINY, TOLERANCE, final_params, max_diff, readme_argv,
+                         single_process_params, training_flags)
+from launch import assert_one_line_error, gpu_count, job_env, require_gpus, run
 
 pytestmark = pytest.mark.gpu
-CHAPTER = REPO / "01-ddp-basics"
 NCCL = ["--backend", "nccl"]
 
 

@@ -1,8 +1,12 @@
-"""Chapter 01 tools and bad input: every README command runs (small flags appended), the validation
-script, the scaling benchmark, the launchers, and one clear error line for each bad input."""
+"""Chapter 01 tools and bad input: every README command is run by a test (small flags appended), the
+validation script, the scaling benchmark, the launchers, and one clear error line for each bad input.
+
+The two jobs that mostly wait (a SIGSTOPped rank ends after --timeout-s plus torchrun's 30 s grace;
+a missing node after the join timeout) start in the background when this module starts, so the
+other tests run while they wait; their tests collect them.
+"""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -12,50 +16,32 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import yaml
 
+from ch01_common import CHAPTER, README, README_LOOKUPS, TRAINING, load_script, readme_argv
+from distkit import UsageError
 from distkit.checkpoint import atomic_save
 from distkit.harness import read_records
-from launch import REPO, assert_one_line_error, job_env, python, readme_commands, run
-from test_ch01_ddp import README, readme_argv
+from launch import assert_one_line_error, assert_readme_covered, free_port, job_env, python, run
 
-CHAPTER = REPO / "01-ddp-basics"
-TRAINING = CHAPTER / "ddp_training.py"
-# Every README command must contain one of these; each is run by the test named next to it.
-COVERED = {
-    "ddp_mnist.py": "test_ddp_mnist_readme_command",
-    "ddp_from_scratch.py": "test_ch01_ddp::test_ddp_and_ddp_from_scratch_match_single_process",
-    "--config": "test_ch01_ddp (uninterrupted fixture)",
-    "--crash-at-step": "test_ch01_ddp::test_killed_rank_restarts_and_ends_identical",
-    "--crash-in-checkpoint-at-step": "test_ch01_ddp::test_kill_while_writing_checkpoint_keeps_previous_one",
-    "--nnodes=2": "test_ch01_ddp::test_two_agents_as_two_nodes_match_one_agent",
-    "validate_distributed.py": "test_validate_distributed",
-    "ddp_benchmark.py": "test_scaling_benchmark",
-    "launch_ddp.sh": "test_launchers",
-    "ddp_spawn.py": "test_launchers",
-    "recovery_report.py": "test_recovery_table_in_readme_is_generated_from_the_record",
-}
+
+@pytest.fixture(scope="module", autouse=True)
+def background(tmp_path_factory):
+    """The waiting jobs, started at once: ``{name: future}`` (see the module docstring)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"stopped_rank": pool.submit(stop_a_rank, tmp_path_factory.mktemp("stopped")),
+               "missing_node": pool.submit(start_two_of_three_nodes, tmp_path_factory.mktemp("missing"))}
 
 
 def test_every_readme_command_is_run_by_a_test():
-    commands = readme_commands(README)
-    assert commands, "no commands found in the chapter README"
-    for command in commands:
-        assert any(key in command for key in COVERED), f"README command run by no test: {command}"
-    for key in COVERED:
-        assert any(key in c for c in commands), f"{key} is no longer in the README: update COVERED"
-
-
-def test_ddp_mnist_readme_command(tmp_path):
-    out = run([*readme_argv("ddp_mnist.py"), "--epochs", "1", "--max-steps", "6", "--offline",
-               "--data-dir", str(tmp_path / "data"), "--checkpoint", str(tmp_path / "mnist.pt"),
-               "--results", str(tmp_path / "r.jsonl"), "--log-file", str(tmp_path / "mnist.log")],
-              env=job_env(tmp_path), timeout=600)
-    assert "done: test accuracy" in out.stdout and (tmp_path / "mnist.pt").exists()
+    """Each README command is found by exactly one of the lookups the tests use, and each lookup
+    finds exactly one command (ch01_common.README_LOOKUPS names the file that runs it)."""
+    assert_readme_covered(README, README_LOOKUPS)
 
 
 def test_validate_distributed(tmp_path):
@@ -168,15 +154,6 @@ def test_bad_inputs_give_one_error_line(tmp_path):
     assert "[rank 0]" not in busy_torchrun.stdout  # no worker ever started
 
 
-def load_script(name: str):
-    """Import a chapter script as a module (its main() does not run), to call its argument parsing."""
-    spec = importlib.util.spec_from_file_location(f"ch01_{name}", CHAPTER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def parse_error(monkeypatch, capsys, parse, argv) -> str:
     """Run a script's argument parsing on ``argv`` in this process; it must exit 2 with one error line."""
     monkeypatch.setattr(sys, "argv", ["script.py", *argv])
@@ -191,8 +168,8 @@ def parse_error(monkeypatch, capsys, parse, argv) -> str:
 
 def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
     """Every count, size and rate is range-checked where its flag is defined (argparse, before any
-    process group) and, for ddp_training.py, the same check applies to config-file values."""
-    training = load_script("ddp_training")
+    process group) and, for ddp_training.py, a config file's value goes through the same flag's type."""
+    training = load_script(TRAINING)
     for argv, expected in [
         (["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer, got 0"),
         (["--global-batch-size", "-8"], "argument --global-batch-size: must be a positive integer, got -8"),
@@ -204,16 +181,24 @@ def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
         (["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'"),
         (["--keep-checkpoints", "0"], "argument --keep-checkpoints: must be a positive integer, got 0"),
         (["--grad-clip", "-1"], "argument --grad-clip: must be a number >= 0, got -1"),
+        (["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
+        (["--sync-batchnorm"], "unrecognized arguments: --sync-batchnorm"),  # gone: the model has no BatchNorm
     ]:
-        assert expected in parse_error(monkeypatch, capsys, training.parse_cli, argv)
+        assert expected in parse_error(monkeypatch, capsys, training.parse_args, argv)
+
+    monkeypatch.delenv("RANK", raising=False)  # rank 0 reads the config file
+    cpu = torch.device("cpu")
 
     def config_error(text: str, world_size: int = 4, *flags: str) -> str:
+        """The one-line error of ``--config`` holding ``text``: from parsing, or from rank 0's check
+        of what needs the world size (world_size_error, given the job's size and device)."""
         path = tmp_path / "c.yaml"
         path.write_text(text)
-        monkeypatch.setattr(sys, "argv", ["ddp_training.py", "--config", str(path), *flags])
-        with pytest.raises(training.UsageError) as exc:
-            training.build_config(training.parse_cli(), world_size)
-        return str(exc.value)
+        try:
+            args = training.parse_args(["--config", str(path), *flags])
+        except UsageError as exc:
+            return str(exc)
+        return training.world_size_error(args, SimpleNamespace(world_size=world_size, device=cpu))
 
     assert config_error("global_batch_size: 0\n").endswith("global_batch_size: must be a positive integer, got 0")
     assert config_error("grad_accum_steps: 0\n").endswith("grad_accum_steps: must be a positive integer, got 0")
@@ -221,27 +206,36 @@ def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
     assert config_error("lr: -1\n").endswith("lr: must be a positive number, got -1")
     assert config_error("log_every: 0\n").endswith("log_every: must be a positive integer, got 0")
     assert config_error("steps: 2.5\n").endswith("steps: must be a positive integer, got '2.5'")
+    assert config_error("steps: true\n").endswith("steps: must be a number, got True")
     assert config_error("static_graph: 1\n").endswith("'static_graph' must be true or false, got 1")
     assert config_error("precision: fp8\n").endswith("'precision' must be one of ['fp32', 'bf16', 'fp16'], got 'fp8'")
+    assert config_error("checkpoint_dir: 5\n").endswith("'checkpoint_dir' must be a string, got 5")
+    assert "unknown key 'learning_rate'" in config_error("learning_rate: 0.1\n")
+    assert "unknown key 'backend'" in config_error("backend: gloo\n")  # the launch's business, not the file's
     assert "must be at least --global-batch-size 32" in config_error("num_sequences: 16\n")
     assert "must divide by world size x --grad-accum-steps = 12" in config_error("grad_accum_steps: 3\n")
-    assert "--crash-rank 4 is not a rank of this 4-rank job" in config_error("crash_at_step: 3\ncrash_rank: 4\n")
     assert "must be divisible by the head count 3" in config_error("model_size: tiny\nn_head: 3\n")
-    # the example config file is valid; a flag overrides it
-    monkeypatch.setattr(sys, "argv", ["ddp_training.py", "--config", str(CHAPTER / "ddp_training.yaml"),
-                                      "--steps", "7"])
-    assert training.build_config(training.parse_cli(), 4).steps == 7
+    assert "fp16 needs a GPU" in config_error("precision: fp16\n")
+    assert config_error("global_batch_size: 32\n") is None
+    # the example config file is valid; a flag overrides it, the file overrides the defaults
+    args = training.parse_args(["--config", str(CHAPTER / "ddp_training.yaml"), "--steps", "7"])
+    assert (args.steps, args.checkpoint_every, args.resume) == (7, 20, "latest")
+    assert training.world_size_error(args, SimpleNamespace(world_size=4, device=cpu)) is None
+    # only rank 0 reads the file (the others get its settings by broadcast): a missing file elsewhere is no error
+    monkeypatch.setenv("RANK", "1")
+    assert training.parse_args(["--config", str(tmp_path / "missing.yaml")]).steps == 200
 
     # The other chapter scripts' counts and rates, the same way.
-    spawn, scratch, bench = load_script("ddp_spawn"), load_script("ddp_from_scratch"), load_script("ddp_benchmark")
-    validate = load_script("validate_distributed")
+    spawn, scratch = load_script(CHAPTER / "ddp_spawn.py"), load_script(CHAPTER / "ddp_from_scratch.py")
+    bench, validate = load_script(CHAPTER / "ddp_benchmark.py"), load_script(CHAPTER / "validate_distributed.py")
     for parse, argv, expected in [
         (spawn.parse_args, ["--nproc", "0"], "argument --nproc: must be a positive integer, got 0"),
         (spawn.parse_args, ["--nproc", "3"], "--nproc 3 must divide --global-batch-size 32"),
         (spawn.parse_args, ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
         (scratch.parse_args, ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
         (scratch.parse_args, ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
-        (scratch.parse_args, ["--bucket-mb", "-1"], "argument --bucket-mb: must be a number >= 0, got -1"),
+        (scratch.parse_args, ["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
+        (scratch.parse_args, ["--bucket-mb", "1"], "unrecognized arguments: --bucket-mb 1"),  # the old name
         (bench.parse_args, ["--world-sizes", "1", "0"], "argument --world-sizes: must be a positive integer, got 0"),
         (bench.parse_args, ["--steps", "3"], "--steps 3 must be > --warmup-steps + 1 = 3"),
         (validate.parse_args, ["--numel", "0"], "argument --numel: must be a positive integer, got 0"),
@@ -299,28 +293,34 @@ def test_launch_ddp_counts_only_visible_gpus_and_checks_its_options(tmp_path):
     assert_one_line_error(result, "launcher option --master-port needs a value")
 
 
-def test_missing_node_ends_the_rendezvous_with_one_line(tmp_path):
-    """`--nnodes 3` but only 2 agents start: both end after the join timeout with a non-zero exit
-    and one line saying why, instead of waiting silently for torchrun's default 600 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    join_timeout = 5
+JOIN_TIMEOUT_S = 5
+
+
+def start_two_of_three_nodes(folder: Path) -> tuple[list[subprocess.CompletedProcess], float]:
+    """`launch_ddp.sh --nnodes 3`, but only 2 agents start; returns their results and the wall time."""
+    port = free_port()
     argv = lambda rank: ["bash", str(CHAPTER / "launch_ddp.sh"), "--nnodes", "3", "--node-rank", str(rank),
-                         "--master-port", str(port), "--join-timeout", str(join_timeout), "--nproc", "1",
+                         "--master-port", str(port), "--join-timeout", str(JOIN_TIMEOUT_S), "--nproc", "1",
                          str(TRAINING), "--model-size", "tiny", "--steps", "1"]
     started = time.monotonic()
     # run()'s timeout is the bound: agents that waited for the default join timeout would hit it.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        agents = list(pool.map(lambda rank: run(argv(rank), env=job_env(tmp_path), timeout=join_timeout + 60,
+        agents = list(pool.map(lambda rank: run(argv(rank), env=job_env(folder), timeout=JOIN_TIMEOUT_S + 90,
                                                 check=False), (0, 1)))
-    print(f"both agents ended after {time.monotonic() - started:.1f} s (join timeout {join_timeout} s)")
+    return agents, time.monotonic() - started
+
+
+def test_missing_node_ends_the_rendezvous_with_one_line(background):
+    """Both agents end after the join timeout with a non-zero exit and one line saying why, instead
+    of waiting silently for torchrun's default 600 s."""
+    agents, took = background["missing_node"].result()
+    print(f"both agents ended after {took:.1f} s (join timeout {JOIN_TIMEOUT_S} s)")
     for rank, agent in enumerate(agents):
-        assert f"node {rank} of 3: waiting up to {join_timeout} s" in agent.stdout
+        assert f"node {rank} of 3: waiting up to {JOIN_TIMEOUT_S} s" in agent.stdout
         assert agent.returncode != 0
         errors = [line for line in agent.stdout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "rendezvous" in errors[0], agent.stdout[-3000:]
-    assert any(f"not all 3 nodes joined within {join_timeout} s" in agent.stdout for agent in agents)
+    assert any(f"not all 3 nodes joined within {JOIN_TIMEOUT_S} s" in agent.stdout for agent in agents)
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
@@ -340,37 +340,47 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return ranks
 
 
-def test_stopped_rank_ends_the_job_after_the_timeout_and_torchruns_grace(tmp_path):
-    """A rank that stops responding (SIGSTOP: a hung node, a debugger) is not a crash: the others
-    wait in their collective until --timeout-s, rank 0 then ends with one line, and torchrun's
-    SIGTERM cannot stop a stopped process, so torchrun waits its 30 s grace and SIGKILLs it."""
-    timeout_s = 5
+STOP_TIMEOUT_S = 5
+
+
+def stop_a_rank(folder: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """A 2-rank training job whose rank 1 gets SIGSTOP once it has trained a step; returns the job's
+    result and rank 1's PID."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAINING),
            "--model-size", "tiny", "--global-batch-size", "4", "--steps", "100000", "--checkpoint-every", "100000",
-           "--timeout-s", str(timeout_s), "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
-           "--results", str(tmp_path / "r.jsonl")]
-    agent = subprocess.Popen(cmd, env=job_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+           "--log-every", "1", "--timeout-s", str(STOP_TIMEOUT_S), "--checkpoint-dir", str(folder / "ck"),
+           "--log-dir", str(folder / "logs"), "--results", str(folder / "r.jsonl")]
+    agent = subprocess.Popen(cmd, env=job_env(folder), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
-    events = tmp_path / "logs" / "events.jsonl"
+    rank1_log = folder / "logs" / "rank1.log"
     try:
-        deadline = time.monotonic() + 240
-        while not (events.exists() and '"first_step_done", "rank": 1' in events.read_text()):
+        deadline = time.monotonic() + 300
+        while not (rank1_log.exists() and "step 1/" in rank1_log.read_text()):  # rank 1 trained a step
             assert agent.poll() is None and time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
         rank1 = worker_pids(agent.pid)[1]
         os.kill(rank1, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        out, _ = agent.communicate(timeout=timeout_s + 30 + 90)
-        print(f"job ended {time.monotonic() - stopped_at:.1f} s after SIGSTOP (--timeout-s {timeout_s})")
+        out, _ = agent.communicate(timeout=STOP_TIMEOUT_S + 30 + 120)
+        print(f"job ended {time.monotonic() - stopped_at:.1f} s after SIGSTOP (--timeout-s {STOP_TIMEOUT_S})")
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
             agent.communicate()
-    assert agent.returncode != 0
+    return subprocess.CompletedProcess(cmd, agent.returncode, out, ""), rank1
+
+
+def test_stopped_rank_ends_the_job_after_the_timeout_and_torchruns_grace(background):
+    """A rank that stops responding (SIGSTOP: a hung node, a debugger) is not a crash: the others
+    wait in their collective until --timeout-s, rank 0 then ends with one line, and torchrun's
+    SIGTERM cannot stop a stopped process, so torchrun waits its 30 s grace and SIGKILLs it."""
+    result, rank1 = background["stopped_rank"].result()
+    out = result.stdout
+    assert result.returncode != 0
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, out[-3000:]
     assert errors[0].startswith("error: [rank 0] a collective timed out: a peer rank died, hung or never arrived")
-    assert f"Timed out waiting {timeout_s * 1000}ms" in errors[0]
+    assert f"Timed out waiting {STOP_TIMEOUT_S * 1000}ms" in errors[0]
     # torchrun's SIGTERM (15) cannot end a stopped process; after its 30 s grace it sends SIGKILL (9).
     assert f"Sending process {rank1} closing signal SIGTERM" in out
     assert f"Unable to shutdown process {rank1} via 15, forcefully exiting via 9" in out
@@ -390,7 +400,7 @@ def test_recovery_table_in_readme_is_generated_from_the_record(tmp_path):
     assert {e["config"] for e in newest} == {"default flags", "--find-unused-parameters"}
     assert all(e["bit_identical"] for e in newest if e["config"] == "--find-unused-parameters")
     printed = run(readme_argv("recovery_report.py"), env=job_env(tmp_path)).stdout.strip()
-    report = load_script("recovery_report")
+    report = load_script(CHAPTER / "recovery_report.py")
     assert printed == report.table(record)
     text = README.read_text()
     begin = "<!-- render: recovery_report.py:readme_table -->\n"

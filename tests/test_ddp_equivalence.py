@@ -6,10 +6,11 @@ gradient of the mean loss over the concatenated global batch, so the only differ
 of floating-point additions (observed differences ~1e-7). A gradient summed instead of averaged
 moves SGD's weights by lr x (world - 1) x grad, orders of magnitude above 1e-5. The negative
 control below runs the same comparison with that bug (a DDP comm hook that sums and never divides,
-tests/workers/ch01_accumulation.py) and requires it to fail the tolerance by at least 100x.
+trained by the 2-rank job's worker with ``--summed``) and requires it to fail the tolerance by at
+least 100x. The 2- and 4-rank jobs run once, side by side, in a module fixture.
 """
 import json
-import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,14 +20,14 @@ from distkit.harness import bus_factor
 from distkit.models import MnistCNN
 from distkit.runtime import seed_everything
 from launch import WORKERS, torchrun
-
-sys.path.insert(0, str(WORKERS))
-from ddp_equivalence import global_batches  # noqa: E402
+from workers.ddp_equivalence import global_batches
 
 STEPS, GLOBAL_BATCH, TOLERANCE = 3, 16, 1e-5
 
 
 def single_process_reference():
+    """One process, the whole global batch, the workers' optimizer (the MNIST CNN's own reference:
+    tests/workers/reference.py trains the token-task GPT)."""
     seed_everything(0)  # the workers' seed: same initial weights
     model = MnistCNN(dropout=0.0)
     initial = {name: t.clone() for name, t in model.state_dict().items()}
@@ -39,12 +40,24 @@ def single_process_reference():
     return initial, model.state_dict()
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ddp_matches_single_process_and_comm_counter_is_exact(nproc, tmp_path):
-    out = tmp_path / "out"
-    torchrun(WORKERS / "ddp_equivalence.py", "--steps", STEPS, "--global-batch", GLOBAL_BATCH,
-             "--out", out, nproc=nproc, tmp_path=tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{nproc: output folder}`` of the 2-rank (with the summing variant) and the 4-rank job."""
+    folders = {nproc: tmp_path_factory.mktemp(f"ddp{nproc}") for nproc in (2, 4)}
 
+    def launch(nproc):
+        extra = ["--summed"] if nproc == 2 else []
+        torchrun(WORKERS / "ddp_equivalence.py", "--steps", STEPS, "--global-batch", GLOBAL_BATCH,
+                 "--out", folders[nproc] / "out", *extra, nproc=nproc, tmp_path=folders[nproc])
+        return folders[nproc] / "out"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(folders, pool.map(launch, folders)))
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_matches_single_process_and_comm_counter_is_exact(nproc, runs):
+    out = runs[nproc]
     ddp_params = torch.load(out / "params.pt", weights_only=True)
     initial, reference = single_process_reference()
     for name, ref in reference.items():
@@ -63,13 +76,10 @@ def test_ddp_matches_single_process_and_comm_counter_is_exact(nproc, tmp_path):
         assert comm[name]["bus_bytes"] == pytest.approx(payload * bus_factor(name, nproc)), name
 
 
-def test_summed_gradients_fail_the_same_comparison(tmp_path):
+def test_summed_gradients_fail_the_same_comparison(runs):
     """Negative control: the same data, model, optimizer and tolerance, but DDP sums the 2 ranks'
     gradients instead of averaging them. It must land far outside the tolerance."""
-    out = tmp_path / "summed.pt"
-    torchrun(WORKERS / "ch01_accumulation.py", "--case", "mnist_summed", "--steps", STEPS,
-             "--global-batch", GLOBAL_BATCH, "--out", out, nproc=2, tmp_path=tmp_path)
-    summed = torch.load(out, weights_only=True)
+    summed = torch.load(runs[2] / "summed.pt", weights_only=True)
     _, reference = single_process_reference()
     diff = max((summed[name] - ref).abs().max().item() for name, ref in reference.items())
     print(f"summed instead of averaged: max |DDP - single| = {diff:.2e}")

@@ -1,28 +1,31 @@
 """The reader's first command: ddp_mnist.py on 4 ranks, offline sample, default flags.
 
-One launch checks: the offline notice, the accuracy target (>= 90% on the 5k sample), the harness
+One launch of the README's command checks: the offline notice, the accuracy target (>= 90% on the 5k sample), the harness
 record (all-reduce bytes per step equal the gradient bytes exactly, model-state bytes), and the
 rank-0 checkpoint (loads with weights_only=True into the plain model).
 """
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from ch01_common import README
 from distkit.checkpoint import safe_load
 from distkit.harness import bus_factor, read_records
 from distkit.models import MnistCNN
-from launch import REPO, python, torchrun
+from launch import REPO, command_argv, job_env, python, readme_command, run, torchrun
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 
 
-def test_ddp_mnist_default_run_on_offline_sample(tmp_path):
+def test_ddp_mnist_readme_command_on_offline_sample(tmp_path):
     results, checkpoint = tmp_path / "results.jsonl", tmp_path / "model.pt"
-    run = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--results", results,
-                   "--checkpoint", checkpoint, "--log-file", tmp_path / "log.txt",
-                   nproc=4, tmp_path=tmp_path, timeout=400)
-    out = run.stdout
+    argv = command_argv(readme_command(README, "ddp_mnist.py"))
+    done = run([*argv, "--data-dir", str(tmp_path / "data"), "--offline", "--results", str(results),
+                "--save", str(checkpoint), "--log-file", str(tmp_path / "log.txt")],
+               env=job_env(tmp_path), timeout=600)
+    out = done.stdout
     assert "5k offline sample" in out
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", out).group(1))
     assert accuracy >= 90.0, out[-2000:]
@@ -30,6 +33,7 @@ def test_ddp_mnist_default_run_on_offline_sample(tmp_path):
 
     (record,) = read_records(results)
     assert record["strategy"] == "ddp" and record["world_size"] == 4 and record["backend"] == "gloo"
+    assert record["model"] == {"arch": "mnist_cnn"} and "model" not in record["config"]
     param_count = sum(p.numel() for p in MnistCNN().parameters())
     assert record["param_count"] == param_count
     grad_bytes = param_count * 4  # fp32 gradients
@@ -51,19 +55,23 @@ def test_ddp_mnist_default_run_on_offline_sample(tmp_path):
     assert (tmp_path / "log.txt").read_text().count("epoch 3/3") == 1
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_ddp_mnist_runs_with_one_and_two_processes(nproc, tmp_path):
-    data = tmp_path / "data"
-    args = ["--data-dir", data, "--offline", "--epochs", "1", "--max-steps", "4",
-            "--results", tmp_path / "r.jsonl", "--checkpoint", tmp_path / "m.pt"]
-    if nproc == 1:  # plain python: a world of one process on loopback
-        run = python(SCRIPT, *args, tmp_path=tmp_path)
-    else:
-        run = torchrun(SCRIPT, *args, nproc=nproc, tmp_path=tmp_path)
-    assert f"world size {nproc} | backend gloo (cpu)" in run.stdout
-    (record,) = read_records(tmp_path / "r.jsonl")
-    assert record["world_size"] == nproc
-    assert torch.load(tmp_path / "m.pt", weights_only=True)["world_size"] == nproc
+def test_ddp_mnist_runs_with_one_and_two_processes(tmp_path):
+    """Plain ``python`` (a world of one process on loopback) and a 2-rank torchrun, side by side."""
+    def launch(nproc):
+        folder = tmp_path / f"n{nproc}"
+        args = ["--data-dir", folder / "data", "--offline", "--epochs", "1", "--max-steps", "4",
+                "--results", folder / "r.jsonl", "--save", folder / "m.pt"]
+        if nproc == 1:
+            return python(SCRIPT, *args, tmp_path=folder)
+        return torchrun(SCRIPT, *args, nproc=nproc, tmp_path=folder)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip((1, 2), pool.map(launch, (1, 2))))
+    for nproc, result in done.items():
+        assert f"world size {nproc} | backend gloo (cpu)" in result.stdout
+        (record,) = read_records(tmp_path / f"n{nproc}" / "r.jsonl")
+        assert record["world_size"] == nproc
+        assert torch.load(tmp_path / f"n{nproc}" / "m.pt", weights_only=True)["world_size"] == nproc
 
 
 # ---- GPU suite (pytest -m gpu): the same first command on the GPUs the machine has ----------------
@@ -77,7 +85,7 @@ def test_ddp_mnist_on_one_gpu_with_nccl(tmp_path):
     require_gpus(1)
     results = tmp_path / "r.jsonl"
     run = python(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--epochs", "2",
-                 "--results", results, "--checkpoint", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
+                 "--results", results, "--save", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
                  env=job_env(tmp_path, gpu=True), timeout=600)
     assert "world size 1 | backend nccl (cuda)" in run.stdout, run.stdout[-2000:]
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", run.stdout).group(1))
@@ -106,7 +114,7 @@ def test_ddp_mnist_on_four_gpus_with_nccl(tmp_path):
     require_gpus(4, "one GPU per rank")
     results = tmp_path / "r.jsonl"
     run = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--results", results,
-                   "--checkpoint", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
+                   "--save", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
                    nproc=4, env=job_env(tmp_path, gpu=True), timeout=600)
     assert "world size 4 | backend nccl (cuda)" in run.stdout
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", run.stdout).group(1))

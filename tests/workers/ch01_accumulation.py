@@ -1,15 +1,12 @@
-"""Worker: chapter 01's gradient accumulation, and a summing DDP, against one-process references.
+"""Worker: chapter 01's gradient accumulation against the one-process reference.
 
-``--case accumulation``: ``ddp_training.accumulate_gradients`` (the script's own function: k
-micro-batches, all but the last under ``no_sync()``, each loss divided by k) trains the tiny GPT for
-a few plain-SGD steps, with k = 2 and k = 4; then the same function with the ``/ len(chunks)``
-deleted from ddp_training.py's source (the bug the test must catch). Rank 0 compares each result
-with a single-process trainer written here (the whole global batch each step, SGD, no clipping) and
-writes ``{variant: max |distributed - reference|, "moved": max |reference - initial|}`` to ``--out``.
-
-``--case mnist_summed``: test_ddp_equivalence.py's MNIST run (same data, SGD with momentum), but
-with a DDP comm hook that sums the ranks' gradients and never divides; rank 0 saves the final
-parameters to ``--out`` for that test's negative control.
+``ddp_training.accumulate_gradients`` (the script's own function: k micro-batches, all but the last
+under ``no_sync()``, each loss divided by k) trains the tiny GPT for a few plain-SGD steps, with k = 2
+and k = 4; then the same function with the ``/ len(chunks)`` deleted from ddp_training.py's source
+(the bug the test must catch; tests/workers/mutation.py checks that the division occurs exactly
+once). Rank 0 compares each result with tests/workers/reference.py's single-process trainer (the
+whole global batch each step, SGD, no clipping) and writes ``{variant: max |distributed -
+reference|, "moved": max |reference - initial|}`` to ``--out``.
 
 Plain SGD because a gradient k times too large moves SGD's weights k times as far; AdamW (the
 script's optimizer) divides the update by sqrt(v) and would hide the bug.
@@ -22,12 +19,11 @@ import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
-from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, rank_slice
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.models import TinyGPT, TokenTask, gpt_config, rank_slice
+from mutation import mutated_source  # tests/workers/mutation.py, beside this worker
 from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,13 +35,10 @@ DIVISION = "/ len(chunks)"  # the line of accumulate_gradients the broken varian
 def load_training(broken: bool = False) -> types.ModuleType:
     """ddp_training.py as a module; ``broken``: with the division by k deleted from its source."""
     name = "ddp_training_no_division" if broken else "ddp_training"
-    source = SCRIPT.read_text()
-    if broken:
-        assert source.count(DIVISION) == 1, f"ddp_training.py no longer divides with {DIVISION!r}: update the test"
-        source = source.replace(DIVISION, "")
+    source = mutated_source(SCRIPT, DIVISION, "") if broken else SCRIPT.read_text()
     module = types.ModuleType(name)
     module.__file__ = str(SCRIPT)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    sys.modules[name] = module
     exec(compile(source, str(SCRIPT), "exec"), module.__dict__)
     return module
 
@@ -91,43 +84,13 @@ def case_accumulation(ctx, out: Path) -> None:
         out.write_text(json.dumps(results, indent=1))
 
 
-def summing_hook(state, bucket):
-    """Bug as a DDP comm hook: all-reduce the bucket, never divide by the world size."""
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
-
-
-def case_mnist_summed(ctx, out: Path, steps: int, global_batch: int) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from ddp_equivalence import global_batches  # the data test_ddp_equivalence.py uses
-
-    seed_everything(0)
-    model = DDP(MnistCNN(dropout=0.0))
-    model.register_comm_hook(None, summing_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    images, labels = global_batches(steps, global_batch)
-    for step in range(steps):
-        optimizer.zero_grad()
-        F.cross_entropy(model(rank_slice(images[step], ctx.rank, ctx.world_size)),
-                        rank_slice(labels[step], ctx.rank, ctx.world_size)).backward()
-        optimizer.step()
-    if ctx.is_main:
-        torch.save(model.module.state_dict(), out)
-
-
 def main():
     parser = ArgumentParser()
-    parser.add_argument("--case", choices=["accumulation", "mnist_summed"], required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=16)
     add_runtime_args(parser)
     args = parser.parse_args()
     with distributed(args) as ctx:
-        if args.case == "accumulation":
-            case_accumulation(ctx, Path(args.out))
-        else:
-            case_mnist_summed(ctx, Path(args.out), args.steps, args.global_batch)
+        case_accumulation(ctx, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""What chapter 01's test files share: paths, the equivalence tolerance, the small-run flags, the
+single-process reference of ddp_training.py's optimizer, and loading a chapter script by path."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from distkit import seed_everything
+from distkit.checkpoint import safe_load
+from distkit.models import TinyGPT, gpt_config
+from launch import REPO, WORKERS, command_argv, job_env, readme_command
+
+CHAPTER = REPO / "01-ddp-basics"
+README = CHAPTER / "README.md"
+TRAINING = CHAPTER / "ddp_training.py"
+FAULTS = WORKERS / "ch01_faults.py"  # ddp_training.py with faults injected from outside
+
+# The README commands, as the needles each test finds its command with (launch.readme_command); the
+# comment names the file that runs it. test_ch01_tools.py checks they cover every README command.
+README_LOOKUPS = [
+    "ddp_mnist.py",  # test_ddp_mnist.py
+    "ddp_from_scratch.py", "--config", "--crash-at-step", "--crash-in-checkpoint-at-step",
+    "--nnodes=2",  # test_ch01_ddp.py
+    "validate_distributed.py", "ddp_benchmark.py", "launch_ddp.sh", "ddp_spawn.py",
+    "recovery_report.py",  # test_ch01_tools.py
+]
+
+STEPS, GLOBAL_BATCH = 8, 16
+TINY = ["--model-size", "tiny", "--global-batch-size", str(GLOBAL_BATCH), "--steps", str(STEPS),
+        "--timeout-s", "120"]
+# DDP averages gradients in a different order than one process sums them; AdamW's first steps
+# (update ~ lr * g / |g|) amplify those float32 rounding differences to a few 1e-6. 5e-5 is 10x that.
+# What this comparison cannot see: AdamW and clipping at 1.0 make the update independent of the
+# gradient's scale, so a gradient summed instead of averaged (or an accumulated loss not divided by
+# k) passes here. test_ch01_negative.py checks the same tolerance with SGD on the script's own
+# average_gradients and proves those bugs exceed it (by 1,300x; correct runs 1.2e-7).
+TOLERANCE = 5e-5
+WIDE = 100  # a negative control's bug must exceed the tolerance by at least this factor
+
+
+def load_script(path: Path, name: str | None = None):
+    """Import a chapter script (or worker) as a module by its path; its main() does not run."""
+    spec = importlib.util.spec_from_file_location(name or f"ch01_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def training_flags(folder: Path) -> list[str]:
+    """The tiny run every ddp_training.py equivalence and restart test shares.
+
+    --find-unused-parameters: DDP then never rebuilds its bucket layout. By default DDP re-orders its
+    buckets after the first iteration; a resumed job's first iteration uses the initial order, so one
+    step sums some gradients in another order (~1e-7) and the restart test could only be "close"
+    (2e-6 measured), not bit-for-bit identical.
+    """
+    return [*TINY, "--find-unused-parameters", "--grad-accum-steps", "2", "--checkpoint-every", "2",
+            "--log-every", "2", "--checkpoint-dir", str(folder / "ck"), "--log-dir", str(folder / "logs"),
+            "--results", str(folder / "results.jsonl")]
+
+
+def restart_env(folder: Path) -> dict:
+    """torch.distributed.run shares its rendezvous TCPStore with the workers; after a restart the new
+    gloo workers can read the dead workers' addresses from it (pytorch/pytorch#135712) and fail to
+    connect. A separate store per rendezvous round avoids that; the README says the same."""
+    return job_env(folder, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def lr_factor(step: int, warmup: int = 10, total: int = STEPS) -> float:
+    """ddp_training.py's schedule, written again: linear warm-up, cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+class ClippedScheduledAdamW:
+    """What ddp_training.py's optimizer step does, for tests/workers/reference.py's one-process
+    trainer: clip the gradient norm to 1.0, AdamW (lr 3e-3, weight decay 0.01), then the schedule."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = list(model.parameters())
+        self.adamw = torch.optim.AdamW(self.params, lr=3e-3, weight_decay=0.01)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.adamw, lr_factor)
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad()
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.adamw.step()
+        self.scheduler.step()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def readme_argv(*needles: str, nproc: int | None = None) -> list[str]:
+    """The one chapter-README command with every needle, as argv for this interpreter."""
+    return command_argv(readme_command(README, *needles), nproc=nproc)
+
+
+def final_params(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a training_flags() run's last checkpoint."""
+    return safe_load(folder / "ck" / f"step_{STEPS:06d}.pt")["model"]
+
+
+def single_process_params() -> dict[str, torch.Tensor]:
+    """The reference: one process, the whole global batch each step, ddp_training.py's optimizer step
+    (tests/workers/reference.py's trainer, the one every equivalence test uses)."""
+    from workers.reference import train_one_process
+
+    seed_everything(0)  # the ranks' seed: the same initial weights
+    model = TinyGPT(gpt_config("tiny"))
+    return train_one_process(model, ClippedScheduledAdamW(model), STEPS, GLOBAL_BATCH)[1]
