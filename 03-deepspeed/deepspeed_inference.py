@@ -1,7 +1,8 @@
 """Chapter 03: load the consolidated model that deepspeed_train.py wrote and generate tokens with
 ``deepspeed.init_inference``.
 
-``deepspeed_train.py`` ends by stitching the ZeRO shards into one fp32 state dict (``zero_to_fp32``).
+``deepspeed_train.py`` ends by stitching the ZeRO shards into one fp32 state dict (``zero_to_fp32``,
+``--save``).
 That file is a plain PyTorch checkpoint: it loads into ``TinyGPT`` without DeepSpeed. Here DeepSpeed's
 inference engine wraps the model: on a GPU it can cast to fp16 and, for architectures it has kernel
 policies for (GPT-2, BERT, LLaMA ... from Hugging Face), swap in fused kernels
@@ -12,7 +13,7 @@ leave the model untouched); without it, the engine runs the plain module, in fp3
 The synthetic task is a Markov chain (each token has two possible successors), so the output is
 checkable: the script reports the share of generated transitions that are valid.
 
-    python 03-deepspeed/deepspeed_inference.py --checkpoint checkpoints/ch03/zero3_fp32.pt
+    python 03-deepspeed/deepspeed_inference.py --load checkpoints/ch03/zero3_fp32.pt
 """
 from __future__ import annotations
 
@@ -20,19 +21,19 @@ import torch
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import load_model_state, safe_load
+from distkit.deepspeed import EVAL_BATCH, EVAL_STEP, import_deepspeed
 from distkit.flags import positive_int
 from distkit.logs import setup_logging
 from distkit.models import GPTConfig, TinyGPT, TokenTask, lm_loss
 
-from ds_common import EVAL_BATCH, EVAL_STEP, import_deepspeed
 
 
 def parse_args():
     parser = ArgumentParser(
         description="Generate tokens from a consolidated fp32 checkpoint with deepspeed.init_inference.",
-        epilog="example: python 03-deepspeed/deepspeed_inference.py --checkpoint checkpoints/ch03/zero3_fp32.pt")
-    parser.add_argument("--checkpoint", default="checkpoints/ch03/zero3_fp32.pt",
-                        help="consolidated state dict written by deepspeed_train.py "
+        epilog="example: python 03-deepspeed/deepspeed_inference.py --load checkpoints/ch03/zero3_fp32.pt")
+    parser.add_argument("--load", default="checkpoints/ch03/zero3_fp32.pt", metavar="PATH",
+                        help="the consolidated weights to read: the file deepspeed_train.py --save wrote "
                              "(default: checkpoints/ch03/zero3_fp32.pt)")
     parser.add_argument("--new-tokens", type=positive_int, default=24, help="tokens to generate per prompt (default: 24)")
     parser.add_argument("--prompts", type=positive_int, default=4, help="prompts (held-out sequences) (default: 4)")
@@ -87,13 +88,13 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        checkpoint = safe_load(args.checkpoint)
+        checkpoint = safe_load(args.load)
         if not isinstance(checkpoint, dict) or "model" not in checkpoint or "gpt_config" not in checkpoint:
-            raise UsageError(f"checkpoint {args.checkpoint} is not a consolidated checkpoint from "
-                             "deepspeed_train.py (no 'model' / 'gpt_config')")
+            raise UsageError(f"--load {args.load} is not a consolidated checkpoint from "
+                             "deepspeed_train.py --save (no 'model' / 'gpt_config')")
         cfg = GPTConfig(**checkpoint["gpt_config"])
         model = TinyGPT(cfg)
-        load_model_state(model, checkpoint["model"], args.checkpoint)  # plain PyTorch: no DeepSpeed needed
+        load_model_state(model, checkpoint["model"], args.load)  # plain PyTorch: no DeepSpeed needed
         model.eval()
         task = TokenTask(cfg, seed=checkpoint.get("seed", 0))
         sequences, length = task.tokens.shape
@@ -119,7 +120,7 @@ def main():
         eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
         with torch.no_grad():
             eval_loss = lm_loss(engine(eval_inputs.to(device)).float(), eval_targets.to(device)).item()
-        log.info(f"loaded {args.checkpoint} ({checkpoint['strategy']}, {checkpoint['steps']} steps) into "
+        log.info(f"loaded {args.load} ({checkpoint['strategy']}, {checkpoint['steps']} steps) into "
                  f"TinyGPT | inference engine on {device} in {dtype} | eval loss {eval_loss:.4f} "
                  f"(training run measured {checkpoint['eval_loss']:.4f})")
 

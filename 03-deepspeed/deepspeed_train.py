@@ -5,10 +5,10 @@ ZeRO-3 parameter shards as layers need them), ``engine.backward(loss)`` reduces 
 reduce-scatters (stage 2-3) the gradients, ``engine.step()`` updates this rank's partition and
 re-assembles the weights. Checkpoints are written per rank with ``save_checkpoint`` and read back
 with ``load_checkpoint``; at the end the ZeRO shards are consolidated into one fp32 state dict
-(``zero_to_fp32``) that loads into the plain ``TinyGPT``.
+(``zero_to_fp32``) that loads into the plain ``TinyGPT`` (``--save``).
 
     torchrun --nproc_per_node=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json
-    deepspeed --num_gpus=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero2_config.json
+    deepspeed --num_gpus=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json --steps 300 --resume latest
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import non_negative_float, non_negative_int, positive_float, positive_int
+from distkit.deepspeed import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepspeed, load_ds_config,
+                               release_engine, resolve_auto, strategy_name, zero_harness, zero_stage)
+from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_float, non_negative_int,
+                           positive_int, save_path)
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
-
-from ds_common import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepspeed, load_ds_config,
-                       release_engine, resolve_auto, strategy_name, zero_harness, zero_stage)
 
 
 def parse_args():
@@ -39,31 +39,45 @@ def parse_args():
                         default="03-deepspeed/configs/zero2_config.json",
                         help="DeepSpeed JSON config; its zero_optimization block picks the stage "
                              "(default: 03-deepspeed/configs/zero2_config.json)")
-    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to reach (default: 200)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=None,
-                        help="sequences per optimizer step across all ranks (default: the config's "
-                             "train_batch_size)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01,
-                        help="AdamW weight decay (default: 0.01, torch's default)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="DeepSpeed checkpoint folder (default: checkpoints/ch03/<strategy>)")
-    parser.add_argument("--save-every", type=non_negative_int, default=0,
-                        help="also save a checkpoint every N steps (default: only at the end)")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
-                        help="continue from a checkpoint in --checkpoint-dir: the latest one, or TAG "
-                             "(e.g. step100)")
-    parser.add_argument("--fp32-out", default=None,
-                        help="consolidated fp32 state dict of the final model "
-                             "(default: checkpoints/ch03/<strategy>_fp32.pt)")
-    parser.add_argument("--results", default="runs/ch03_results.jsonl",
-                        help="harness records are appended here (default: runs/ch03_results.jsonl)")
+    training = add_training_args(parser, steps=200, global_batch_size=None, lr=3e-3,
+                                 results="runs/ch03_results.jsonl",
+                                 helps={"steps": "train until this optimizer step (a resumed run "
+                                                 "continues from its checkpoint's step)",
+                                        "lr": "AdamW learning rate"})
+    # The global batch is the config's train_batch_size unless this flag overrides it.
+    training.add_argument("--global-batch-size", type=positive_int, default=None,
+                          help="sequences per optimizer step across all ranks (default: the config's "
+                               "train_batch_size)")
+    training.add_argument("--weight-decay", type=non_negative_float, default=0.01,
+                          help="AdamW weight decay (default: 0.01, torch's default)")
+    checkpoints = add_checkpoint_args(parser, save="checkpoints/ch03/{strategy}_fp32.pt",
+                                      checkpoint_dir="checkpoints/ch03/{strategy}", resume="none")
+    checkpoints.add_argument("--save-every", type=non_negative_int, default=0,
+                             help="also write a checkpoint to --checkpoint-dir every N steps "
+                                  "(default: only at the end)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)  # the deepspeed launcher passes it; LOCAL_RANK is used
     add_gpt_args(parser)
     add_runtime_args(parser)
     return parser.parse_args()
+
+
+def checkpoint_to_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, str] | None:
+    """``--resume`` as DeepSpeed's ``load_checkpoint(load_dir, tag)`` takes it: ``none`` -> None,
+    ``latest`` -> the tag named in ``checkpoint_dir/latest`` (DeepSpeed writes that file once
+    every rank has saved), a PATH -> its folder's parent and name (e.g. checkpoints/ch03/zero3/step100)."""
+    if resume == "none":
+        return None
+    if resume == "latest":
+        latest = checkpoint_dir / "latest"
+        if not latest.is_file():
+            raise UsageError(f"--resume latest: no checkpoint in {checkpoint_dir} (no 'latest' file)")
+        return checkpoint_dir, latest.read_text().strip()
+    path = Path(resume)
+    if not path.is_dir():
+        raise UsageError(f"--resume {resume}: no such checkpoint folder (give none, latest or the path "
+                         f"of one checkpoint, e.g. {checkpoint_dir / 'step100'})")
+    return path.parent, path.name
 
 
 def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -85,8 +99,13 @@ def main():
         ds_config = load_ds_config(args.deepspeed_config, args.global_batch_size)
         micro_batch = check_batch(ds_config, ctx.world_size, args.deepspeed_config)
         strategy = strategy_name(ds_config)
-        checkpoint_dir = Path(args.checkpoint_dir or f"checkpoints/ch03/{strategy}")
-        fp32_out = Path(args.fp32_out or f"checkpoints/ch03/{strategy}_fp32.pt")
+        try:
+            checkpoint_dir = Path(args.checkpoint_dir.format(strategy=strategy))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: unknown placeholder {exc} "
+                             "(known: {strategy})") from None
+        fp32_out = save_path(args.save, strategy=strategy)
+        resume_from = checkpoint_to_resume(args.resume, checkpoint_dir)
         deepspeed = import_deepspeed(ctx.device)
 
         cfg = gpt_config_from_args(args)
@@ -108,25 +127,22 @@ def main():
                  f"{ds_config['train_batch_size']} = {ctx.world_size} ranks x {micro_batch}")
 
         start_step = 0
-        if args.resume is not None:
-            tag = None if args.resume == "latest" else args.resume
-            if not (checkpoint_dir / "latest").exists() and tag is None:
-                raise UsageError(f"--resume: no checkpoint in {checkpoint_dir} (no 'latest' file)")
-            if tag is not None and not (checkpoint_dir / tag).is_dir():
-                raise UsageError(f"--resume {tag}: {checkpoint_dir / tag} does not exist")
+        if resume_from is not None:
+            load_dir, tag = resume_from
             # Every rank reads its own shard of weights and optimizer state, plus the client state.
             try:
-                loaded_path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+                loaded_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
             except (RuntimeError, KeyError, ValueError, AssertionError) as exc:  # another model/stage/world
-                raise UsageError(f"--resume: the checkpoint in {checkpoint_dir} does not fit this model, "
+                raise UsageError(f"--resume: the checkpoint {load_dir / tag} does not fit this model, "
                                  f"config or world size ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:150] if str(exc) else ''})") from None
             if loaded_path is None:
-                raise UsageError(f"--resume: could not load a checkpoint from {checkpoint_dir}")
+                raise UsageError(f"--resume: could not load a checkpoint from {load_dir / tag}")
             start_step = int(client_state["step"])
             log.info(f"resumed from {loaded_path} at step {start_step}")
 
-        harness = zero_harness(ctx, args, engine, optimizer, ds_config, args.deepspeed_config, param_count)
+        harness = zero_harness(ctx, engine, optimizer, ds_config, args.deepspeed_config,
+                               param_count=param_count, warmup_steps=args.warmup_steps, lr=args.lr)
 
         def save(step: int) -> str:
             tag = f"step{step}"
@@ -161,7 +177,7 @@ def main():
             eval_loss = lm_loss(engine(eval_inputs.to(engine.device)), eval_targets.to(engine.device)).item()
 
         dist.barrier()  # every shard is on disk before rank 0 reads them all
-        if ctx.is_main:
+        if ctx.is_main and fp32_out is not None:
             state_dict = consolidate_fp32(engine, checkpoint_dir, last_tag)
             atomic_save({"model": state_dict, "gpt_config": cfg.to_dict(), "strategy": strategy,
                          "steps": args.steps, "eval_loss": eval_loss, "seed": args.seed}, fp32_out)

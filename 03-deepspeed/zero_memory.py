@@ -2,19 +2,19 @@
 
 For each config the script builds a fresh copy of the transformer (same seed), trains it a few steps
 with DeepSpeed, and records with the shared harness the bytes of parameters, gradients and optimizer
-state each rank holds. Rank 0 then writes one record (``--record``, by default
-``03-deepspeed/records/zero_memory.jsonl``: command, machine, torch version, date) holding a table that
-sets those measurements next to
+state each rank holds. Rank 0 then writes one record (``--record``: command, machine, torch
+version, date) holding a table that sets those measurements next to
 
-* the formula for fp32 training with AdamW as DeepSpeed runs it (see ``ds_common.predicted_state_bytes``),
-* the ZeRO paper's mixed-precision formula (2Ψ + 2Ψ + KΨ, K = 12), and
+* the formula for fp32 training with AdamW as DeepSpeed runs it (``distkit.theory.zero_fp32_state_bytes``),
+* the ZeRO paper's mixed-precision formula (2Ψ + 2Ψ + KΨ, K = 12; ``distkit.theory.zero_paper_bytes``), and
 * DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``),
 
 and checks that every stage ends with the same weights (max |difference| against the first config).
-``readme_section`` draws the README's tables and plot from the committed record, never from a run:
+``readme_section`` draws the README's tables and plot from the committed record
+(``03-deepspeed/records/zero_memory.jsonl``), never from a run:
 
-    torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py
+    torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py --record 03-deepspeed/records/zero_memory.jsonl
     python -m distkit.records render 03-deepspeed
 """
 from __future__ import annotations
@@ -28,19 +28,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_ds_config, release_engine,
+                               resolve_auto, strategy_name, zero_harness, zero_stage)
+from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.logs import setup_logging
-from distkit.records import REPO, provenance, upsert
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.records import provenance, upsert
 
-from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, load_ds_config, paper_state_bytes,
-                       predicted_state_bytes, release_engine, resolve_auto, strategy_name, zero_harness,
-                       zero_stage)
-
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
-# The committed record the README's memory tables and plot are drawn from (readme_section).
+# The committed record the README's memory tables and plot are drawn from (readme_section). A run
+# writes it only when asked to (--record 03-deepspeed/records/zero_memory.jsonl).
 RECORD = Path(__file__).resolve().parent / "records" / "zero_memory.jsonl"
 
 
@@ -48,24 +48,22 @@ def parse_args():
     parser = ArgumentParser(
         description="Run ZeRO stages 0-3 and ZeRO-3 + CPU offload on the same model in one job; "
                     "measure per-rank model-state bytes and compare with the formulas and "
-                    "DeepSpeed's estimators. Writes a Markdown table, JSON and a PNG plot.",
+                    "DeepSpeed's estimators, in one record that the README's tables and plot are "
+                    "drawn from.",
         epilog="example: torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
                         help="config names in 03-deepspeed/configs (<name>_config.json) or JSON paths "
                              f"(default: {' '.join(DEFAULT_CONFIGS)})")
-    parser.add_argument("--steps", type=positive_int, default=8, help="optimizer steps per config (default: 8)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--record", default=os.path.relpath(RECORD),
-                        help="the run's record (a JSON Lines file; the record named zero_memory in it is "
-                             "replaced) that the README's tables and plot are drawn from "
-                             f"(default: {os.path.relpath(RECORD, REPO)})")
-    parser.add_argument("--params-dir", default=None,
-                        help="also save each config's final full fp32 weights here as <strategy>.pt")
-    parser.add_argument("--results", default="runs/ch03_results.jsonl",
-                        help="harness records are appended here (default: runs/ch03_results.jsonl)")
+    add_training_args(parser, steps=8, global_batch_size=32, lr=3e-3, results="runs/ch03_results.jsonl",
+                      helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
+    parser.add_argument("--record", default="runs/ch03_zero_memory.jsonl", metavar="FILE",
+                        help="the run's record (JSON Lines; the record named zero_memory in it is replaced). "
+                             "The README's tables and plot are drawn from "
+                             "03-deepspeed/records/zero_memory.jsonl: pass that file to re-record them "
+                             "(default: runs/ch03_zero_memory.jsonl)")
+    for action in add_checkpoint_args(parser, save="none")._group_actions:  # --save: one file per config
+        action.help = ("rank 0 writes each config's final full fp32 weights here, {strategy} "
+                       "filled in (e.g. runs/ch03_params/{strategy}.pt); 'none' skips it (default: none)")
     add_gpt_args(parser)
     add_runtime_args(parser)
     parser.set_defaults(model_size="small")
@@ -99,7 +97,8 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    harness = zero_harness(ctx, args, engine, optimizer, ds_config, path, param_count)
+    harness = zero_harness(ctx, engine, optimizer, ds_config, path, param_count=param_count,
+                           warmup_steps=args.warmup_steps, lr=args.lr)
     batch = args.global_batch_size
     for step in range(args.steps):
         inputs, targets = task.global_batch(step, batch)
@@ -135,7 +134,7 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
         offloaded = record["strategy"].endswith("offload")
         per_rank = record["metrics"]["model_state_bytes_per_rank"]
         measured = {key: max(r[key] for r in per_rank) for key in ("params", "grads", "optimizer")}
-        predicted = predicted_state_bytes(stage, psi, world_size)
+        predicted = theory.zero_fp32_state_bytes(stage, psi, world_size)
         estimator = None
         if stage == 2:
             estimator = estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=False)[1]
@@ -150,7 +149,7 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
             "measured": measured, "measured_total": sum(measured.values()),
             "predicted": predicted, "predicted_total": sum(predicted.values()),
             "ratio": sum(measured.values()) / sum(predicted.values()),
-            "paper_mixed_precision_total": paper_state_bytes(stage, psi, world_size),
+            "paper_mixed_precision_total": sum(theory.zero_paper_bytes(psi, world_size, stage).values()),
             "deepspeed_estimator_device_bytes": estimator,
             "peak_rss_bytes_max": max(record["metrics"]["peak_rss_bytes_per_rank"]),
             # GPU: torch.cuda.max_memory_allocated (model state + buckets + activations + gathered
@@ -284,6 +283,10 @@ def main():
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
         paths = [config_path(name) for name in args.configs]
+        one_file = save_path(args.save, strategy="a") == save_path(args.save, strategy="b")
+        if len(paths) > 1 and args.save != "none" and one_file:
+            raise UsageError(f"--save {args.save}: several configs would overwrite one file; "
+                             "put {strategy} in the path")
         for path in paths:  # check every config before training anything
             load_ds_config(path, args.global_batch_size)
         deepspeed = import_deepspeed(ctx.device)
@@ -306,16 +309,21 @@ def main():
                 log.info(f"{strategy:>14}: rank 0 holds params {state['params']:,} B, grads "
                          f"{state['grads']:,} B, optimizer {state['optimizer']:,} B | loss "
                          f"{record['final_loss']:.4f}")
-                if args.params_dir:
-                    atomic_save(weights, Path(args.params_dir) / f"{strategy}.pt")
+                out = save_path(args.save, strategy=strategy)
+                if out is not None:
+                    atomic_save(weights, out)
         dist.barrier()
         if ctx.is_main:
             table = build_rows(records, weights_by_strategy, cfg, ctx.world_size)
             command = launch_command(ctx.world_size)
             upsert(args.record, {"name": "zero_memory", **provenance(command), "backend": ctx.backend,
                                  "steps": args.steps, "table": table})
-            log.info(f"wrote {args.record}; redraw the README table and plot with: "
-                     f"python -m distkit.records render 03-deepspeed")
+            if Path(args.record).resolve() == RECORD:
+                log.info(f"wrote {args.record}; redraw the README table and plot with: "
+                         f"python -m distkit.records render 03-deepspeed")
+            else:
+                log.info(f"wrote {args.record} (the README's tables and plot are drawn from "
+                         f"{os.path.relpath(RECORD)})")
 
 
 if __name__ == "__main__":

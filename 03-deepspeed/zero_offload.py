@@ -18,17 +18,19 @@ where DeepSpeed's offload buffers are, and what remains measurable is the cost i
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_ds_config, release_engine,
+                               resolve_auto, zero_harness, zero_stage)
+from distkit.flags import add_training_args
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
-from ds_common import (CONFIG_DIR, check_batch, clean_slate, import_deepspeed, load_ds_config,
-                       release_engine, resolve_auto, zero_harness, zero_stage)
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def parse_args():
@@ -40,13 +42,8 @@ def parse_args():
                         help="config without offload (default: configs/zero3_config.json)")
     parser.add_argument("--offload-config", default=str(CONFIG_DIR / "zero3_offload_config.json"),
                         help="config with offload (default: configs/zero3_offload_config.json)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per config (default: 20)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/ch03_results.jsonl",
-                        help="harness records are appended here (default: runs/ch03_results.jsonl)")
+    add_training_args(parser, steps=20, global_batch_size=32, lr=3e-3, results="runs/ch03_results.jsonl",
+                      helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
     add_gpt_args(parser)
     add_runtime_args(parser)
     return parser.parse_args()
@@ -84,7 +81,8 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
                                            dist_init_required=False)
     # The harness starts the accelerator's peak window here, once the engine holds its state: on a
     # GPU everything ZeRO keeps on the device (or, with offload, does not) counts in the peak.
-    harness = zero_harness(ctx, args, engine, optimizer, ds_config, config_path, param_count)
+    harness = zero_harness(ctx, engine, optimizer, ds_config, config_path, param_count=param_count,
+                           warmup_steps=args.warmup_steps, lr=args.lr)
     where = {}
 
     def snapshot(opt, *_):

@@ -17,6 +17,15 @@ for those bugs.
 Every job runs with ``TORCH_EXTENSIONS_DIR`` in the test's temp dir, and the tests assert that it
 stays empty: no DeepSpeed op was JIT-compiled (a fresh CI machine would spend 30-60 s per op).
 
+Each README command runs once per module (module-scoped fixtures); the tests that check what it
+produced share that run. zero_memory.py runs on the README's 4 ranks (its bytes are checked at
+N = 4, as the README's table shows them); the training, resume and offload commands run on 2 ranks
+(``--nproc_per_node=2`` / ``--num_gpus=2``): what they check (resume bit for bit, equivalence with
+one process, where offloaded state lives) does not depend on the rank count, and on a 2-core
+machine 4 ranks cost twice the start-up. Flag and config-file checks that end before any process group exists run
+in this process (``parse_args``, ``load_ds_config``), with one launched script per kind of error
+showing that the script turns it into one line.
+
 The GPU versions of these checks are in ``test_ch03_gpu.py``.
 """
 from __future__ import annotations
@@ -26,116 +35,79 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from ch03_common import (CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state,
+                         load_script, max_diff, reference_weights)
+from distkit import UsageError, theory
+from distkit import deepspeed as dk
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import REPO, assert_one_line_error, command_argv, free_port, job_env, readme_commands, run
+from launch import (assert_one_line_error, assert_readme_covered, command_argv, free_port, job_env,
+                    readme_command, run)
 
-CHAPTER = REPO / "03-deepspeed"
-sys.path.insert(0, str(CHAPTER))  # ds_common, as the chapter scripts import it
-import ds_common  # noqa: E402
-README = CHAPTER / "README.md"
-WEIGHT_TOL = 5e-5
-LR = 3e-3
-SMALL = ["--model-size", "tiny", "--global-batch-size", "16"]
-EVAL_STEP, EVAL_BATCH = 10_000, 32  # as in 03-deepspeed/ds_common.py
+TRAIN = ("torchrun", "deepspeed_train.py")
+RESUME = ("deepspeed --num_gpus", "deepspeed_train.py")
+INFERENCE = "deepspeed_inference.py"
+OFFLOAD = "zero_offload.py"
+MEMORY = "zero_memory.py"
 
 
-def readme_command(*needles: str) -> str:
-    """The one README command that contains every needle."""
-    found = [c for c in readme_commands(README) if all(n in c for n in needles)]
-    assert len(found) == 1, f"expected one README command with {needles}, found {found}"
-    return found[0]
-
-
-def run_readme(command: str, extra: list, tmp_path: Path, timeout: float = 400):
-    """Run a README command as the reader would, with ``extra`` flags appended (the last value of a
-    repeated flag wins). torchrun gets --standalone and the deepspeed launcher a free port, so tests
-    running side by side never share a rendezvous port."""
+def run_readme(lookup, extra: list, tmp_path: Path, nproc: int | None = None, timeout: float = 400):
+    """Run the README command ``lookup`` finds, as the reader would, with ``extra`` flags appended
+    (the last value of a repeated flag wins) and, with ``nproc``, that many ranks instead of the
+    command's. torchrun gets --standalone and the deepspeed launcher a free port, so tests running
+    side by side never share a rendezvous port."""
+    needles = (lookup,) if isinstance(lookup, str) else lookup
     env = job_env(tmp_path, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
-    result = run([*command_argv(command), *map(str, extra)], timeout=timeout, env=env)
+    argv = command_argv(readme_command(README, *needles), nproc)
+    result = run([*argv, *map(str, extra)], timeout=timeout, env=env)
     built = list((tmp_path / "torch_extensions").glob("*"))
     assert not built, f"DeepSpeed JIT-compiled ops {built}: a fresh CI machine would build them"
     return result
 
 
-def reference_weights(steps: int, batch: int, lr: float = LR, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Single-process AdamW on the same global batches the distributed jobs trained on."""
-    cfg = gpt_config("tiny")
-    task = TokenTask(cfg, seed=seed)
-    torch.manual_seed(seed)
-    model = TinyGPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for step in range(steps):
-        inputs, targets = task.global_batch(step, batch)
-        optimizer.zero_grad()
-        lm_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def load_script(name: str):
-    """A chapter script as a module (its functions, without running main)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"ch03_{Path(name).stem}", CHAPTER / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def test_every_readme_command_is_run_by_a_test():
-    commands = readme_commands(README)
-    covered = [("torchrun", "deepspeed_train.py"), ("deepspeed --num_gpus", "deepspeed_train.py"),
-               ("deepspeed_inference.py",), ("zero_offload.py",), ("zero_memory.py",)]
-    for command in commands:
-        assert any(all(n in command for n in needles) for needles in covered), f"untested: {command}"
-    for needles in covered:
-        readme_command(*needles)
+    assert_readme_covered(README, [TRAIN, RESUME, INFERENCE, OFFLOAD, MEMORY])
 
 
-def test_zero_stages_match_single_process_and_the_memory_formulas(tmp_path):
-    """One job runs ZeRO 0, 1, 2, 3 and 3 + offload: same weights as one process; bytes per rank
-    as derived for fp32 AdamW."""
-    out, params, results = tmp_path / "out", tmp_path / "params", tmp_path / "results.jsonl"
-    record_file = tmp_path / "zero_memory.jsonl"
-    output = run_readme(readme_command("zero_memory.py"),
-                        [*SMALL, "--steps", 4, "--lr", LR, "--record", record_file, "--params-dir", params,
-                         "--results", results], tmp_path).stdout
-    assert "still referenced" not in output  # every engine was freed before the next config ran
+# ------------------------------------------------------------------------------------------------
+# zero_memory.py: ZeRO 0, 1, 2, 3 and 3 + offload in one job
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zero_memory(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("zero_memory")
+    params, results, record_file = tmp_path / "params", tmp_path / "results.jsonl", tmp_path / "zero_memory.jsonl"
+    output = run_readme(MEMORY, [*SMALL, "--steps", 4, "--lr", LR, "--record", record_file,
+                                 "--save", params / "{strategy}.pt", "--results", results], tmp_path).stdout
+    return {"tmp": tmp_path, "output": output, "params": params, "records": read_records(results),
+            "record_file": record_file}
 
+
+def test_zero_stages_train_the_single_process_model(zero_memory):
+    assert "still referenced" not in zero_memory["output"]  # every engine was freed before the next config ran
     reference = reference_weights(steps=4, batch=16)
-    strategies = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
-    for strategy in strategies:
-        diff = max_diff(safe_load(params / f"{strategy}.pt"), reference)
+    for strategy in STRATEGIES:
+        diff = max_diff(safe_load(zero_memory["params"] / f"{strategy}.pt"), reference)
         assert diff < WEIGHT_TOL, f"{strategy}: max |w - w_single| = {diff:.2e}"
 
-    records = read_records(results)
-    assert [r["strategy"] for r in records] == strategies
-    psi, n = sum(p.numel() for p in reference.values()), 4
+
+def test_zero_stages_hold_the_formulas_bytes(zero_memory):
+    """Bytes per rank as distkit.theory derives them for fp32 AdamW the way DeepSpeed runs it."""
+    records = zero_memory["records"]
+    assert [r["strategy"] for r in records] == STRATEGIES
+    cfg = gpt_config("tiny")
+    psi, n = sum(p.numel() for p in TinyGPT(cfg).parameters()), 4
     assert psi % n == 0  # no padding of the flat partitions for this model: the bytes are exact
-    # fp32: weights 4 B, gradients 4 B; optimizer = AdamW m + v (8 B) plus, at stages 1-3, the fp32
-    # master partition DeepSpeed keeps even in fp32 (K = 12 as in the ZeRO paper).
-    expected = {
-        "zero0": {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
-        # Known gap to the paper's stage 1 (full gradients, 4Ψ in fp32): DeepSpeed's stage 1 reduces
-        # gradients bucket by bucket during backward and keeps only its partition, like stage 2.
-        "zero1": {"params": 4 * psi, "grads": 4 * psi // n, "optimizer": 12 * psi // n},
-        "zero2": {"params": 4 * psi, "grads": 4 * psi // n, "optimizer": 12 * psi // n},
-        "zero3": {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 12 * psi // n},
-        "zero3_offload": {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 12 * psi // n},
-    }
     for record in records:
         assert record["param_count"] == psi
+        assert record["model"] == {"arch": "gpt", **cfg.to_dict()}
+        assert "model_size" not in record["config"] and "param_count" not in record["config"]
+        expected = expected_state(record["config"]["zero_stage"], psi, n)
         for rank, measured in enumerate(record["metrics"]["model_state_bytes_per_rank"]):
-            for key, value in expected[record["strategy"]].items():
+            for key, value in expected.items():
                 assert abs(measured[key] - value) <= 0.05 * value, (record["strategy"], rank, key, measured)
 
     # "auto" buckets as the engines parsed them: one rank's share of the model, not DeepSpeed's 5e8
@@ -152,65 +124,104 @@ def test_zero_stages_match_single_process_and_the_memory_formulas(tmp_path):
                     settings["stage3_max_reuse_distance"]) == (share, share, share), settings
     assert records[-1]["config"]["engine_settings"]["offload_optimizer.pin_memory"] is False
 
-    # The run's record (provenance + table) renders the README section: tables and plot.
+
+def test_zero_memory_record_renders_the_readme_section(zero_memory):
+    """The run's record (provenance + table) renders the README section: tables and plot."""
+    record_file = zero_memory["record_file"]
     [record] = [json.loads(line) for line in record_file.read_text().splitlines()]
     assert record["name"] == "zero_memory" and record["machine"]["device_name"] and record["torch"]
     assert record["command"].startswith("torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py")
     table = record["table"]
-    assert [row["strategy"] for row in table["rows"]] == strategies
+    assert [row["strategy"] for row in table["rows"]] == STRATEGIES
     assert all(row["peak_memory_kind"] == "cpu_peak_rss" and row["peak_memory_bytes_max"] > 0
                for row in table["rows"])
-    zero_memory = load_script("zero_memory.py")
+    psi, n = table["param_count"], table["world_size"]
+    for row in table["rows"]:  # the formula columns come from distkit.theory
+        assert row["predicted"] == theory.zero_fp32_state_bytes(row["stage"], psi, n)
+    out = zero_memory["tmp"] / "render"
     out.mkdir()
-    section = zero_memory.render_record(record_file, out)
+    section = load_script("zero_memory.py").render_record(record_file, out)
     assert (out / "zero_memory.png").stat().st_size > 10_000
     assert "| zero3_offload |" in section and ", gloo, torch" in section  # caption: where it ran
 
 
-def test_train_checkpoint_resume_consolidate_and_generate(tmp_path):
-    """ZeRO-3 via torchrun: 6 steps with a checkpoint at step 3; then the deepspeed launcher resumes
-    from step 3 and must end with the same weights; the consolidated fp32 state dict loads into the
-    plain model, matches single-process training and reproduces the engine's eval loss; the
-    inference script generates from it."""
+# ------------------------------------------------------------------------------------------------
+# deepspeed_train.py (torchrun, then the deepspeed launcher resuming) and deepspeed_inference.py
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """ZeRO-3 via torchrun on 2 ranks: 6 steps with a checkpoint at step 3; then the deepspeed
+    launcher resumes from the step-3 checkpoint's path and trains to step 6 again."""
+    tmp_path = tmp_path_factory.mktemp("train")
     checkpoints, results = tmp_path / "ckpt", tmp_path / "results.jsonl"
     straight, resumed = tmp_path / "straight_fp32.pt", tmp_path / "resumed_fp32.pt"
     common = [*SMALL, "--lr", LR, "--checkpoint-dir", checkpoints, "--results", results]
-    run_readme(readme_command("torchrun", "deepspeed_train.py"),
-               [*common, "--steps", 6, "--save-every", 3, "--fp32-out", straight], tmp_path)
-    assert (checkpoints / "step3").is_dir() and (checkpoints / "latest").read_text().strip() == "step6"
+    run_readme(TRAIN, [*common, "--steps", 6, "--save-every", 3, "--save", straight], tmp_path, nproc=2)
+    latest = (checkpoints / "latest").read_text().strip()
+    resume_out = run_readme(RESUME, [*common, "--steps", 6, "--resume", checkpoints / "step3",
+                                     "--save", resumed], tmp_path, nproc=2).stdout
+    return {"tmp": tmp_path, "checkpoints": checkpoints, "latest_after_first": latest,
+            "straight": straight, "resumed": resumed, "resume_out": resume_out,
+            "records": read_records(results)}
 
-    out = run_readme(readme_command("deepspeed --num_gpus", "deepspeed_train.py"),
-                     [*common, "--steps", 6, "--resume", "step3", "--fp32-out", resumed], tmp_path).stdout
-    assert "resumed from" in out and "at step 3" in out
 
-    first, second = safe_load(straight), safe_load(resumed)
+def test_resume_continues_the_same_run(trained):
+    assert (trained["checkpoints"] / "step3").is_dir() and trained["latest_after_first"] == "step6"
+    assert "resumed from" in trained["resume_out"] and "at step 3" in trained["resume_out"]
+    first, second = safe_load(trained["straight"]), safe_load(trained["resumed"])
     assert first["strategy"] == "zero3"
     assert max_diff(first["model"], second["model"]) == 0.0  # resumed = uninterrupted, bit for bit
+    records = trained["records"]
+    assert [r["resumed_from"] for r in records] == [0, 3]
+    assert all(r["strategy"] == "zero3" and r["config"]["precision"] == "fp32" and r["world_size"] == 2
+               for r in records)
+    assert all(r["param_count"] == sum(v.numel() for v in first["model"].values()) for r in records)
+
+
+def test_consolidated_weights_match_single_process_and_generate(trained):
+    """The consolidated fp32 state dict loads into the plain model, matches single-process training
+    and reproduces the engine's eval loss; the inference script generates from it."""
+    straight = trained["straight"]
+    first = safe_load(straight)
     diff = max_diff(first["model"], reference_weights(steps=6, batch=16))
     assert diff < WEIGHT_TOL, f"ZeRO-3 training vs single process: {diff:.2e}"
 
     cfg = gpt_config("tiny")
     model = TinyGPT(cfg)
     load_model_state(model, first["model"], str(straight))
-    inputs, targets = TokenTask(cfg).global_batch(EVAL_STEP, EVAL_BATCH)
+    inputs, targets = TokenTask(cfg).global_batch(dk.EVAL_STEP, dk.EVAL_BATCH)
     with torch.no_grad():
         plain_loss = lm_loss(model(inputs), targets).item()
     assert abs(plain_loss - first["eval_loss"]) < 1e-5, (plain_loss, first["eval_loss"])
 
-    records = read_records(results)
-    assert [r["resumed_from"] for r in records] == [0, 3]
-    assert all(r["strategy"] == "zero3" and r["config"]["precision"] == "fp32" for r in records)
-
-    out = run_readme(readme_command("deepspeed_inference.py"),
-                     ["--checkpoint", straight, "--new-tokens", 8, "--prompts", 2], tmp_path).stdout
+    out = run_readme(INFERENCE, ["--load", straight, "--new-tokens", 8, "--prompts", 2], trained["tmp"]).stdout
     assert f"eval loss {plain_loss:.4f}" in out
     assert "valid transitions in generated tokens:" in out
 
 
+def test_resume_that_finds_nothing_is_one_line(tmp_path):
+    """--resume latest in an empty folder and --resume PATH of a missing checkpoint: one line each,
+    before DeepSpeed is imported."""
+    script = load_script("deepspeed_train.py")
+    with pytest.raises(UsageError, match="--resume latest: no checkpoint in"):
+        script.checkpoint_to_resume("latest", tmp_path)
+    with pytest.raises(UsageError, match="no such checkpoint folder"):
+        script.checkpoint_to_resume(str(tmp_path / "step7"), tmp_path)
+    assert script.checkpoint_to_resume("none", tmp_path) is None
+    (tmp_path / "step3").mkdir()
+    (tmp_path / "latest").write_text("step3\n")
+    assert script.checkpoint_to_resume("latest", tmp_path) == (tmp_path, "step3")
+    assert script.checkpoint_to_resume(str(tmp_path / "step3"), Path("elsewhere")) == (tmp_path, "step3")
+
+
+# ------------------------------------------------------------------------------------------------
+# zero_offload.py
+# ------------------------------------------------------------------------------------------------
 def test_offload_trains_the_same_model_and_reports_placement(tmp_path):
     results = tmp_path / "results.jsonl"
-    out = run_readme(readme_command("zero_offload.py"), [*SMALL, "--steps", 4, "--results", results],
-                     tmp_path).stdout
+    n = 2
+    out = run_readme(OFFLOAD, [*SMALL, "--steps", 3, "--warmup-steps", 1, "--results", results], tmp_path,
+                     nproc=n).stdout
     base, offload = read_records(results)
     assert (base["strategy"], offload["strategy"]) == ("zero3", "zero3_offload")
     assert offload["config"]["offload"] == {"offload_optimizer": "cpu", "offload_param": "cpu"}
@@ -218,28 +229,28 @@ def test_offload_trains_the_same_model_and_reports_placement(tmp_path):
     assert base["metrics"]["model_state_bytes_per_rank"] == offload["metrics"]["model_state_bytes_per_rank"]
     assert out.count("-> host (offloaded)") == 4 and out.count("-> accelerator") == 4
     psi = base["param_count"]
-    assert f"model state kept off the accelerator: {20 * psi // 4:,} B per rank" in out
+    assert base["world_size"] == n and psi % n == 0
+    assert f"model state kept off the accelerator: {20 * psi // n:,} B per rank" in out  # 20Ψ/N, all of it
     # The first engine (a reference cycle) was collected before the second config ran.
     assert "still referenced" not in out
     assert offload["config"]["engine_settings"]["offload_param.pin_memory"] is False
 
 
-def test_bad_configs_fail_with_one_line_naming_the_file(tmp_path):
-    script = CHAPTER / "deepspeed_train.py"
-    broken = tmp_path / "broken.json"
-    broken.write_text('{"train_batch_size": 32,\n "zero_optimization": {"stage": 2,}}\n')
-    stage7 = tmp_path / "stage7.json"
-    stage7.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
-    for path, message in ((broken, "is not valid JSON"), (stage7, "unknown ZeRO stage 7")):
-        result = run([sys.executable, str(script), "--deepspeed_config", str(path)],
-                     env=job_env(tmp_path), check=False, timeout=120)
-        assert_one_line_error(result, message)
-        assert str(path) in [line for line in result.stdout.splitlines() if line.startswith("error:")][0]
+# ------------------------------------------------------------------------------------------------
+# Bad input: one line each
+# ------------------------------------------------------------------------------------------------
+def parse(script, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """A chapter script's ``parse_args`` on ``argv`` in this process: (exit status, stderr)."""
+    monkeypatch.setattr(sys, "argv", [script.__file__, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args()
+    return exit_info.value.code, capsys.readouterr().err
 
 
-def test_numeric_flags_are_checked_where_they_are_defined(tmp_path):
+def test_numeric_flags_are_checked_where_they_are_defined(tmp_path, monkeypatch, capsys):
     """A zero, negative or non-finite number is argparse's one line, before any process group or
-    DeepSpeed import (DeepSpeed's own AssertionError for a batch of 0 is never reached)."""
+    DeepSpeed import (DeepSpeed's own AssertionError for a batch of 0 is never reached): each case
+    through the script's parse_args here, and one through a launched script."""
     cases = [
         ("deepspeed_train.py", ["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer, got 0"),
         ("deepspeed_train.py", ["--global-batch-size", "-8"], "argument --global-batch-size: must be a positive integer, got -8"),
@@ -252,26 +263,43 @@ def test_numeric_flags_are_checked_where_they_are_defined(tmp_path):
         ("deepspeed_inference.py", ["--new-tokens", "0"], "argument --new-tokens: must be a positive integer"),
         ("deepspeed_inference.py", ["--prompts", "-1"], "argument --prompts: must be a positive integer"),
     ]
-    for script, flags, message in cases:
-        result = run([sys.executable, str(CHAPTER / script), *flags], env=job_env(tmp_path), check=False,
-                     timeout=120)
-        assert result.returncode == 2, (script, flags, result.stdout[-2000:])
-        assert_one_line_error(result, message)
+    scripts = {name: load_script(name) for name in {case[0] for case in cases}}
+    for name, flags, message in cases:
+        status, err = parse(scripts[name], flags, monkeypatch, capsys)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(errors) == 1 and message in errors[0], (name, flags, err)
+
+    result = run([sys.executable, str(CHAPTER / "deepspeed_train.py"), "--global-batch-size", "0"],
+                 env=job_env(tmp_path), check=False, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert_one_line_error(result, "argument --global-batch-size: must be a positive integer, got 0")
 
 
-def test_config_values_are_checked_with_one_line(tmp_path):
-    """Sizes and switches in a config file: "auto" or a value of the right kind, else one line."""
-    cases = [({"train_batch_size": 0}, "train_batch_size: must be a positive integer, got 0"),
+def test_bad_configs_fail_with_one_line_naming_the_file(tmp_path):
+    """Syntax errors, unknown stages, and sizes or switches that are neither "auto" nor of the right
+    kind: one UsageError naming the file; a launched script prints it as one line."""
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_batch_size": 32,\n "zero_optimization": {"stage": 2,}}\n')
+    cases = [(broken, "is not valid JSON"),
+             ({"zero_optimization": {"stage": 7}}, "unknown ZeRO stage 7"),
+             ({"train_batch_size": 0}, "train_batch_size: must be a positive integer, got 0"),
              ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}},
               "zero_optimization.reduce_bucket_size: must be a positive number"),
              ({"zero_optimization": {"stage": 2, "overlap_comm": "yes"}},
               "zero_optimization.overlap_comm must be true, false or \"auto\"")]
     for number, (config, message) in enumerate(cases):
-        path = tmp_path / f"bad{number}.json"
-        path.write_text(json.dumps(config))
-        result = run([sys.executable, str(CHAPTER / "deepspeed_train.py"), "--deepspeed_config", str(path)],
-                     env=job_env(tmp_path), check=False, timeout=120)
-        assert_one_line_error(result, message)
+        path = config if isinstance(config, Path) else tmp_path / f"bad{number}.json"
+        if not isinstance(config, Path):
+            path.write_text(json.dumps(config))
+        with pytest.raises(UsageError) as error:
+            dk.load_ds_config(path)
+        assert message in str(error.value) and str(path) in str(error.value), str(error.value)
+        assert "\n" not in str(error.value)
+
+    result = run([sys.executable, str(CHAPTER / "deepspeed_train.py"), "--deepspeed_config", str(broken)],
+                 env=job_env(tmp_path), check=False, timeout=120)
+    assert_one_line_error(result, "is not valid JSON")
+    assert str(broken) in [line for line in result.stdout.splitlines() if line.startswith("error:")][0]
 
 
 def test_auto_values_follow_the_model_and_the_device():
@@ -283,7 +311,7 @@ def test_auto_values_follow_the_model_and_the_device():
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     on_gpu = config(reduce_bucket_size="auto", allgather_bucket_size=1000)
-    chosen = ds_common.resolve_auto(on_gpu, cuda, param_count=1001, world_size=4)
+    chosen = dk.resolve_auto(on_gpu, cuda, param_count=1001, world_size=4)
     zero = on_gpu["zero_optimization"]
     assert zero["reduce_bucket_size"] == 251 and zero["allgather_bucket_size"] == 1000
     assert zero["stage3_prefetch_bucket_size"] == zero["stage3_max_reuse_distance"] == 251  # missing = auto
@@ -291,20 +319,20 @@ def test_auto_values_follow_the_model_and_the_device():
     assert chosen["overlap_comm"] is True and "allgather_bucket_size" not in chosen
 
     on_cpu = config()
-    ds_common.resolve_auto(on_cpu, cpu, param_count=7_000_000_000, world_size=8)
+    dk.resolve_auto(on_cpu, cpu, param_count=7_000_000_000, world_size=8)
     zero = on_cpu["zero_optimization"]
-    assert zero["reduce_bucket_size"] == ds_common.DEEPSPEED_DEFAULT_BUCKET  # 875M/rank: capped at 5e8
+    assert zero["reduce_bucket_size"] == dk.DEEPSPEED_DEFAULT_BUCKET  # 875M/rank: capped at 5e8
     assert zero["overlap_comm"] is False and zero["offload_optimizer"]["pin_memory"] is False
 
     stage1 = {"zero_optimization": {"stage": 1}}
-    ds_common.resolve_auto(stage1, cuda, param_count=100, world_size=2)
+    dk.resolve_auto(stage1, cuda, param_count=100, world_size=2)
     assert stage1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 50, "allgather_bucket_size": 50}
     stage0 = {"zero_optimization": {"stage": 0}}
-    assert ds_common.resolve_auto(stage0, cuda, param_count=100, world_size=2) == {}
+    assert dk.resolve_auto(stage0, cuda, param_count=100, world_size=2) == {}
 
     for shipped in sorted((CHAPTER / "configs").glob("*.json")):  # no 5e8 left in a shipped config
         zero = json.loads(shipped.read_text()).get("zero_optimization", {})
-        assert all(zero.get(key, "auto") == "auto" for key in ds_common.BUCKET_KEYS), shipped
+        assert all(zero.get(key, "auto") == "auto" for key in dk.BUCKET_KEYS), shipped
 
 
 def test_model_state_is_counted_on_untimed_steps_only(monkeypatch):
@@ -315,13 +343,13 @@ def test_model_state_is_counted_on_untimed_steps_only(monkeypatch):
     from distkit.runtime import DistContext
 
     walks = []
-    counting_bytes = ds_common._bytes
-    monkeypatch.setattr(ds_common, "_bytes", lambda *a: walks.append(1) or counting_bytes(*a))
+    counting_bytes = dk._bytes
+    monkeypatch.setattr(dk, "_bytes", lambda *a: walks.append(1) or counting_bytes(*a))
     ctx = DistContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo",
                       device=torch.device("cpu"), timeout_s=60)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters())
-    harness = ds_common.ZeroHarness(ctx, "test", model=model, warmup_steps=1, comm_steps=1)
+    harness = dk.ZeroHarness(ctx, "test", model=model, warmup_steps=1, comm_steps=1)
     harness.attach(SimpleNamespace(module=model), optimizer)
     walks_after = []
     for _ in range(5):
@@ -346,7 +374,7 @@ def test_kernel_inject_without_a_policy_is_one_line(tmp_path):
     script = CHAPTER / "deepspeed_inference.py"
     for flags, message in ((["--kernel-inject"], "--kernel-inject: DeepSpeed"),
                            (["--prompt-len", "99"], "--prompt-len 99: the task has")):
-        result = run([sys.executable, str(script), "--checkpoint", str(checkpoint), *flags],
+        result = run([sys.executable, str(script), "--load", str(checkpoint), *flags],
                      env=job_env(tmp_path), check=False, timeout=180)
         assert_one_line_error(result, message)
         assert "No default policy found" not in result.stdout

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,12 +27,10 @@ import torch
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import assert_one_line_error, command_argv, gpu_count, job_env, require_gpus, run
-from test_ch03_deepspeed import (CHAPTER, EVAL_BATCH, EVAL_STEP, LR, SMALL, WEIGHT_TOL,
-                                 max_diff, readme_command, reference_weights)
-
-sys.path.insert(0, str(CHAPTER))
-import ds_common  # noqa: E402
+from ch03_common import (LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state, max_diff,
+                         reference_weights)
+from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
+from launch import assert_one_line_error, command_argv, gpu_count, job_env, readme_command, require_gpus, run
 
 pytestmark = pytest.mark.gpu
 
@@ -44,14 +41,15 @@ NCCL = ["--backend", "nccl"]
 PEAK_ALLOWANCE = 256 * 2**20
 
 
-def run_gpu(command: str, ranks: int, extra: list, tmp_path: Path, timeout: float = 600, check: bool = True,
-            fresh_start: bool = False):
-    """A README command on ``ranks`` GPUs: its launcher's rank count replaced, ``extra`` appended,
-    the GPUs visible (``job_env(gpu=True)``). ``fresh_start`` drops the command's bare ``--resume``
-    (the README's deepspeed-launcher command continues an earlier run)."""
-    argv = command_argv(command, ranks)
+def run_gpu(needles: tuple[str, ...], ranks: int, extra: list, tmp_path: Path, timeout: float = 600,
+            check: bool = True, fresh_start: bool = False):
+    """The README command with ``needles`` on ``ranks`` GPUs: its launcher's rank count replaced,
+    ``extra`` appended, the GPUs visible (``job_env(gpu=True)``). ``fresh_start`` appends
+    ``--resume none`` (the README's deepspeed-launcher command continues an earlier run with
+    ``--resume latest``; the last value of a flag wins)."""
+    argv = command_argv(readme_command(README, *needles), ranks)
     if fresh_start:
-        argv = [arg for arg in argv if arg != "--resume"]
+        extra = [*extra, "--resume", "none"]
     env = job_env(tmp_path, gpu=True, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
     return run([*argv, *map(str, extra)], timeout=timeout, env=env, check=check)
 
@@ -62,15 +60,6 @@ def assert_on_nccl(record: dict, world_size: int) -> None:
     assert record["metrics"]["peak_memory_kind"] == "cuda_max_allocated"
 
 
-def expected_state(stage: int, psi: int, n: int) -> dict[str, float]:
-    """Per-rank model-state bytes as the CPU test expects them (DeepSpeed's stage 1 keeps only its
-    gradient partition at the optimizer step, like stage 2)."""
-    expected = ds_common.predicted_state_bytes(stage, psi, n)
-    if stage == 1:
-        expected["grads"] = 4 * psi / n
-    return expected
-
-
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_gpu_zero_stages_memory_and_equivalence(tmp_path, ranks):
     """zero_memory.py on NCCL: every stage trains the single-process model; model state per rank as
@@ -78,11 +67,11 @@ def test_gpu_zero_stages_memory_and_equivalence(tmp_path, ranks):
     pinned offload buffers switched on for CUDA."""
     require_gpus(ranks, f"zero_memory.py on {ranks} NCCL rank(s)")
     record_file, params, results = tmp_path / "zero_memory.jsonl", tmp_path / "params", tmp_path / "results.jsonl"
-    run_gpu(readme_command("zero_memory.py"), ranks,
-            [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--record", record_file, "--params-dir", params,
+    run_gpu(("zero_memory.py",), ranks,
+            [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--record", record_file, "--save", params / "{strategy}.pt",
              "--results", results], tmp_path)
 
-    strategies = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+    strategies = STRATEGIES
     records = read_records(results)
     assert [r["strategy"] for r in records] == strategies
     reference = reference_weights(steps=4, batch=16)
@@ -120,7 +109,7 @@ def test_gpu_offload_keeps_model_state_off_the_gpu(tmp_path):
     cpu; both train the same model; the CUDA peak drops by at least half of the 20Ψ bytes moved."""
     require_gpus(1, "zero_offload.py on one NCCL rank")
     results = tmp_path / "results.jsonl"
-    out = run_gpu(readme_command("zero_offload.py"), 1,
+    out = run_gpu(("zero_offload.py",), 1,
                   ["--model-size", "small", "--global-batch-size", 16, "--steps", 4, *NCCL,
                    "--results", results], tmp_path).stdout
     base, offload = read_records(results)
@@ -146,10 +135,10 @@ def test_gpu_train_resume_consolidate_and_generate(tmp_path):
     checkpoints, results = tmp_path / "ckpt", tmp_path / "results.jsonl"
     straight, resumed = tmp_path / "straight_fp32.pt", tmp_path / "resumed_fp32.pt"
     common = [*SMALL, *NCCL, "--lr", LR, "--checkpoint-dir", checkpoints, "--results", results]
-    run_gpu(readme_command("torchrun", "deepspeed_train.py"), 1,
-            [*common, "--steps", 6, "--save-every", 3, "--fp32-out", straight], tmp_path)
-    out = run_gpu(readme_command("deepspeed --num_gpus", "deepspeed_train.py"), 1,
-                  [*common, "--steps", 6, "--resume", "step3", "--fp32-out", resumed], tmp_path).stdout
+    run_gpu(("torchrun", "deepspeed_train.py"), 1,
+            [*common, "--steps", 6, "--save-every", 3, "--save", straight], tmp_path)
+    out = run_gpu(("deepspeed --num_gpus", "deepspeed_train.py"), 1,
+                  [*common, "--steps", 6, "--resume", checkpoints / "step3", "--save", resumed], tmp_path).stdout
     assert "resumed from" in out and "at step 3" in out
 
     records = read_records(results)
@@ -171,16 +160,16 @@ def test_gpu_train_resume_consolidate_and_generate(tmp_path):
     assert plain_loss < untrained - 0.5, (untrained, plain_loss)  # CPU reference: 4.18 -> 3.20
     assert abs(plain_loss - first["eval_loss"]) < 1e-4, (plain_loss, first["eval_loss"])
 
-    out = run_gpu(readme_command("deepspeed_inference.py"), 1,
-                  ["--checkpoint", straight, "--new-tokens", 8, "--prompts", 2, *NCCL], tmp_path).stdout
+    out = run_gpu(("deepspeed_inference.py",), 1,
+                  ["--load", straight, "--new-tokens", 8, "--prompts", 2, *NCCL], tmp_path).stdout
     found = re.search(r"inference engine on (\S+) in torch\.float16 \| eval loss ([\d.]+)", out)
     assert found, out[-3000:]
     assert found.group(1).startswith("cuda")
     assert abs(float(found.group(2)) - plain_loss) < 2e-2  # fp16 weights and activations
     assert "valid transitions in generated tokens:" in out
 
-    result = run_gpu(readme_command("deepspeed_inference.py"), 1,
-                     ["--checkpoint", straight, "--kernel-inject", *NCCL], tmp_path, check=False)
+    result = run_gpu(("deepspeed_inference.py",), 1,
+                     ["--load", straight, "--kernel-inject", *NCCL], tmp_path, check=False)
     assert_one_line_error(result, "--kernel-inject: DeepSpeed")
 
 
@@ -188,9 +177,9 @@ def test_gpu_two_ranks_train_like_one_process(tmp_path):
     """The deepspeed launcher on 2 GPUs (ZeRO-3 over NCCL) trains the single-process model."""
     require_gpus(2, "deepspeed --num_gpus=2 on NCCL")
     results, straight = tmp_path / "results.jsonl", tmp_path / "fp32.pt"
-    run_gpu(readme_command("deepspeed --num_gpus", "deepspeed_train.py"), 2,
+    run_gpu(("deepspeed --num_gpus", "deepspeed_train.py"), 2,
             [*SMALL, *NCCL, "--lr", LR, "--steps", 6, "--checkpoint-dir", tmp_path / "ckpt",
-             "--results", results, "--fp32-out", straight], tmp_path, fresh_start=True)
+             "--results", results, "--save", straight], tmp_path, fresh_start=True)
     (record,) = read_records(results)
     assert_on_nccl(record, 2)
     assert max_diff(safe_load(straight)["model"], reference_weights(steps=6, batch=16)) < GPU_TOL
@@ -201,9 +190,9 @@ def test_gpu_launcher_with_more_ranks_than_gpus(tmp_path):
     both counts; with the default backend, the job falls back to gloo on the CPU and trains."""
     require_gpus(1, "a GPU host, to ask for one GPU more than it has")
     have = gpu_count()
-    command = readme_command("deepspeed --num_gpus", "deepspeed_train.py")
+    command = ("deepspeed --num_gpus", "deepspeed_train.py")
     common = [*SMALL, "--global-batch-size", 2 * (have + 1), "--steps", 2, "--checkpoint-dir", tmp_path / "ckpt",
-              "--fp32-out", tmp_path / "fp32.pt"]
+              "--save", tmp_path / "fp32.pt"]
     result = run_gpu(command, have + 1, [*common, *NCCL, "--results", tmp_path / "nccl.jsonl"], tmp_path,
                      check=False, timeout=300, fresh_start=True)
     assert_one_line_error(result, f"--backend nccl: {have + 1} local ranks need {have + 1} GPUs")

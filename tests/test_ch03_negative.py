@@ -5,7 +5,7 @@ Why a separate comparison: test_ch03_deepspeed.py checks the README scripts, whi
 AdamW divides each update by sqrt(v), so gradients N times too large (summed over the ranks instead
 of averaged, or micro-batch losses not divided by the accumulation steps) move the weights almost
 exactly as the right ones do, and that test passes for them. Here the same engines (the chapter's
-config files read and sized by ds_common, ``deepspeed.initialize``, ``engine.backward`` /
+config files read and sized by distkit.deepspeed, ``deepspeed.initialize``, ``engine.backward`` /
 ``engine.step``) train with plain SGD, lr 0.5, 3 steps, 2 ranks, tiny GPT: a gradient scaled by N
 moves every weight N times as far. The reference trainer is written in the worker
 (tests/workers/ch03_negative.py), not taken from the chapter.
@@ -13,14 +13,14 @@ moves every weight N times as far. The reference trainer is written in the worke
 Measured on 2-core CPU, gloo (max |distributed - single process| over all weights; training moves
 them by up to 7.1e-2): ZeRO 0, 1, 2, 3 and ZeRO-2 with 2 accumulation steps 1.2e-7; each rank's
 loss x 2 (= gradients summed over 2 ranks, not averaged) at ZeRO-2 and ZeRO-3 6.6e-2; 2 micro-batches
-without the 1/2 (``scale_wrt_gas=False``) 6.6e-2. The tolerance (test_ch03_deepspeed's WEIGHT_TOL,
+without the 1/2 (``scale_wrt_gas=False``) 6.6e-2. The tolerance (WEIGHT_TOL of tests/ch03_common.py, used by test_ch03_deepspeed,
 5e-5) is 400x the correct runs' difference and 1,300x below the bugs' effect: a doubled update
 moves a weight by as much again as training itself moved it (up to 7e-2 here).
 """
 import json
 
+from ch03_common import WEIGHT_TOL
 from launch import WORKERS, job_env, torchrun
-from test_ch03_deepspeed import WEIGHT_TOL
 
 WIDE = 100  # a bug must exceed the tolerance by at least this factor
 CORRECT = ["zero0", "zero1", "zero2", "zero3", "accumulated"]

@@ -8,7 +8,7 @@ every weight N times as far.
 
 Each variant trains the tiny GPT from the same seed-0 weights through ``deepspeed.initialize`` with
 the chapter's own config files (``03-deepspeed/configs/zero{0,1,2,3}_config.json``, read, checked
-and sized by ``ds_common`` as the scripts do) and ``torch.optim.SGD`` as the client optimizer (no
+and sized by ``distkit.deepspeed`` as the scripts do) and ``torch.optim.SGD`` as the client optimizer (no
 JIT-compiled op). Variants:
 
 * ``zero0`` ... ``zero3``: correct, one micro-batch per step;
@@ -26,19 +26,17 @@ to ``--out`` (and prints it).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit import deepspeed as ds_setup
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
-CHAPTER = Path(__file__).resolve().parents[2] / "03-deepspeed"
-sys.path.insert(0, str(CHAPTER))
-import ds_common  # noqa: E402  (the chapter's config reading and DeepSpeed import)
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "03-deepspeed" / "configs"
 
 STEPS, LR, BATCH = 3, 0.5, 8
 VARIANTS = {  # name: (config, gradient accumulation steps, loss factor, scale_wrt_gas)
@@ -67,11 +65,11 @@ def reference() -> tuple[dict, dict]:
 def train(deepspeed, ctx, variant: str) -> dict:
     """One engine, as the chapter's scripts build it; the full weights after STEPS steps."""
     config_name, accumulation, factor, scale_wrt_gas = VARIANTS[variant]
-    config = ds_common.load_ds_config(ds_common.CONFIG_DIR / f"{config_name}_config.json", BATCH)
+    config = ds_setup.load_ds_config(CONFIG_DIR / f"{config_name}_config.json", BATCH)
     config["gradient_accumulation_steps"] = accumulation
     config["zero_allow_untested_optimizer"] = True  # ZeRO refuses a non-Adam client optimizer without it
     model = new_model()
-    ds_common.resolve_auto(config, ctx.device, sum(p.numel() for p in model.parameters()), ctx.world_size)
+    ds_setup.resolve_auto(config, ctx.device, sum(p.numel() for p in model.parameters()), ctx.world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            dist_init_required=False)
@@ -86,12 +84,12 @@ def train(deepspeed, ctx, variant: str) -> dict:
             engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
             engine.step()
     params = dict(engine.module.named_parameters())
-    if ds_common.zero_stage(engine.config) == 3:
+    if ds_setup.zero_stage(engine.config) == 3:
         with deepspeed.zero.GatheredParameters(list(params.values())):
             weights = {k: p.detach().clone() for k, p in params.items()}
     else:
         weights = {k: p.detach().clone() for k, p in params.items()}
-    ds_common.release_engine(engine)
+    ds_setup.release_engine(engine)
     return weights
 
 
@@ -107,7 +105,7 @@ def main():
     add_runtime_args(parser)
     args = parser.parse_args()
     with distributed(args) as ctx:
-        deepspeed = ds_common.import_deepspeed(ctx.device)
+        deepspeed = ds_setup.import_deepspeed(ctx.device)
         initial, final = reference()
         diffs = {"moved": max_diff(initial, final)}
         for variant in args.variants:

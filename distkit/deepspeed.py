@@ -1,9 +1,22 @@
-"""What the chapter-03 scripts share that is not the DeepSpeed lesson itself: reading and checking a
-DeepSpeed JSON config, resolving its ``"auto"`` values for the model and device at hand, importing
-DeepSpeed for the device the runtime chose, and counting the model-state bytes a ZeRO engine keeps
-(which live inside DeepSpeed, not in ``model.parameters()``).
+"""DeepSpeed plumbing for chapter 03 that is not the DeepSpeed lesson itself.
 
-The scripts import it as a sibling module (``python 03-deepspeed/x.py`` puts this folder on the path).
+The chapter scripts keep what a reader learns DeepSpeed from in the open: the JSON config,
+``deepspeed.initialize``, ``engine.backward`` / ``engine.step``, ``save_checkpoint`` /
+``load_checkpoint``. What they share besides lives here:
+
+* reading and checking a DeepSpeed JSON config (:func:`load_ds_config`, one error line naming the
+  file) and resolving this repository's ``"auto"`` values for the model and device at hand
+  (:func:`resolve_auto`);
+* importing DeepSpeed for the device the runtime chose without JIT-compiling ops the scripts do not
+  use (:func:`import_deepspeed`);
+* tearing an engine down so that the next configuration in the same process is measured on a clean
+  slate (:func:`release_engine`, :func:`clean_slate`);
+* counting the model state a ZeRO engine keeps (it lives inside DeepSpeed, not in
+  ``model.parameters()``) for the shared harness (:class:`ZeroHarness`, :func:`zero_harness`), and
+  the settings the engine actually runs with (:func:`engine_settings`).
+
+The formulas these measurements are compared with are in :mod:`distkit.theory`
+(``zero_fp32_state_bytes``, ``zero_paper_bytes``, ``deepspeed_prediction``).
 """
 from __future__ import annotations
 
@@ -18,15 +31,14 @@ from typing import Iterator
 
 import torch
 
-from distkit import UsageError
-from distkit.flags import check_value, positive_float, positive_int
-from distkit.harness import Harness, append_record, fresh_memory_peak
+from .flags import check_value, positive_float, positive_int
+from .harness import Harness, fresh_memory_peak
+from .runtime import UsageError
 
 STAGES = (0, 1, 2, 3)
 # The held-out batch both the trainer and the inference script score: TokenTask.global_batch(EVAL_STEP,
 # EVAL_BATCH) is never a training batch of these short runs.
 EVAL_STEP, EVAL_BATCH = 10_000, 32
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 # Element counts that size a transient buffer or a window of gathered parameters. "auto" (see
 # resolve_auto) sizes them from the model; a number is used as given.
@@ -322,15 +334,6 @@ class ZeroHarness(Harness):
     def state_bytes(self) -> dict[str, int]:
         return dict(getattr(self, "_snapshot", {}) or {"params": 0, "grads": 0, "optimizer": 0})
 
-    def finish(self, results_file=None, extra=None):
-        """The shared record, with the full parameter count (a ZeRO-3 parameter's numel() is 0)."""
-        record = super().finish(results_file=None, extra=extra)
-        if record is not None:
-            record["param_count"] = self.config.get("param_count", record["param_count"])
-            if results_file is not None:
-                append_record(results_file, record)
-        return record
-
 
 def engine_settings(engine) -> dict[str, object]:
     """The buffer and overlap settings as the engine parsed them (what it actually runs with)."""
@@ -348,42 +351,20 @@ def engine_settings(engine) -> dict[str, object]:
     return settings
 
 
-def zero_harness(ctx, args, engine, client_optimizer: torch.optim.Optimizer, ds_config: dict,
-                 config_path: str | os.PathLike, param_count: int) -> ZeroHarness:
+def zero_harness(ctx, engine, client_optimizer: torch.optim.Optimizer, ds_config: dict,
+                 config_path: str | os.PathLike, *, param_count: int, warmup_steps: int,
+                 lr: float) -> ZeroHarness:
     """The harness for one engine, attached, with the record config every ZeRO run of the chapter
-    shares (model, batch, stage, offload devices, config file, lr, the bucket/overlap/pinning
-    settings the engine runs with). ``param_count`` is counted before ``deepspeed.initialize``: a
-    ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
-    harness = ZeroHarness(ctx, strategy_name(ds_config), model=engine.module, warmup_steps=args.warmup_steps,
-                          config={"model_size": args.model_size,
-                                  "global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
-                                  "param_count": param_count, "zero_stage": zero_stage(ds_config),
+    shares (global batch, precision, stage, offload devices, config file, lr, the bucket/overlap/
+    pinning settings the engine runs with). The model's configuration goes into the record's
+    ``model`` field by itself (the engine's module is the small GPT). ``param_count`` is counted
+    before ``deepspeed.initialize``: a ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
+    harness = ZeroHarness(ctx, strategy_name(ds_config), model=engine.module, warmup_steps=warmup_steps,
+                          param_count=param_count,
+                          config={"global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
+                                  "zero_stage": zero_stage(ds_config),
                                   "offload": offload_devices(ds_config),
-                                  "deepspeed_config": Path(config_path).name, "lr": args.lr,
+                                  "deepspeed_config": Path(config_path).name, "lr": lr,
                                   "engine_settings": engine_settings(engine)})
     harness.attach(engine, client_optimizer)
     return harness
-
-
-def predicted_state_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
-    """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it.
-
-    The ZeRO paper counts mixed precision: 2 bytes of fp16 weights, 2 of fp16 gradients and K = 12
-    bytes of optimizer state (fp32 master weights 4 + Adam momentum 4 + variance 4) per parameter.
-    In fp32 the weights and gradients take 4 bytes each; DeepSpeed's ZeRO optimizer (stages 1-3)
-    still keeps a separate fp32 master partition, so K stays 12. Stage 0 wraps nothing: AdamW
-    updates the weights in place, K = 8.
-    """
-    if stage == 0:
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
-    if stage == 1:
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 12 * psi / n}
-    if stage == 2:
-        return {"params": 4 * psi, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
-    return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
-
-
-def paper_state_bytes(stage: int, psi: int, n: int, k: int = 12) -> float:
-    """The ZeRO paper's mixed-precision total per rank: 2Ψ + 2Ψ + KΨ, partitioned by stage."""
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-            3: (4 + k) * psi / n}[stage]
