@@ -1,53 +1,28 @@
 """What the textbooks predict for every strategy: per-rank model-state bytes and bytes communicated
-per optimizer step, as functions of the model's parameters, the world size, the precision and the
-mesh shape. The one home of every formula: chapter scripts print their predictions from it, and
-``benchmarks/plot.py``, the notebooks and the tests put the same predictions next to the harness's
-measurements.
+per optimizer step, from the model's parameter shapes, the world size and the mesh. The one home of
+every formula: chapter scripts print their predictions from it, and ``benchmarks/plot.py``, the
+notebooks and the tests put the same predictions next to the harness's measurements.
 
-Two kinds of formulas live here:
+One section per family of strategies (data parallel, ZeRO, FSDP, tensor parallel, pipeline), each
+with its source, its **napkin formula** (public: ``ddp_bytes``, ``zero_paper_bytes``,
+``megatron_tp_bytes_per_layer``, ``pipeline_bubble`` ...) and, beside it, its **implementation
+model**: the same formula applied parameter by parameter, with what the real implementation does on
+top (FSDP2 pads every parameter's dim 0 to a multiple of the shard group, DDP's buckets hold exactly
+the gradients, DeepSpeed ZeRO-3 partitions each parameter to ``ceil(numel / n)`` elements, DTensor
+shards split with ``torch.chunk`` sizes). Those details are why a prediction can match a
+measurement to the byte, and why the napkin formula is still within a fraction of a percent for
+models whose shapes divide evenly. :func:`predict` picks the family's model from :data:`PREDICTORS`.
 
-* the **paper formulas** a reader can do on a napkin (``zero_paper_bytes``, ``pipeline_bubble``,
-  ``megatron_tp_bytes_per_layer``, ``ddp_bytes``), with their sources;
-* the **implementation model** (:func:`predict`) that applies the same formulas parameter by
-  parameter, with what the real implementations do on top: FSDP2 pads every parameter's dim 0 to a
-  multiple of the shard-group size, DDP's gradient buckets hold exactly the gradients (no padding),
-  DeepSpeed ZeRO-3 partitions each parameter to ``ceil(numel / n)`` elements, DTensor shards split
-  dim 0/1 with ``torch.chunk`` sizes. Those details are why a prediction can match a measurement
-  to the byte, and why the paper formula is still within a fraction of a percent for models whose
-  shapes divide evenly.
-
-Sources
--------
-* ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-  Models", SC 2020 (arXiv:1910.02054), section 3 and figure 1: mixed-precision Adam keeps
-  2Ψ bytes of fp16 weights, 2Ψ of fp16 gradients and KΨ of optimizer state (K = 12: fp32 master
-  weights, momentum, variance); stage 1 partitions the K term, stage 2 also the gradients,
-  stage 3 also the weights: ``(2 + 2 + K)Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2 + K)Ψ/N``, ``(4 + K)Ψ/N``.
-  Section 7: stages 1-2 move 2Ψ elements per step like data parallelism (reduce-scatter +
-  all-gather), stage 3 3Ψ (an extra all-gather of the weights in backward).
-* nccl-tests bus bandwidth, ``doc/PERFORMANCE.md`` in NVIDIA/nccl-tests: the bytes each rank puts on
-  the wire are the payload times 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter,
-  all-to-all) or 1 (broadcast, reduce, send/recv). :func:`distkit.harness.bus_factor` implements it
-  and is reused here, so measurement and prediction use the same factor.
-* Megatron-LM: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-  Model Parallelism", 2019 (arXiv:1909.08053), section 3 and figure 4: per transformer layer two
-  all-reduces in the forward pass (after attention and after the MLP, operator ``g``) and two in
-  the backward pass (operator ``f``), each of the activations ``b x s x h``. Korthikanti et al.,
-  "Reducing Activation Recomputation in Large Transformer Models", 2022 (arXiv:2205.05198),
-  section 4.2.2: with sequence parallelism each all-reduce becomes a reduce-scatter plus an
-  all-gather of the same size.
-* Pipeline bubble: Huang et al., "GPipe", 2019 (arXiv:1811.06965) and Narayanan et al.,
-  "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021
-  (arXiv:2104.04473), section 2.2: with p stages and m micro-batches the idle fraction of a step is
-  (p - 1) / (m + p - 1); interleaving v model chunks per rank shrinks it to (p - 1) / (v m + p - 1).
-* FSDP2 (``torch.distributed.fsdp.fully_shard``): per-parameter sharding on dim 0, padded so every
-  rank holds ``ceil(dim0 / n)`` rows (PyTorch FSDP2 design, pytorch/pytorch issue #114299); each
-  unit all-gathers its parameters before forward (and again before backward when
-  ``reshard_after_forward``) and reduce-scatters its gradients after backward; HSDP all-reduces the
-  reduced shard across replicas.
+Conventions, shared with :mod:`distkit.harness`: ``bytes`` is the payload of a collective (gathers:
+the full output, reduce-scatter: the full input, as nccl-tests counts it) and ``bus_bytes`` the bytes
+one rank puts on the wire, payload x the nccl-tests bus factor (NVIDIA/nccl-tests,
+``doc/PERFORMANCE.md``: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n;
+broadcast, reduce, send/recv 1), the one :func:`distkit.harness.bus_factor` for measurement and
+prediction. Training is fp32 with AdamW (two moments) unless a function says otherwise.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -56,9 +31,6 @@ import torch
 from .harness import bus_factor, upgrade_record
 from .models import GPTConfig, TinyGPT
 
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
-STATE_KEYS = ("params", "grads", "optimizer")
-
 # Every strategy the benchmark knows, in the order plots show them.
 STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard",
               "fsdp_hybrid_shard", "hsdp", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "tp",
@@ -66,7 +38,82 @@ STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", 
 
 
 # ----------------------------------------------------------------------------------------------
-# Napkin formulas
+# Shared: parameter shapes, shard sizes, and how a prediction is written down
+# ----------------------------------------------------------------------------------------------
+
+def gpt_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every TinyGPT parameter (built on the meta device: no memory, exact)."""
+    return dict(_shapes(tuple(sorted(cfg.to_dict().items()))))
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(cfg_items: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    # cached per configuration: a table of many records asks for the same few models again and again
+    with torch.device("meta"):
+        model = TinyGPT(GPTConfig(**dict(cfg_items)))
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def chunk_sizes(length: int, parts: int) -> list[int]:
+    """The sizes ``torch.chunk`` (and DTensor ``Shard``) gives each of ``parts`` ranks."""
+    size = math.ceil(length / parts)
+    return [max(0, min(size, length - r * size)) for r in range(parts)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _stat(calls: float | None, payload: float, collective: str, group: int) -> dict:
+    return {"calls": calls, "bytes": payload, "bus_bytes": payload * bus_factor(collective, group)}
+
+
+def _add(comm: dict, collective: str, calls: float | None, payload: float, group: int) -> None:
+    entry = comm.setdefault(collective, {"calls": 0, "bytes": 0.0, "bus_bytes": 0.0})
+    entry["calls"] = None if calls is None or entry["calls"] is None else entry["calls"] + calls
+    entry["bytes"] += payload
+    entry["bus_bytes"] += payload * bus_factor(collective, group)
+
+
+def _adamw_state(param_elems: float, grad_elems: float | None = None, bytes_per: int = 4) -> dict:
+    """fp32 AdamW: 4 bytes of weight, 4 of gradient and 8 of moments per element held."""
+    grad_elems = param_elems if grad_elems is None else grad_elems
+    return {"params": param_elems * bytes_per, "grads": grad_elems * bytes_per,
+            "optimizer": 2 * param_elems * bytes_per}
+
+
+def _same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
+    return [dict(state) for _ in range(n)], [comm for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallelism (DDP, DDP from scratch, ZeRO-0): every rank holds everything and all-reduces
+# the gradients. Source: the nccl-tests bus factor above (a ring all-reduce moves 2(n-1)/n x payload).
+# ----------------------------------------------------------------------------------------------
+
+def ddp_bytes(psi: float, n: int, bytes_per_grad: int = 4) -> dict[str, float]:
+    """Data parallelism's gradient all-reduce per step: payload Ψ x bytes, bus bytes x 2(n-1)/n."""
+    payload = psi * bytes_per_grad
+    return {"bytes": payload, "bus_bytes": payload * bus_factor("all_reduce", n)}
+
+
+def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
+    """Every rank holds 16Ψ bytes of fp32 AdamW state and all-reduces 4Ψ bytes of gradients. DDP's
+    buckets are flat copies of the gradients (no padding); from scratch, one all-reduce per
+    parameter tensor moves the same bytes."""
+    psi = sum(_numel(s) for s in shapes.values())
+    calls = len(shapes) if strategy == "ddp_from_scratch" else None
+    return _same_on_every_rank(n, _adamw_state(psi), {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)})
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO (DeepSpeed). Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
+# Trillion Parameter Models", SC 2020 (arXiv:1910.02054), section 3 and figure 1: mixed-precision
+# Adam keeps 2Ψ bytes of fp16 weights, 2Ψ of fp16 gradients and KΨ of optimizer state (K = 12: fp32
+# master weights, momentum, variance); stage 1 partitions the K term, stage 2 also the gradients,
+# stage 3 also the weights: (2 + 2 + K)Ψ, 4Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N, (4 + K)Ψ/N. Section 7: stages
+# 1-2 move 2Ψ elements per step like data parallelism, stage 3 3Ψ (the weights gathered again in
+# backward).
 # ----------------------------------------------------------------------------------------------
 
 def zero_paper_bytes(psi: float, n: int, stage: int, k: float = 12) -> dict[str, float]:
@@ -86,33 +133,6 @@ def zero_paper_bytes(psi: float, n: int, stage: int, k: float = 12) -> dict[str,
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
-def ddp_bytes(psi: float, n: int, bytes_per_grad: int = 4) -> dict[str, float]:
-    """Data parallelism's gradient all-reduce per step: payload Ψ x bytes, bus bytes x 2(n-1)/n."""
-    payload = psi * bytes_per_grad
-    return {"bytes": payload, "bus_bytes": payload * bus_factor("all_reduce", n)}
-
-
-def megatron_tp_bytes_per_layer(batch: int, seq_len: int, hidden: int, tp: int,
-                                sequence_parallel: bool = False, bytes_per_element: int = 4) -> dict:
-    """Tensor-parallel collectives of one transformer layer per step (forward + backward).
-
-    Megatron: 2 all-reduces forward + 2 backward of the ``batch x seq x hidden`` activations.
-    With sequence parallelism: 4 all-gathers + 4 reduce-scatters of the same (full) size, the same
-    bus bytes as the all-reduces (an all-reduce is a reduce-scatter followed by an all-gather).
-    """
-    act = batch * seq_len * hidden * bytes_per_element
-    if not sequence_parallel:
-        return {"all_reduce": _stat(4, 4 * act, "all_reduce", tp)}
-    return {"all_gather": _stat(4, 4 * act, "all_gather", tp),
-            "reduce_scatter": _stat(4, 4 * act, "reduce_scatter", tp)}
-
-
-def megatron_tp_bytes(cfg: GPTConfig, batch: int, tp: int, sequence_parallel: bool = False) -> dict:
-    """:func:`megatron_tp_bytes_per_layer` for all ``cfg.n_layer`` blocks of the GPT (fp32 activations)."""
-    per_layer = megatron_tp_bytes_per_layer(batch, cfg.seq_len, cfg.n_embd, tp, sequence_parallel)
-    return {name: {key: value * cfg.n_layer for key, value in stat.items()} for name, stat in per_layer.items()}
-
-
 def zero_fp32_state_bytes(stage: int, psi: float, n: int) -> dict[str, float]:
     """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it (chapter 03).
 
@@ -127,55 +147,59 @@ def zero_fp32_state_bytes(stage: int, psi: float, n: int) -> dict[str, float]:
             "optimizer": 12 * psi / n}
 
 
-def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1) (GPipe; Narayanan et al. 2021)."""
-    p, m, v = stages, microbatches, chunks_per_rank
-    return (p - 1) / (v * m + p - 1)
+def deepspeed_prediction(stage: int, shapes: dict, n: int, stage3_window: int | None = None) -> tuple[dict, dict]:
+    """DeepSpeed ZeRO with this repository's configs (fp32, torch AdamW as the client optimizer).
 
+    State held at the optimizer step (what chapter 03's harness counts): the fp32 weights (stage 3:
+    this rank's partition), the fp32 gradient partition handed to the optimizer, and K = 12 bytes of
+    optimizer state per partition element: DeepSpeed keeps its own fp32 master partition even in
+    fp32 training, plus AdamW's two moments. Stages 1-2 flatten all parameters into one buffer
+    padded to a multiple of 2n elements (DeepSpeed's ``nccl_start_alignment_factor`` = 2); stage 3
+    partitions each parameter to ``ceil(numel / n)`` elements.
 
-def mixed_precision_state_per_gpu(strategy: str, psi: float, n: int, *, tp: int = 1,
-                                  shard_group: int | None = None, k: float = 12) -> float:
-    """Model-state bytes per GPU for mixed-precision AdamW (16 bytes/parameter unsharded).
-
-    For choosing a strategy from a parameter count (the notebook's "what fits?"): activations,
-    buffers and fragmentation come on top. ``n`` is the number of GPUs; for ``tp``/``pp`` the model
-    is split n ways; for 2-D meshes ``tp`` of the ``n`` GPUs form a TP group; ``shard_group`` is the
-    HSDP shard-group size. Offload strategies keep the optimizer state (and ZeRO-3 offload the
-    weights) in CPU memory: what stays on the GPU is the fp16 working copy's share.
+    Communication per step: stages 1-2 all-reduce the full gradient buffer on these CPU/gloo runs
+    (DeepSpeed reduces buckets with all-reduce, then each rank keeps its partition) and all-gather
+    the updated weights; stage 3 reduce-scatters the gradients and all-gathers the weights in
+    forward and again in backward (the paper's 3Ψ), except for what is still gathered when backward
+    starts: the last W parameter elements of forward, W = ``stage3_max_live_parameters``
+    (``stage3_window`` here, from the record's engine settings). So the weights are gathered
+    2 - min(W, Ψ)/Ψ times: twice when W is 0, once when W holds the whole model (and when the
+    record names no W: runs recorded before the chapter-03 configs set it used W = 1e9). Those
+    configs size W to one rank's share, ceil(Ψ/N): 1.5 gathers on 2 ranks, 1.75 on 4 (measured on
+    the tiny GPT, 2-core CPU, gloo: 1.505 and 1.763, the rest is module granularity, well inside the
+    1% bar on total bytes). Bookkeeping all-reduces of one or two scalars (overflow flag, gradient
+    norm) are not modelled (:data:`BOOKKEEPING_SLACK_BYTES`).
     """
-    full = (4 + k) * psi
-    if strategy in ("ddp", "ddp_from_scratch", "fsdp_no_shard", "zero0"):
-        return full
-    if strategy == "zero1":
-        return sum(zero_paper_bytes(psi, n, 1, k).values())
-    if strategy in ("zero2", "fsdp_shard_grad_op"):
-        return sum(zero_paper_bytes(psi, n, 2, k).values())
-    if strategy in ("zero3", "fsdp_full_shard", "tp", "tp_sp", "pp_gpipe", "pp_1f1b",
-                    "pp_interleaved_1f1b", "fsdp_tp_2d"):
-        return full / n
-    if strategy in ("fsdp_hybrid_shard", "hsdp"):
-        return full / (shard_group or n)
-    if strategy == "zero3_offload":
-        return 4 * psi / n  # fp16 params + grads partitions in flight; optimizer on the CPU
-    raise ValueError(f"unknown strategy {strategy!r}")
+    psi = sum(_numel(s) for s in shapes.values())
+    comm: dict = {}
+    if stage in (1, 2):
+        align = 2 * n
+        partition = math.ceil(psi / align) * align // n
+        state = {"params": 4 * psi, "grads": 4 * partition, "optimizer": 12 * partition}
+        _add(comm, "all_reduce", None, 4 * psi, n)
+        _add(comm, "all_gather", None, 4 * partition * n, n)
+    else:
+        partition = sum(math.ceil(_numel(s) / n) for s in shapes.values())
+        state = {"params": 4 * partition, "grads": 4 * partition, "optimizer": 12 * partition}
+        gathers = 1.0 if stage3_window is None else 2.0 - min(stage3_window, psi) / psi
+        _add(comm, "all_gather", None, gathers * 4 * partition * n, n)
+        _add(comm, "reduce_scatter", None, 4 * partition * n, n)
+    return state, comm
+
+
+def _predict_zero(strategy, shapes, cfg, n, batch, knobs):
+    """ZeRO-1/2/3 (and ZeRO-3 offload, whose bytes are the same): :func:`deepspeed_prediction`."""
+    state, comm = deepspeed_prediction(int(strategy[4]), shapes, n, knobs.get("stage3_max_live_parameters"))
+    return _same_on_every_rank(n, state, comm)
 
 
 # ----------------------------------------------------------------------------------------------
-# Implementation model: parameter by parameter
+# FSDP2 (``torch.distributed.fsdp.fully_shard``). Source: the FSDP2 design (pytorch/pytorch issue
+# #114299): per-parameter sharding on dim 0, padded so every rank holds ceil(dim0 / n) rows; each
+# unit all-gathers its parameters before forward (and again before backward when
+# ``reshard_after_forward``) and reduce-scatters its gradients after backward; HSDP all-reduces the
+# reduced shard across replicas. Napkin: FULL_SHARD = ZeRO-3 (3Ψ), SHARD_GRAD_OP = ZeRO-2 (2Ψ).
 # ----------------------------------------------------------------------------------------------
-
-def gpt_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every TinyGPT parameter (built on the meta device: no memory, exact)."""
-    with torch.device("meta"):
-        model = TinyGPT(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def chunk_sizes(length: int, parts: int) -> list[int]:
-    """The sizes ``torch.chunk`` (and DTensor ``Shard``) gives each of ``parts`` ranks."""
-    size = math.ceil(length / parts)
-    return [max(0, min(size, length - r * size)) for r in range(parts)]
-
 
 def fsdp_padded_numel(shape: tuple[int, ...], shard_group: int) -> int:
     """Elements of a parameter after FSDP2 pads dim 0 up to a multiple of the shard-group size."""
@@ -183,27 +207,6 @@ def fsdp_padded_numel(shape: tuple[int, ...], shard_group: int) -> int:
         return 1
     rows = math.ceil(shape[0] / shard_group) * shard_group
     return rows * math.prod(shape[1:])
-
-
-def _stat(calls: float | None, payload: float, collective: str, group: int) -> dict:
-    return {"calls": calls, "bytes": payload, "bus_bytes": payload * bus_factor(collective, group)}
-
-
-def _add(comm: dict, collective: str, calls: float | None, payload: float, group: int) -> None:
-    entry = comm.setdefault(collective, {"calls": 0, "bytes": 0.0, "bus_bytes": 0.0})
-    entry["calls"] = None if calls is None or entry["calls"] is None else entry["calls"] + calls
-    entry["bytes"] += payload
-    entry["bus_bytes"] += payload * bus_factor(collective, group)
-
-
-def _adamw_state(param_elems: float, grad_elems: float | None = None, bytes_per: int = 4) -> dict:
-    grad_elems = param_elems if grad_elems is None else grad_elems
-    return {"params": param_elems * bytes_per, "grads": grad_elems * bytes_per,
-            "optimizer": 2 * param_elems * bytes_per}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape) if shape else 1
 
 
 def _units(shapes: dict[str, tuple[int, ...]]) -> tuple[list[list[str]], list[str]]:
@@ -233,6 +236,8 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
     ``gather_bytes``: bytes per gathered element (2 when a bf16 ``MixedPrecisionPolicy`` casts the
     parameters before the all-gather; gradients are still reduced in fp32). ``wrap="root"``: one
     unit for the whole model (``fully_shard(model)`` alone), gathered once per step.
+    ``local_shapes``: the shapes this rank's FSDP sees when they differ from ``shapes`` (a TP shard
+    in a 2-D mesh).
     """
     shapes = local_shapes or shapes
     blocks, root = _units(shapes)
@@ -255,6 +260,54 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
         for unit in [*blocks, root]:
             _add(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
     return [_adamw_state(h) for h in held], comm
+
+
+def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
+    """FULL_SHARD / SHARD_GRAD_OP over all ranks, NO_SHARD as a shard group of one, HYBRID_SHARD /
+    HSDP as ``shard``-rank groups replicated n / shard times (:func:`fsdp_prediction`)."""
+    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op"):
+        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == "fsdp_full_shard")
+        return states, [comm] * n
+    if strategy == "fsdp_no_shard":
+        states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
+        return _same_on_every_rank(n, states[0], comm)
+    shard = int(knobs.get("shard", 2))
+    # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
+    # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
+    by_shard_rank, comm = fsdp_prediction(shapes, shard, n // shard, reshard_blocks=True)
+    # mesh (replicate, shard): rank r sits at shard coordinate r % shard
+    return [by_shard_rank[r % shard] for r in range(n)], [comm] * n
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism. Source: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter
+# Language Models Using Model Parallelism", 2019 (arXiv:1909.08053), section 3 and figure 4: per
+# transformer layer two all-reduces in the forward pass (after attention and after the MLP, operator
+# g) and two in the backward pass (operator f), each of the activations b x s x h. Korthikanti et
+# al., "Reducing Activation Recomputation in Large Transformer Models", 2022 (arXiv:2205.05198),
+# section 4.2.2: with sequence parallelism each all-reduce becomes a reduce-scatter plus an
+# all-gather of the same size.
+# ----------------------------------------------------------------------------------------------
+
+def megatron_tp_bytes_per_layer(batch: int, seq_len: int, hidden: int, tp: int,
+                                sequence_parallel: bool = False, bytes_per_element: int = 4) -> dict:
+    """Tensor-parallel collectives of one transformer layer per step (forward + backward).
+
+    Megatron: 2 all-reduces forward + 2 backward of the ``batch x seq x hidden`` activations.
+    With sequence parallelism: 4 all-gathers + 4 reduce-scatters of the same (full) size, the same
+    bus bytes as the all-reduces (an all-reduce is a reduce-scatter followed by an all-gather).
+    """
+    act = batch * seq_len * hidden * bytes_per_element
+    if not sequence_parallel:
+        return {"all_reduce": _stat(4, 4 * act, "all_reduce", tp)}
+    return {"all_gather": _stat(4, 4 * act, "all_gather", tp),
+            "reduce_scatter": _stat(4, 4 * act, "reduce_scatter", tp)}
+
+
+def megatron_tp_bytes(cfg: GPTConfig, batch: int, tp: int, sequence_parallel: bool = False) -> dict:
+    """:func:`megatron_tp_bytes_per_layer` for all ``cfg.n_layer`` blocks of the GPT (fp32 activations)."""
+    per_layer = megatron_tp_bytes_per_layer(batch, cfg.seq_len, cfg.n_embd, tp, sequence_parallel)
+    return {name: {key: value * cfg.n_layer for key, value in stat.items()} for name, stat in per_layer.items()}
 
 
 def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, sequence_parallel: bool) -> int:
@@ -287,60 +340,25 @@ def _tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tu
     return (numel // _numel(shape[1:]), *shape[1:])
 
 
-def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> list[str]:
-    """Parameters of pipeline stage ``stage`` (blocks spread evenly; embeddings first, head last)."""
-    first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
-    names = []
-    for name in shapes:
-        if name.startswith("blocks."):
-            if first <= int(name.split(".")[1]) < last:
-                names.append(name)
-        elif name.startswith(("tok_emb", "pos_emb")):
-            if stage == 0:
-                names.append(name)
-        elif stage == num_stages - 1:
-            names.append(name)
-    return names
+def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int) -> None:
+    """Sequence parallelism outside the blocks, and the replicated parameters' gradients.
 
+    tok_emb / pos_emb are row-parallel with a sequence-sharded output: a reduce-scatter forward
+    (of the batch's and of the position table's activations), an all-gather of their gradients
+    backward; the LM head gathers the sequence (all-gather forward, reduce-scatter backward) and
+    its column-parallel logits are all-gathered (``batch x seq x vocab``).
 
-# ----------------------------------------------------------------------------------------------
-# predict: one function per family, each beside its formula; PREDICTORS maps a strategy to it
-# ----------------------------------------------------------------------------------------------
-
-def _same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
-    return [dict(state) for _ in range(n)], [comm for _ in range(n)]
-
-
-def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
-    """Data parallelism (DDP, DDP from scratch, ZeRO-0): every rank holds 16Ψ bytes of fp32 AdamW
-    state and all-reduces 4Ψ bytes of gradients. DDP's buckets are flat copies of the gradients (no
-    padding); from scratch, one all-reduce per parameter tensor moves the same bytes."""
-    psi = sum(_numel(s) for s in shapes.values())
-    calls = len(shapes) if strategy == "ddp_from_scratch" else None
-    return _same_on_every_rank(n, _adamw_state(psi), {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)})
-
-
-def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
-    """FSDP2 (:func:`fsdp_prediction`): FULL_SHARD / SHARD_GRAD_OP over all ranks, NO_SHARD as a
-    shard group of one, HYBRID_SHARD / HSDP as ``shard``-rank groups replicated n / shard times."""
-    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op"):
-        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == "fsdp_full_shard")
-        return states, [comm] * n
-    if strategy == "fsdp_no_shard":
-        states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
-        return _same_on_every_rank(n, states[0], comm)
-    shard = int(knobs.get("shard", 2))
-    # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
-    # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
-    by_shard_rank, comm = fsdp_prediction(shapes, shard, n // shard, reshard_blocks=True)
-    # mesh (replicate, shard): rank r sits at shard coordinate r % shard
-    return [by_shard_rank[r % shard] for r in range(n)], [comm] * n
-
-
-def _predict_zero(strategy, shapes, cfg, n, batch, knobs):
-    """DeepSpeed ZeRO-1/2/3 (and ZeRO-3 offload, whose bytes are the same): :func:`deepspeed_prediction`."""
-    state, comm = deepspeed_prediction(int(strategy[4]), shapes, n, knobs.get("stage3_max_live_parameters"))
-    return _same_on_every_rank(n, state, comm)
+    Measured, and modelled as such: the norms' weight gradients come out of the sequence-sharded
+    backward as ``Partial`` DTensors, yet no all-reduce for them is dispatched in the step (the
+    chapter-05 test still finds every parameter equal to single-process training).
+    """
+    act = batch * cfg.seq_len * cfg.n_embd * 4
+    pos = cfg.seq_len * cfg.n_embd * 4
+    logits = batch * cfg.seq_len * cfg.vocab_size * 4
+    _add(comm, "reduce_scatter", 2, act + pos, tp)
+    _add(comm, "all_gather", 2, act + pos, tp)
+    _add(comm, "all_gather", 2, act + logits, tp)
+    _add(comm, "reduce_scatter", 1, act, tp)
 
 
 def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
@@ -374,11 +392,39 @@ def _predict_fsdp_tp(strategy, shapes, cfg, n, batch, knobs):
     return states, comms
 
 
+# ----------------------------------------------------------------------------------------------
+# Pipeline parallelism. Source: Huang et al., "GPipe", 2019 (arXiv:1811.06965) and Narayanan et al.,
+# "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021
+# (arXiv:2104.04473), section 2.2: with p stages and m micro-batches the idle fraction of a step is
+# (p - 1) / (m + p - 1); interleaving v model chunks per rank shrinks it to (p - 1) / (v m + p - 1).
+# ----------------------------------------------------------------------------------------------
+
+def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1) (GPipe; Narayanan et al. 2021)."""
+    p, m, v = stages, microbatches, chunks_per_rank
+    return (p - 1) / (v * m + p - 1)
+
+
+def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> list[str]:
+    """Parameters of pipeline stage ``stage`` (blocks spread evenly; embeddings first, head last)."""
+    first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
+    names = []
+    for name in shapes:
+        if name.startswith("blocks."):
+            if first <= int(name.split(".")[1]) < last:
+                names.append(name)
+        elif name.startswith(("tok_emb", "pos_emb")):
+            if stage == 0:
+                names.append(name)
+        elif stage == num_stages - 1:
+            names.append(name)
+    return names
+
+
 def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
-    """Pipeline parallelism: each rank holds its stages' parameters (blocks spread evenly,
-    embeddings on the first stage, head on the last) and sends one activation of a micro-batch
-    forward and receives its gradient backward per micro-batch and stage boundary; interleaved
-    1F1B gives each rank ``stages_per_rank`` stages (r, r + n, ...)."""
+    """Each rank holds its stages' parameters and, per micro-batch and stage boundary, sends one
+    activation of a micro-batch forward and receives its gradient backward; interleaved 1F1B gives
+    each rank ``stages_per_rank`` stages (r, r + n, ...)."""
     per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == "pp_interleaved_1f1b" else 1
     m = int(knobs.get("microbatches", 4))
     num_stages = n * per_rank
@@ -400,6 +446,10 @@ def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
     return states, comms
 
 
+# ----------------------------------------------------------------------------------------------
+# predict: the family's implementation model for one benchmark cell
+# ----------------------------------------------------------------------------------------------
+
 PREDICTORS = {
     "ddp": _predict_ddp, "ddp_from_scratch": _predict_ddp, "zero0": _predict_ddp,
     "fsdp_no_shard": _predict_fsdp, "fsdp_shard_grad_op": _predict_fsdp, "fsdp_full_shard": _predict_fsdp,
@@ -416,12 +466,10 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
     """Predicted model-state bytes per rank and collectives per step per rank for one benchmark cell.
 
     Returns ``{"state_per_rank": [{"params", "grads", "optimizer"}, ...],
-    "comm_per_rank": [{collective: {"calls", "bytes", "bus_bytes"}}, ...], "param_count": Ψ}``;
-    bytes are payloads as the harness counts them (gathers: the full output, reduce-scatter: the full
-    input) and bus bytes are payload x nccl-tests factor. fp32 training with AdamW (two moments).
-    ``knobs``: ``shard`` (HSDP shard-group size), ``tp`` (2-D mesh TP size), ``microbatches``,
-    ``stage3_max_live_parameters`` (ZeRO-3's window of gathered parameters),
-    ``stages_per_rank`` (interleaved pipeline).
+    "comm_per_rank": [{collective: {"calls", "bytes", "bus_bytes"}}, ...], "param_count": Ψ}``
+    (bytes and bus bytes as the module docstring defines them). ``knobs``: ``shard`` (HSDP
+    shard-group size), ``tp`` (2-D mesh TP size), ``microbatches``, ``stage3_max_live_parameters``
+    (ZeRO-3's window of gathered parameters), ``stages_per_rank`` (interleaved pipeline).
     """
     if strategy not in PREDICTORS:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
@@ -431,68 +479,55 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
             "state_per_rank": states, "comm_per_rank": comms}
 
 
-def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int) -> None:
-    """Sequence parallelism outside the blocks, and the replicated parameters' gradients.
+# ----------------------------------------------------------------------------------------------
+# Choosing a strategy from a parameter count: model state per GPU, mixed precision
+# ----------------------------------------------------------------------------------------------
 
-    tok_emb / pos_emb are row-parallel with a sequence-sharded output: a reduce-scatter forward
-    (of the batch's and of the position table's activations), an all-gather of their gradients
-    backward; the LM head gathers the sequence (all-gather forward, reduce-scatter backward) and
-    its column-parallel logits are all-gathered (``batch x seq x vocab``).
+# strategy -> how it splits mixed-precision AdamW's (2 + 2 + K)Ψ model state over n GPUs:
+#   "replicated"  (4 + K)Ψ on every GPU
+#   "zero1"       the ZeRO paper's stage 1: 4Ψ + KΨ/n          (optimizer state split)
+#   "zero2"       the ZeRO paper's stage 2: 2Ψ + (2 + K)Ψ/n    (and the gradients)
+#   "sharded"     (4 + K)Ψ / n  (everything split n ways: ZeRO-3/FSDP, or the layers by TP/PP/2-D)
+#   "shard_group" (4 + K)Ψ / shard group (HSDP: sharded inside a group, replicated across groups)
+#   "offload"     4Ψ / n        (ZeRO-3 offload: only the fp16 weights' and gradients' partitions
+#                                stay on the GPU, the optimizer state lives in CPU memory)
+MIXED_PRECISION_SPLIT = {
+    "ddp": "replicated", "ddp_from_scratch": "replicated", "fsdp_no_shard": "replicated", "zero0": "replicated",
+    "zero1": "zero1", "zero2": "zero2", "fsdp_shard_grad_op": "zero2",
+    "zero3": "sharded", "fsdp_full_shard": "sharded", "tp": "sharded", "tp_sp": "sharded", "pp_gpipe": "sharded",
+    "pp_1f1b": "sharded", "pp_interleaved_1f1b": "sharded", "fsdp_tp_2d": "sharded",
+    "fsdp_hybrid_shard": "shard_group", "hsdp": "shard_group",
+    "zero3_offload": "offload",
+}
 
-    Measured, and modelled as such: the norms' weight gradients come out of the sequence-sharded
-    backward as ``Partial`` DTensors, yet no all-reduce for them is dispatched in the step (the
-    chapter-05 test still finds every parameter equal to single-process training).
+
+def mixed_precision_state_per_gpu(strategy: str, psi: float, n: int, *, tp: int = 1,
+                                  shard_group: int | None = None, k: float = 12) -> float:
+    """Model-state bytes per GPU for mixed-precision AdamW (16 bytes/parameter unsharded), split as
+    :data:`MIXED_PRECISION_SPLIT` says.
+
+    For choosing a strategy from a parameter count (the notebook's "what fits?"): activations,
+    buffers and fragmentation come on top. ``n`` is the number of GPUs; ``shard_group`` the HSDP
+    shard-group size (default n). ``tp`` (the TP group of a 2-D mesh) does not change the result:
+    TP and FSDP together still split the model state n ways.
     """
-    act = batch * cfg.seq_len * cfg.n_embd * 4
-    pos = cfg.seq_len * cfg.n_embd * 4
-    logits = batch * cfg.seq_len * cfg.vocab_size * 4
-    _add(comm, "reduce_scatter", 2, act + pos, tp)
-    _add(comm, "all_gather", 2, act + pos, tp)
-    _add(comm, "all_gather", 2, act + logits, tp)
-    _add(comm, "reduce_scatter", 1, act, tp)
-
-
-def deepspeed_prediction(stage: int, shapes: dict, n: int, stage3_window: int | None = None) -> tuple[dict, dict]:
-    """DeepSpeed ZeRO with this repository's configs (fp32, torch AdamW as the client optimizer).
-
-    State held at the optimizer step (what ``ZeroHarness`` counts): the fp32 weights (stage 3: this
-    rank's partition), the fp32 gradient partition handed to the optimizer, and K = 12 bytes of
-    optimizer state per partition element: DeepSpeed keeps its own fp32 master partition even in
-    fp32 training, plus AdamW's two moments. Stages 1-2 flatten all parameters into one buffer
-    padded to a multiple of 2n elements (DeepSpeed's ``nccl_start_alignment_factor`` = 2); stage 3
-    partitions each parameter to ``ceil(numel / n)`` elements.
-
-    Communication per step: stages 1-2 all-reduce the full gradient buffer on these CPU/gloo runs
-    (DeepSpeed reduces buckets with all-reduce, then each rank keeps its partition) and all-gather
-    the updated weights; stage 3 reduce-scatters the gradients and all-gathers the weights in
-    forward and again in backward (the paper's 3Ψ), except for what is still gathered when backward
-    starts: the last W parameter elements of forward, W = ``stage3_max_live_parameters`` (``stage3_window``
-    here, from the record's engine settings). So the weights are gathered 2 - min(W, Ψ)/Ψ times:
-    twice when W is 0, once when W holds the whole model. The chapter-03 configs size W to one
-    rank's share, ceil(Ψ/N) (``"auto"``): 1.5 gathers on 2 ranks, 1.75 on 4 (measured on the tiny
-    GPT, 2-core CPU, gloo: 1.505 and 1.763, the rest is module granularity, well inside the 1% bar
-    on total bytes); runs recorded before used W = 1e9 (one gather). Bookkeeping all-reduces of one
-    or two scalars (overflow flag, gradient norm) are not modelled.
-    """
-    psi = sum(_numel(s) for s in shapes.values())
-    comm: dict = {}
-    if stage in (1, 2):
-        align = 2 * n
-        partition = math.ceil(psi / align) * align // n
-        state = {"params": 4 * psi, "grads": 4 * partition, "optimizer": 12 * partition}
-        _add(comm, "all_reduce", None, 4 * psi, n)
-        _add(comm, "all_gather", None, 4 * partition * n, n)
-    else:
-        partition = sum(math.ceil(_numel(s) / n) for s in shapes.values())
-        state = {"params": 4 * partition, "grads": 4 * partition, "optimizer": 12 * partition}
-        gathers = 1.0 if stage3_window is None else 2.0 - min(stage3_window, psi) / psi
-        _add(comm, "all_gather", None, gathers * 4 * partition * n, n)
-        _add(comm, "reduce_scatter", None, 4 * partition * n, n)
-    return state, comm
+    if strategy not in MIXED_PRECISION_SPLIT:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    full = (4 + k) * psi
+    split = MIXED_PRECISION_SPLIT[strategy]
+    if split == "replicated":
+        return full
+    if split in ("zero1", "zero2"):
+        return sum(zero_paper_bytes(psi, n, int(split[-1]), k).values())
+    if split == "sharded":
+        return full / n
+    if split == "shard_group":
+        return full / (shard_group or n)
+    return 4 * psi / n  # offload
 
 
 # ----------------------------------------------------------------------------------------------
-# Records
+# Records: the prediction for the cell a harness record measured, and the comparison
 # ----------------------------------------------------------------------------------------------
 
 def config_of_record(record: dict) -> GPTConfig:
