@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
+from distkit.flags import add_bucket_arg, add_training_args, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 
@@ -46,24 +46,23 @@ def parse_args():
     parser = ArgumentParser(
         description="Profile DDP's communication/computation overlap, sweep bucket_cap_mb, and time an "
                     "async all-reduce overlapping independent compute.",
-        epilog="example: torchrun --nproc_per_node=4 05-advanced/communication_overlap.py --bucket-mb 0.1 1 25")
+        epilog="example: torchrun --nproc_per_node=4 05-advanced/communication_overlap.py --bucket-cap-mb 0.1 1 25")
     parser.add_argument("--layers", type=positive_int, default=48,
                         help="linear layers of the model: many small tensors make per-call latency and "
                              "bucketing visible (default: 48, i.e. 96 parameter tensors)")
     parser.add_argument("--width", type=positive_int, default=128, help="width of each layer (default: 128)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default: 64)")
-    parser.add_argument("--bucket-mb", type=positive_float, nargs="+", default=[0.05, 0.25, 1.0, 25.0],
-                        help="bucket_cap_mb values to sweep (default: 0.05 0.25 1 25)")
-    parser.add_argument("--steps", type=positive_int, default=12, help="steps per sweep point (default: 12)")
-    parser.add_argument("--profile-bucket-mb", type=positive_float, default=0.25,
+    add_bucket_arg(parser, [0.05, 0.25, 1.0, 25.0], sweep=True,
+                   help_extra="; several values are swept, one harness record each")
+    parser.add_argument("--profile-bucket-cap-mb", type=positive_float, default=0.25,
                         help="bucket_cap_mb of the profiled step (default: 0.25)")
     parser.add_argument("--trace", default="runs/ddp_overlap_trace.json",
                         help="rank 0's Chrome trace of one DDP step (default: runs/ddp_overlap_trace.json)")
     parser.add_argument("--async-mib", type=positive_float, default=4.0,
                         help="size of the tensor all-reduced in the async demo, MiB (default: 4)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="one harness record per bucket size appended here (default: runs/results.jsonl)")
+    add_training_args(parser, steps=12, global_batch_size=256, lr=0.01, helps={
+        "steps": "steps per sweep point",
+        "global_batch_size": "samples per step over all ranks (SGD on random inputs)",
+        "results": "one harness record per bucket size appended here"})
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -177,7 +176,10 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        x = torch.randn(args.batch_size, args.width, device=ctx.device)
+        if args.global_batch_size % ctx.world_size:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} does not split over "
+                             f"{ctx.world_size} ranks")
+        x = torch.randn(args.global_batch_size // ctx.world_size, args.width, device=ctx.device)
         params = sum(p.numel() for p in many_tensor_model(args.layers, args.width).parameters())
         log.info(f"model: {args.layers} linear layers x {args.width} -> {2 * args.layers} tensors, "
                  f"{params * 4 / 2**20:.2f} MiB of fp32 gradients per step | {ctx.world_size} ranks, {ctx.backend}")
@@ -185,8 +187,8 @@ def main():
         # 1. Profile one step and compute how much of the all-reduce time backward hid.
         seed_everything(args.seed)
         model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=ctx.device_ids,
-                    bucket_cap_mb=args.profile_bucket_mb)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+                    bucket_cap_mb=args.profile_bucket_cap_mb)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
         for _ in range(2):  # warm up: DDP rebuilds its buckets after the first step
             ddp_step(model, optimizer, x)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
@@ -200,25 +202,24 @@ def main():
             prof.export_chrome_trace(args.trace)
         per_rank = [None] * ctx.world_size
         dist.all_gather_object(per_rank, overlap)
-        log.info(f"profiled step (bucket_cap_mb={args.profile_bucket_mb}): trace {args.trace}")
+        log.info(f"profiled step (bucket_cap_mb={args.profile_bucket_cap_mb}): trace {args.trace}")
         for rank, o in enumerate(per_rank):
             log.info(f"  rank {rank}: all-reduce busy {o['comm_ms']:.1f} ms, {o['hidden_ms']:.1f} ms under backward "
                      f"compute -> {o['hidden_fraction']:.0%} hidden")
 
         # 2. bucket_cap_mb sweep: same model and data, only the bucket size changes.
         log.info(f"{'bucket_cap_mb':>13} {'all-reduces/step':>16} {'samples/s':>10} {'ms/step':>8}")
-        for bucket_mb in args.bucket_mb:
+        for bucket_mb in args.bucket_cap_mb:
             seed_everything(args.seed)
             model = DDP(many_tensor_model(args.layers, args.width).to(ctx.device), device_ids=ctx.device_ids,
                         bucket_cap_mb=bucket_mb)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
             harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                              config={"script": "communication_overlap", "model": "mlp",
-                                      "layers": args.layers, "width": args.width,
-                                      "global_batch_size": args.batch_size * ctx.world_size,
-                                      "precision": "fp32", "param_count": params, "bucket_cap_mb": bucket_mb})
+                              model_config={"arch": "mlp", "layers": args.layers, "width": args.width},
+                              config={"script": "communication_overlap", "global_batch_size": args.global_batch_size,
+                                      "precision": "fp32", "bucket_cap_mb": bucket_mb, "lr": args.lr})
             for _ in progress(range(args.steps), ctx.rank, desc=f"bucket {bucket_mb} MB"):
-                with harness.step(samples=args.batch_size * ctx.world_size):
+                with harness.step(samples=args.global_batch_size):
                     ddp_step(model, optimizer, x)
             record = harness.finish(args.results, extra={"sweep": "bucket_cap_mb"})
             if ctx.is_main:

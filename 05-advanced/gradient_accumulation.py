@@ -19,7 +19,7 @@ By default the script trains twice from the same initial weights -- with ``no_sy
 all-reduce every micro-batch -- and prints the bytes per optimizer step the harness counted for each,
 and how far apart the two trained models are (they should be equal up to rounding).
 
-    torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --accumulation-steps 4
+    torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --grad-accum-steps 4
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
-from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.checkpoint import atomic_save
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
@@ -40,44 +40,36 @@ def parse_args():
     parser = ArgumentParser(
         description="Train the small GPT with DDP and gradient accumulation, with and without "
                     "no_sync(), and compare the communication per optimizer step.",
-        epilog="example: torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --accumulation-steps 8")
+        epilog="example: torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --grad-accum-steps 8")
     add_gpt_args(parser)
-    parser.add_argument("--accumulation-steps", type=positive_int, default=4,
-                        help="micro-batches whose gradients are summed per optimizer step (default: 4)")
-    parser.add_argument("--micro-batch-size", type=positive_int, default=4,
-                        help="sequences per rank per micro-batch (default: 4)")
+    training = add_training_args(parser, steps=10, global_batch_size=None, grad_accum_steps=4,
+                                 helps={"results": "one harness record per mode appended here"})
+    training.add_argument("--micro-batch-size", type=positive_int, default=4,
+                          help="sequences per rank per micro-batch (default: 4)")
+    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                          help="adamw (default) or plain sgd (update proportional to the gradient, so a "
+                               "forgotten 1/k shows; used by the tests)")
     parser.add_argument("--sync", choices=["no_sync", "every_micro_batch", "both"], default="both",
                         help="no_sync: all-reduce on the last micro-batch only; every_micro_batch: after "
                              "each backward; both: train once each and compare (default: both)")
-    parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps (default: 10)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw (default) or plain sgd (update proportional to the gradient, so a "
-                             "forgotten 1/k shows; used by the tests)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="one harness record per mode appended here (default: runs/results.jsonl)")
-    parser.add_argument("--checkpoint", default="checkpoints/gradient_accumulation_{sync}.pt",
-                        help="rank 0 saves each mode's trained model here "
-                             "(default: checkpoints/gradient_accumulation_{sync}.pt)")
+    add_checkpoint_args(parser, save="checkpoints/gradient_accumulation_{sync}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
 
 def train(args, ctx, cfg, use_no_sync: bool):
     """Train from fresh weights; return (harness record on rank 0, trained state dict)."""
-    k = args.accumulation_steps
+    k = args.grad_accum_steps
     effective_batch = args.micro_batch_size * k * ctx.world_size
     seed_everything(args.seed)  # both modes start from the same weights
     model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
     sync_name = "no_sync" if use_no_sync else "every_micro_batch"
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "gradient_accumulation", "model_size": args.model_size,
-                              "global_batch_size": effective_batch, "precision": "fp32",
-                              "param_count": sum(p.numel() for p in model.parameters()),
-                              "accumulation_steps": k, "micro_batch_size": args.micro_batch_size,
-                              "sync": sync_name, "lr": args.lr, "optimizer": args.optimizer})
+                      config={"script": "gradient_accumulation", "global_batch_size": effective_batch,
+                              "precision": "fp32", "grad_accum_steps": k,
+                              "micro_batch_size": args.micro_batch_size, "sync": sync_name, "lr": args.lr,
+                              "optimizer": args.optimizer})
     task = TokenTask(cfg, seed=args.seed)
     for step in progress(range(args.steps), ctx.rank, desc=sync_name):
         inputs, targets = task.global_batch(step, effective_batch)
@@ -102,7 +94,7 @@ def main():
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
         cfg = gpt_config_from_args(args)
-        k = args.accumulation_steps
+        k = args.grad_accum_steps
         log.info(f"effective batch = micro-batch {args.micro_batch_size} x accumulation {k} x world size "
                  f"{ctx.world_size} = {args.micro_batch_size * k * ctx.world_size} sequences per optimizer step")
         modes = {"no_sync": [True], "every_micro_batch": [False], "both": [True, False]}[args.sync]
@@ -111,8 +103,9 @@ def main():
             record, state = train(args, ctx, cfg, use_no_sync)
             if ctx.is_main:
                 name = record["config"]["sync"]
-                path = args.checkpoint.format(sync=name)
-                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": "ddp"}, path)
+                path = save_path(args.save, sync=name, strategy="ddp")
+                if path:
+                    atomic_save({"model": state, "config": cfg.to_dict(), "strategy": "ddp"}, path)
                 results[name] = (record, state, path)
         if not ctx.is_main:
             return
@@ -128,7 +121,8 @@ def main():
             saved = [results[n][0]["metrics"]["comm_per_step"]["all_reduce"]["bytes"] for n in results]
             log.info(f"no_sync moves {saved[1] / saved[0]:.1f}x fewer bytes (k = {k}); "
                      f"max |weight difference| between the two modes: {diff:.1e}")
-        log.info(f"saved {', '.join(r[2] for r in results.values())} | records appended to {args.results}")
+        paths = ", ".join(r[2] for r in results.values() if r[2])
+        log.info(f"saved {paths or 'nothing (--save none)'} | records appended to {args.results}")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.flags import non_negative_int, positive_float, positive_int
 from distkit.checkpoint import atomic_save
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
@@ -52,18 +52,12 @@ def parse_args():
     parser.add_argument("--replicate", type=positive_int, default=None,
                         help="hsdp: number of replicas (default: ranks / shard)")
     parser.add_argument("--shard", type=positive_int, default=2, help="hsdp: ranks that shard one replica (default: 2)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=16,
-                        help="sequences per optimizer step over all data-parallel ranks (default: 16)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw (default) or plain sgd (update proportional to the gradient; used by "
-                             "the equivalence tests)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="harness record appended here (default: runs/results.jsonl)")
-    parser.add_argument("--checkpoint", default="checkpoints/hybrid_{mode}.pt",
-                        help="rank 0 saves the trained, gathered model here (default: checkpoints/hybrid_{mode}.pt)")
+    training = add_training_args(parser, helps={
+        "global_batch_size": "sequences per optimizer step over all data-parallel ranks"})
+    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                          help="adamw (default) or plain sgd (update proportional to the gradient; used by "
+                               "the equivalence tests)")
+    add_checkpoint_args(parser, save="checkpoints/hybrid_{mode}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -92,7 +86,7 @@ def main():
         strategy = "fsdp_tp_2d" if args.mode == "2d" else "hsdp"
 
         model = TinyGPT(cfg).to(ctx.device)  # the same dense initial weights on every rank
-        param_count = sum(p.numel() for p in model.parameters())
+        param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         if args.mode == "2d":
             check_divisible(cfg, args.tp, sequence_parallel=False)
             apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False)  # inner axis first
@@ -116,10 +110,10 @@ def main():
                  f"placements {weight.placements} -> local {tuple(weight.to_local().shape)}")
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                          config={"script": "hybrid_parallelism", "model_size": args.model_size,
-                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
-                                  "param_count": param_count, "mesh": dict(zip(names, shape)),
-                                  "lr": args.lr, "optimizer": args.optimizer})
+                          param_count=param_count,  # the model field comes from model.cfg
+                          config={"script": "hybrid_parallelism", "global_batch_size": args.global_batch_size,
+                                  "precision": "fp32", "mesh": dict(zip(names, shape)), "lr": args.lr,
+                                  "optimizer": args.optimizer})
         task = TokenTask(cfg, seed=args.seed)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc=strategy):
@@ -143,8 +137,9 @@ def main():
                  for name, t in model.state_dict().items()}
         record = harness.finish(args.results, extra={"losses": losses})
         if ctx.is_main:
-            path = args.checkpoint.format(mode=args.mode)
-            atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
+            path = save_path(args.save, mode=args.mode, strategy=strategy)
+            if path:
+                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             log.info("collectives per step on rank 0 (harness):")
             for name, stat in record["metrics"]["comm_per_step"].items():
@@ -152,7 +147,7 @@ def main():
                          f"{stat['bus_bytes'] / 2**20:8.2f} MiB on the wire")
             held = [s["params"] for s in record["metrics"]["model_state_bytes_per_rank"]]
             log.info(f"parameter bytes held per rank: {held} (dense model: {param_count * 4})")
-            log.info(f"saved {path} | record appended to {args.results}")
+            log.info(f"saved {path or 'nothing (--save none)'} | record appended to {args.results}")
 
 
 if __name__ == "__main__":

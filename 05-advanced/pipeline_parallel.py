@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
-from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import positive_float, positive_int, non_negative_int
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
@@ -56,19 +56,14 @@ def parse_args():
                         help="micro-batches per step; several values are run in turn (default: 8)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=2,
                         help="interleaved_1f1b only: stages (model chunks) per rank (default: 2)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per run (default: 20)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step, split into micro-batches (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw (default) or plain sgd (update proportional to the gradient; used by "
-                             "the equivalence tests)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="one harness record per run appended here (default: runs/results.jsonl)")
-    parser.add_argument("--checkpoint", default="checkpoints/pipeline_{schedule}_m{microbatches}.pt",
-                        help="rank 0 saves the trained model of each run, gathered from all stages, here "
-                             "(default: checkpoints/pipeline_{schedule}_m{microbatches}.pt)")
+    training = add_training_args(parser, global_batch_size=32, helps={
+        "steps": "optimizer steps per run",
+        "global_batch_size": "sequences per optimizer step, split into micro-batches",
+        "results": "one harness record per run appended here"})
+    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                          help="adamw (default) or plain sgd (update proportional to the gradient; used by "
+                               "the equivalence tests)")
+    add_checkpoint_args(parser, save="checkpoints/pipeline_{schedule}_m{microbatches}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -205,9 +200,9 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     dist.all_gather_object(gathered, (my_bubble, *my_spans))
     all_bubbles = [g[0] for g in gathered]
     measured = [b for b in all_bubbles if b is not None]
-    theory = (pp - 1) / (per_rank * microbatches + pp - 1)
     bubble = {"measured_per_rank": all_bubbles,
-              "measured": sum(measured) / len(measured) if measured else None, "theory": theory,
+              "measured": sum(measured) / len(measured) if measured else None,
+              "theory": theory.pipeline_bubble(pp, microbatches, per_rank),  # (p-1) / (v m + p-1)
               "schedule_s_per_rank": [g[1] for g in gathered], "compute_s_per_rank": [g[2] for g in gathered]}
 
     pieces = [None] * pp
@@ -231,8 +226,11 @@ def main():
                 record, state = train_one_run(args, ctx, cfg, schedule_name, microbatches, log)
                 if not ctx.is_main:
                     continue
-                path = args.checkpoint.format(schedule=schedule_name, microbatches=microbatches)
-                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": record["strategy"]}, path)
+                path = save_path(args.save, strategy=record["strategy"], schedule=schedule_name,
+                                 microbatches=microbatches)
+                if path:
+                    atomic_save({"model": state, "config": cfg.to_dict(), "strategy": record["strategy"]}, path)
+                    summary.append(path)
                 bubble, losses = record["bubble"], record["losses"]
                 per_rank_mb = [s["params"] / 2**20 for s in record["metrics"]["model_state_bytes_per_rank"]]
                 sendrecv = record["metrics"]["comm_per_step"].get("send", {"calls": 0, "bytes": 0})
@@ -241,9 +239,8 @@ def main():
                          f"bubble measured {measured} vs theory {bubble['theory']:.2f} | "
                          f"rank 0 sends {sendrecv['calls']:.0f} x/step ({sendrecv['bytes'] / 2**20:.2f} MiB) | "
                          f"params per rank (MiB) " + " ".join(f"{mb:.2f}" for mb in per_rank_mb))
-                summary.append(path)
         if ctx.is_main:
-            log.info(f"saved {', '.join(summary)} | records appended to {args.results}")
+            log.info(f"saved {', '.join(summary) or 'nothing (--save none)'} | records appended to {args.results}")
 
 
 if __name__ == "__main__":

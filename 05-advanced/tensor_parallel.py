@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
+from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
@@ -43,21 +43,14 @@ def parse_args():
                     "1/world_size of each block's weights and sees the whole batch).",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel")
     add_gpt_args(parser)
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=16,
-                        help="sequences per optimizer step; every TP rank sees all of them (default: 16)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw (default) or plain sgd, whose update is proportional to the gradient, "
-                             "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
+    training = add_training_args(parser, helps={
+        "global_batch_size": "sequences per optimizer step; every TP rank sees all of them"})
+    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                          help="adamw (default) or plain sgd, whose update is proportional to the gradient, "
+                               "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also split norms, residuals and embeddings along the sequence (SP)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed harness warm-up steps (default: 2)")
-    parser.add_argument("--results", default="runs/results.jsonl",
-                        help="harness record appended here (default: runs/results.jsonl)")
-    parser.add_argument("--checkpoint", default="checkpoints/tensor_parallel.pt",
-                        help="rank 0 saves the trained, gathered (unsharded) model here "
-                             "(default: checkpoints/tensor_parallel.pt)")
+    add_checkpoint_args(parser, save="checkpoints/tensor_parallel_{strategy}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -106,18 +99,6 @@ def apply_tensor_parallel(model: TinyGPT, tp_mesh, sequence_parallel: bool) -> N
         })
 
 
-def expected_collectives(cfg, batch: int, tp: int, sequence_parallel: bool) -> dict[str, dict]:
-    """Per optimizer step, from the Megatron formulas (fp32 activations of batch x seq x n_embd)."""
-    act = batch * cfg.seq_len * cfg.n_embd * 4
-    layers = cfg.n_layer
-    if not sequence_parallel:  # 2 all-reduces forward + 2 backward per block
-        return {"all_reduce": {"calls": 4 * layers, "bytes": 4 * layers * act}}
-    # SP: each forward all-reduce -> reduce-scatter + all-gather, and backward mirrors forward
-    # (the gradient of an all-gather is a reduce-scatter and vice versa): 4 of each per block.
-    return {"all_gather": {"calls": 4 * layers, "bytes": 4 * layers * act},
-            "reduce_scatter": {"calls": 4 * layers, "bytes": 4 * layers * act}}
-
-
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
     """The unsharded weights (every rank must call it: full_tensor() all-gathers DTensor shards)."""
     return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
@@ -136,7 +117,7 @@ def main():
         # A 1-D mesh named "tp": every rank is one tensor-parallel shard.
         tp_mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
         model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank -> the same dense weights
-        param_count = sum(p.numel() for p in model.parameters())
+        param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
         optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
 
@@ -150,11 +131,10 @@ def main():
                      + ", ".join(f"r{r} {all_shapes[r][name][0]}" for r in range(ctx.world_size)))
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                          config={"script": "tensor_parallel", "model_size": args.model_size,
-                                  "global_batch_size": args.global_batch_size, "precision": "fp32",
-                                  "param_count": param_count, "tp": tp,
-                                  "sequence_parallel": args.sequence_parallel, "lr": args.lr,
-                                  "optimizer": args.optimizer})
+                          param_count=param_count,  # the model field comes from model.cfg
+                          config={"script": "tensor_parallel", "global_batch_size": args.global_batch_size,
+                                  "precision": "fp32", "tp": tp, "sequence_parallel": args.sequence_parallel,
+                                  "lr": args.lr, "optimizer": args.optimizer})
         task = TokenTask(cfg, seed=args.seed)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc=strategy):
@@ -170,21 +150,24 @@ def main():
         state = gathered_state_dict(model)
         record = harness.finish(args.results, extra={"losses": losses})
         if ctx.is_main:
-            atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, args.checkpoint)
+            path = save_path(args.save, strategy=strategy)
+            if path:
+                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             measured = record["metrics"]["comm_per_step"]
+            # Megatron's formula (distkit.theory): 4 collectives per block of batch x seq x n_embd fp32
+            formula = theory.megatron_tp_bytes(cfg, args.global_batch_size, tp, args.sequence_parallel)
             log.info("collectives per step (harness)   vs   formula (blocks only)")
-            for name, want in expected_collectives(cfg, args.global_batch_size, tp, args.sequence_parallel).items():
+            for name, want in formula.items():
                 got = measured.get(name, {"calls": 0, "bytes": 0})
                 log.info(f"  {name:<15} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.2f} MiB   vs   "
                          f"{want['calls']:>4} calls {want['bytes'] / 2**20:8.2f} MiB")
-            others = {k: v for k, v in measured.items()
-                      if k not in expected_collectives(cfg, 1, tp, args.sequence_parallel)}
-            for name, got in others.items():
-                log.info(f"  {name:<15} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.2f} MiB   "
-                         "(embeddings, LM head and norm gradients)")
+            for name, got in measured.items():
+                if name not in formula:
+                    log.info(f"  {name:<15} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.2f} MiB   "
+                             "(embeddings, LM head and norm gradients)")
             step_time = record["metrics"]["step_time_s_median"]
-            log.info(f"saved {args.checkpoint} | record appended to {args.results}"
+            log.info(f"saved {path or 'nothing (--save none)'} | record appended to {args.results}"
                      + (f" | median step {step_time * 1000:.0f} ms" if step_time else ""))
 
 

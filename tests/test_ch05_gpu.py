@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from distkit.harness import read_records
+from ch05_common import QUICK, readme_command, reference
 from launch import REPO, job_env, require_gpus, torchrun
-from test_ch05_advanced import QUICK, readme_command, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ def test_tensor_parallel_on_one_gpu(sequence_parallel, tmp_path):
     results, ckpt = tmp_path / "r.jsonl", tmp_path / "tp.pt"
     gpu_launch(tmp_path, "tensor_parallel.py", *(["--sequence-parallel"] if sequence_parallel else []),
                without=None if sequence_parallel else "--sequence-parallel", nproc=1,
-               extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--checkpoint", ckpt))
+               extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--save", ckpt))
     expected, losses = reference(16)
     assert_matches(ckpt, expected)
     (record,) = read_records(results)
@@ -80,7 +80,7 @@ def pipeline_records(tmp_path, nproc=None) -> dict:
     results = tmp_path / "r.jsonl"
     gpu_launch(tmp_path, "pipeline_parallel.py", "nproc_per_node=4", nproc=nproc,
                extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
-                      "--results", results, "--checkpoint", tmp_path / "{schedule}_m{microbatches}.pt"))
+                      "--results", results, "--save", tmp_path / "{schedule}_m{microbatches}.pt"))
     expected, losses = reference(16, n_layer=8)
     records = {r["config"]["schedule"]: r for r in read_records(results)}
     assert set(records) == {"gpipe", "1f1b", "interleaved_1f1b"}
@@ -108,7 +108,7 @@ def test_hybrid_parallelism_on_one_gpu(mode, one_by_one, tmp_path):
     results = tmp_path / "r.jsonl"
     gpu_launch(tmp_path, "hybrid_parallelism.py", f"--mode {mode}", "nproc_per_node=4", nproc=1,
                extra=(*QUICK, *one_by_one, "--global-batch-size", 16, "--results", results,
-                      "--checkpoint", tmp_path / "{mode}.pt"))
+                      "--save", tmp_path / "{mode}.pt"))
     expected, losses = reference(16)
     assert_matches(tmp_path / f"{mode}.pt", expected)
     (record,) = read_records(results)
@@ -120,8 +120,8 @@ def test_gradient_accumulation_on_one_gpu(tmp_path):
     require_gpus(1)
     results, k = tmp_path / "r.jsonl", 4
     gpu_launch(tmp_path, "gradient_accumulation.py", nproc=1,
-               extra=(*QUICK, "--accumulation-steps", k, "--micro-batch-size", 2, "--results", results,
-                      "--checkpoint", tmp_path / "{sync}.pt"))
+               extra=(*QUICK, "--grad-accum-steps", k, "--micro-batch-size", 2, "--results", results,
+                      "--save", tmp_path / "{sync}.pt"))
     expected, _ = reference(2 * k)  # one k-times larger batch on one rank
     assert_matches(tmp_path / "no_sync.pt", expected)
     assert_matches(tmp_path / "every_micro_batch.pt", expected)
@@ -140,7 +140,7 @@ OVERLAP_LINE = re.compile(r"rank (\d+): all-reduce busy ([\d.]+) ms, ([\d.]+) ms
 def overlap_run(tmp_path, nproc: int):
     results, trace = tmp_path / "r.jsonl", tmp_path / "trace.json"
     out = gpu_launch(tmp_path, "communication_overlap.py", nproc=nproc,
-                     extra=("--layers", 16, "--steps", 4, "--warmup-steps", 1, "--bucket-mb", 0.02, 25,
+                     extra=("--layers", 16, "--steps", 4, "--warmup-steps", 1, "--bucket-cap-mb", 0.02, 25,
                             "--async-mib", 1, "--results", results, "--trace", trace))
     assert trace.stat().st_size > 0
     assert "CUDA_DEVICE_MAX_CONNECTIONS=" in out.stdout
@@ -190,10 +190,10 @@ def test_readme_pipeline_on_four_gpus(tmp_path):
                          ids=["tp", "tp_sp", "2d", "hsdp"])
 def test_readme_commands_on_four_gpus(needles, tmp_path):
     require_gpus(4, "one GPU per rank; the meshes are 4 ranks")
-    results, ckpt = tmp_path / "r.jsonl", tmp_path / "model_{mode}.pt"
+    results, ckpt = tmp_path / "r.jsonl", tmp_path / "model_{strategy}.pt"  # both scripts fill {strategy}
     without = "--sequence-parallel" if needles == ("tensor_parallel.py",) else None
     gpu_launch(tmp_path, *needles, without=without,
-               extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--checkpoint", ckpt))
+               extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--save", ckpt))
     expected, losses = reference(16)
     saved = next(tmp_path.glob("model_*.pt"))
     assert_matches(saved, expected)
@@ -206,8 +206,8 @@ def test_readme_gradient_accumulation_on_four_gpus(tmp_path):
     require_gpus(4, "one GPU per rank")
     results, k = tmp_path / "r.jsonl", 4
     gpu_launch(tmp_path, "gradient_accumulation.py",
-               extra=(*QUICK, "--accumulation-steps", k, "--micro-batch-size", 2, "--results", results,
-                      "--checkpoint", tmp_path / "{sync}.pt"))
+               extra=(*QUICK, "--grad-accum-steps", k, "--micro-batch-size", 2, "--results", results,
+                      "--save", tmp_path / "{sync}.pt"))
     expected, _ = reference(2 * k * 4)
     assert_matches(tmp_path / "no_sync.pt", expected)
     assert_matches(tmp_path / "every_micro_batch.pt", expected)

@@ -1,5 +1,5 @@
 """Negative controls for chapter 05's equivalence tests (test_ch05_advanced.py): the same comparison
-with single-process SGD training (TOLERANCE 1e-5, lr 0.5, 3 steps), run on deliberately broken
+with single-process SGD training (ch05_common: TOLERANCE 1e-5, lr 0.5, 3 steps), run on deliberately broken
 variants, must fail it by a wide factor.
 
 One 4-rank launch of the worker; each strategy is built from the chapter script's own functions
@@ -25,8 +25,8 @@ import json
 
 import torch
 
+from ch05_common import QUICK, TOLERANCE, readme_command, reference
 from launch import REPO, WORKERS, torchrun
-from test_ch05_advanced import QUICK, TOLERANCE, readme_command, reference
 
 WIDE = 100  # a bug must exceed the tolerance by at least this factor
 CASES = {"accumulation": ("accumulated", ["unscaled_loss", "skipped_micro_batch"]),
@@ -55,8 +55,8 @@ def test_accumulation_without_1_over_k_fails_the_equivalence_test(tmp_path):
     k = 4
     nproc, script, args = readme_command("gradient_accumulation.py")
     torchrun(WORKERS / "ch05_mutant.py", REPO / script, "lm_loss(model(x), y) / k", "lm_loss(model(x), y)",
-             "--", *args, *QUICK, "--accumulation-steps", k, "--micro-batch-size", 2,
-             "--results", tmp_path / "r.jsonl", "--checkpoint", tmp_path / "{sync}.pt",
+             "--", *args, *QUICK, "--grad-accum-steps", k, "--micro-batch-size", 2,
+             "--results", tmp_path / "r.jsonl", "--save", tmp_path / "{sync}.pt",
              nproc=nproc, tmp_path=tmp_path, timeout=400)
     expected, _ = reference(2 * k * nproc)  # the same reference as the equivalence test
     for sync in ("no_sync", "every_micro_batch"):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from mutation import mutated_source  # tests/workers/mutation.py, beside this worker
+
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3:
@@ -22,10 +24,7 @@ def main(argv: list[str]) -> None:
     script, old, new, *rest = argv
     rest = rest[1:] if rest[:1] == ["--"] else rest
     path = Path(script).resolve()
-    source = path.read_text()
-    if source.count(old) != 1:
-        sys.exit(f"error: {old!r} occurs {source.count(old)} times in {script}, expected exactly once")
-    code = compile(source.replace(old, new), str(path), "exec")
+    code = compile(mutated_source(path, old, new), str(path), "exec")  # old must occur exactly once
     sys.argv = [str(path), *rest]
     sys.path.insert(0, str(path.parent))  # as when the script is run directly
     exec(code, {"__name__": "__main__", "__file__": str(path)})

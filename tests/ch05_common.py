@@ -1,0 +1,57 @@
+"""What chapter 05's tests share (CPU suite, GPU suite, negative controls): the quick flags, the
+equivalence tolerance, the single-process reference and the README commands they launch.
+
+Equivalence: every strategy trains the tiny GPT for STEPS plain-SGD steps at lr LR in fp32, and its
+saved weights must equal one process training the same initial weights on the whole global batch
+within TOLERANCE (1e-5 absolute on every parameter). test_ch05_advanced.py's docstring says why SGD
+and where the tolerance comes from; test_ch05_negative.py proves it catches the bugs it must.
+"""
+from __future__ import annotations
+
+import shlex
+
+import torch
+
+from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+from distkit.runtime import seed_everything
+from launch import REPO, readme_command as find_command, torchrun
+from workers.reference import train_one_process
+
+CHAPTER = REPO / "05-advanced"
+README = CHAPTER / "README.md"
+STEPS, LR, TOLERANCE = 3, 0.5, 1e-5
+QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
+
+
+def reference(global_batch: int, **overrides) -> tuple[dict, list[float]]:
+    """Single-process SGD on the whole global batch from the scripts' seed-0 initial weights
+    (``train_one_process``): the final state dict and the loss of every step."""
+    cfg = gpt_config("tiny", **overrides)
+    seed_everything(0)
+    model = TinyGPT(cfg)
+    # The loss of each step, read off the forward pass train_one_process runs on that step's batch
+    # (the step's targets are TokenTask's, as the trainer uses them).
+    task, losses = TokenTask(cfg, seed=0), []
+    model.register_forward_hook(lambda module, inputs, logits: losses.append(
+        lm_loss(logits, task.global_batch(len(losses), global_batch)[1]).item()))
+    _, final = train_one_process(model, torch.optim.SGD(model.parameters(), lr=LR), STEPS, global_batch)
+    assert len(losses) == STEPS
+    return final, losses
+
+
+def readme_command(*needles: str, without: str | None = None) -> tuple[int, str, list[str]]:
+    """The README command containing every needle (and not ``without``), as (nproc, script, args)."""
+    command = find_command(README, *needles, without=without)
+    words = shlex.split(command)
+    assert words[0] == "torchrun", command
+    nproc = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=")[1])
+    script_at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return nproc, words[script_at], words[script_at + 1:]
+
+
+def launch(tmp_path, *needles: str, without: str | None = None, extra=(), check=True, **kwargs):
+    """Run the README command with these needles as written, ``extra`` flags appended (argparse keeps
+    the last value of a repeated flag)."""
+    nproc, script, args = readme_command(*needles, without=without)
+    return torchrun(REPO / script, *args, *extra, nproc=kwargs.pop("nproc", nproc), tmp_path=tmp_path,
+                    check=check, timeout=kwargs.pop("timeout", 400), **kwargs)
