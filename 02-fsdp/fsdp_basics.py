@@ -17,8 +17,6 @@ runs when), then trains and appends a harness record.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
+from distkit.theory import fsdp_padded_numel
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
 
@@ -41,16 +40,10 @@ def parse_args(argv=None):
         description="Shard the small GPT with FSDP2 fully_shard, show each rank's shards, trace one "
                     "step's all-gathers and reduce-scatters, then train.",
         epilog="example: torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py --steps 200")
-    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: 200)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                        help="untimed harness warm-up steps (default: 2)")
+    add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, warmup_steps=2,
+                      results="runs/fsdp_basics.jsonl", helps={"lr": "AdamW learning rate"})
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
-    parser.add_argument("--results", default="runs/fsdp_basics.jsonl",
-                        help="the harness appends one JSON record here (default: runs/fsdp_basics.jsonl)")
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
@@ -94,13 +87,9 @@ def print_in_rank_order(lines, ctx):
 
 
 def unit_bytes(params, world_size):
-    """Bytes of one FSDP unit's gathered buffer: each parameter's dim 0 padded to a multiple of the
-    world size (every rank's shard has the same number of rows)."""
-    total = 0
-    for p in params:
-        rows = -(-p.shape[0] // world_size) * world_size
-        total += rows * math.prod(p.shape[1:]) * p.element_size()
-    return total
+    """Bytes of one FSDP unit's gathered buffer: each parameter padded on dim 0 to a multiple of the
+    world size (distkit.theory's FSDP2 padding), at the parameter's element size."""
+    return sum(fsdp_padded_numel(tuple(p.shape), world_size) * p.element_size() for p in params)
 
 
 def trace_one_step(model, optimizer, inputs, targets, ctx):
@@ -190,9 +179,8 @@ def shard_trace_and_train(args, ctx):
 
     harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
                       warmup_steps=args.warmup_steps,
-                      config={"script": "fsdp_basics", "model_size": args.model_size,
-                              "global_batch_size": args.global_batch_size, "precision": "fp32",
-                              "param_count": total, "lr": args.lr, "wrap": "block"})
+                      config={"script": "fsdp_basics", "global_batch_size": args.global_batch_size,
+                              "precision": "fp32", "lr": args.lr, "wrap": "block"})
     tokens_per_step = args.global_batch_size * cfg.seq_len
     for step in progress(range(1, args.steps), ctx.rank, total=args.steps - 1, desc="train"):
         inputs, targets = batch(step)

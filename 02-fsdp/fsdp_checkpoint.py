@@ -8,8 +8,12 @@
   reshards: a checkpoint written by 4 ranks loads into 2 (or 8), because each rank just reads the
   slices its new shards cover.
 
-    torchrun --nproc_per_node=4 02-fsdp/fsdp_checkpoint.py --steps 100                 # train, save both
-    torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume dcp    # 4 -> 2 ranks
+Both live in ``--checkpoint-dir`` (``DIR/full.pt`` and ``DIR/dcp/``); ``--resume latest`` takes the
+newer, ``--resume PATH`` the one named (a folder is DCP, a file a full checkpoint):
+
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_checkpoint.py --steps 100                   # train, save both
+    torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume latest   # 4 -> 2 ranks
+    torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 300 --resume checkpoints/fsdp/full.pt
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_usage_errors,
                                 remove_stale_temporaries, safe_load)
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.flags import add_checkpoint_args, add_training_args, non_negative_int, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
@@ -42,30 +46,78 @@ def parse_args(argv=None):
     parser = ArgumentParser(
         description="Train the small GPT with FSDP2, save a full and a sharded (DCP) checkpoint, and "
                     "resume from either, on any number of ranks.",
-        epilog="example: torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume dcp")
-    parser.add_argument("--steps", type=non_negative_int, default=100,
-                        help="train until this global step (a resumed run continues from the saved step; "
-                             "0 saves the initial model) (default: 100)")
-    parser.add_argument("--resume", choices=["none", "dcp", "full"], default="none",
-                        help="start from the sharded (dcp) or the full checkpoint (default: none)")
-    parser.add_argument("--save", choices=["both", "dcp", "full", "none"], default="both",
-                        help="which checkpoints to write at the end (default: both)")
-    parser.add_argument("--dcp-dir", default="checkpoints/fsdp_dcp",
-                        help="folder of the sharded DCP checkpoint (default: checkpoints/fsdp_dcp)")
-    parser.add_argument("--full-checkpoint", default="checkpoints/fsdp_full.pt",
-                        help="file of the full checkpoint (default: checkpoints/fsdp_full.pt)")
-    parser.add_argument("--dump-loaded", default=None, metavar="PATH",
-                        help="rank 0 saves the full model state right after loading (to check a resume)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+        epilog="example: torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume latest")
+    training = add_training_args(
+        parser, steps=100, global_batch_size=32, lr=3e-3, warmup_steps=None, results=None,
+        helps={"steps": "train until this global step (a resumed run continues from the saved step; "
+                        "0 saves the initial model)", "lr": "AdamW learning rate"})
+    # add_training_args takes positive step counts; here 0 is meaningful (save the initial model)
+    action(training, "steps").type = non_negative_int
     parser.add_argument("--log-every", type=positive_int, default=25,
                         help="log the loss every N steps (default: 25)")
+    checkpoints = add_checkpoint_args(parser, checkpoint_dir="checkpoints/fsdp", resume="none")
+    action(checkpoints, "resume").help = (
+        "start from: none, latest (the newer of DIR/dcp/ and DIR/full.pt in --checkpoint-dir) or the "
+        "PATH of one checkpoint: a DCP folder or a full .pt file (default: none)")
+    checkpoints.add_argument("--checkpoint-format", choices=["both", "dcp", "full", "none"], default="both",
+                             help="which checkpoints to write into --checkpoint-dir at the end: the "
+                                  "sharded DIR/dcp/ folder, the one-file DIR/full.pt, both or none "
+                                  "(default: both)")
+    checkpoints.add_argument("--dump-loaded", default=None, metavar="PATH",
+                             help="rank 0 saves the full model state right after loading (to check a resume)")
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     gpt_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
+
+
+def action(group, dest):
+    """The argparse action of ``dest`` in an argument group (to adjust a shared flag's type or help)."""
+    return next(a for a in group._group_actions if a.dest == dest)
+
+
+def dcp_folder(checkpoint_dir):
+    """Where the sharded checkpoint lives in --checkpoint-dir."""
+    return os.path.join(checkpoint_dir, "dcp")
+
+
+def full_file(checkpoint_dir):
+    """Where the one-file checkpoint lives in --checkpoint-dir."""
+    return os.path.join(checkpoint_dir, "full.pt")
+
+
+def dcp_is_complete(folder):
+    return os.path.isfile(os.path.join(folder, "trainer_state.json"))  # written last
+
+
+def resolve_resume(resume, checkpoint_dir):
+    """``--resume`` as (format, path): ``("dcp", folder)`` or ``("full", file)``; None for ``none``.
+
+    ``latest``: the newer of the complete checkpoints --checkpoint-dir holds (a ``both`` save writes
+    the full file first and the DCP folder last, so after one the sharded checkpoint is taken). A
+    PATH is a DCP folder if it is a folder, a full checkpoint if it is a file.
+    """
+    if resume == "none":
+        return None
+    if resume == "latest":
+        dcp_dir, full = dcp_folder(checkpoint_dir), full_file(checkpoint_dir)
+        found = []
+        if dcp_is_complete(dcp_dir):
+            found.append((os.path.getmtime(os.path.join(dcp_dir, "trainer_state.json")), 1, "dcp", dcp_dir))
+        if os.path.isfile(full):
+            found.append((os.path.getmtime(full), 0, "full", full))
+        if found:
+            return max(found)[2:]
+        if os.path.isdir(dcp_dir) or os.path.isdir(f"{dcp_dir}.old"):
+            return "dcp", dcp_dir  # an incomplete folder: read_trainer_state says what is missing
+        raise UsageError(f"--resume latest: no checkpoint in {checkpoint_dir} (neither a complete "
+                         f"{dcp_dir}/ nor {full})")
+    if os.path.isdir(resume) or os.path.isdir(f"{resume}.old"):
+        return "dcp", resume
+    if os.path.exists(resume):
+        return "full", resume
+    raise UsageError(f"--resume {resume}: no such checkpoint (a DCP folder or a full .pt file)")
 
 
 def read_trainer_state(folder, cfg):
@@ -94,7 +146,7 @@ def read_trainer_state(folder, cfg):
 
 def load_dcp(model, optimizer, folder, cfg):
     """Read a sharded checkpoint into this job's shards, whatever world size wrote it."""
-    meta = read_trainer_state(folder, cfg)  # every rank reads it, so every rank fails alike
+    meta = read_trainer_state(folder, cfg)  # every rank needs the step (rank 0 checked it first)
     # get_state_dict gives the *sharded* layout of this job; dcp.load fills it in place from files
     # that may have been cut for another world size.
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -204,10 +256,28 @@ def train_and_checkpoint(args, ctx):
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"{ctx.world_size} ranks")
     cfg = gpt_config_from_args(args)
+    # Rank 0 decides what --resume names (on a cluster the other ranks may not see a full file) and
+    # checks a DCP folder's trainer state, then tells everyone: a missing checkpoint, or one of
+    # another model, is one error on every rank at the same moment, before any model is built.
+    verdict = [None, None]  # (problem, (format, path) or None)
+    if ctx.is_main:
+        try:
+            verdict[1] = resolve_resume(args.resume, args.checkpoint_dir)
+            if verdict[1] and verdict[1][0] == "dcp":
+                read_trainer_state(verdict[1][1], cfg)
+        except UsageError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=0, device=ctx.device)
+    if verdict[0]:
+        raise UsageError(verdict[0])
+    resume = verdict[1]
+    dcp_dir, full_path = dcp_folder(args.checkpoint_dir), full_file(args.checkpoint_dir)
     if ctx.is_main:  # leftovers of writers killed mid-save (their PIDs are in the names)
-        folders = {os.path.dirname(os.path.abspath(p)) for p in (args.full_checkpoint, args.dump_loaded) if p}
-        removed = [path for folder in sorted(folders | {args.dcp_dir})
-                   for path in remove_stale_temporaries(folder)]
+        files = [full_path, args.dump_loaded, resume[1] if resume and resume[0] == "full" else None]
+        folders = {os.path.dirname(os.path.abspath(p)) for p in files if p} | {os.path.abspath(dcp_dir)}
+        if resume and resume[0] == "dcp":
+            folders.add(os.path.abspath(resume[1]))
+        removed = [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
         if removed:
             log.info(f"removed {len(removed)} temporary file(s) left by an interrupted save: "
                      f"{', '.join(p.name for p in removed[:3])}")
@@ -221,13 +291,13 @@ def train_and_checkpoint(args, ctx):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start_step = 0
-    if args.resume != "none":
+    if resume:
+        kind, path = resume
         t0 = time.perf_counter()
-        meta = (load_dcp(model, optimizer, args.dcp_dir, cfg) if args.resume == "dcp"
-                else load_full(model, optimizer, args.full_checkpoint, ctx))
+        meta = load_dcp(model, optimizer, path, cfg) if kind == "dcp" else load_full(model, optimizer, path, ctx)
         start_step = meta["step"]
         saved_by = f" (saved by {meta['world_size']} ranks)" if "world_size" in meta else ""
-        log.info(f"resumed from {args.resume} checkpoint at step {start_step}{saved_by} into "
+        log.info(f"resumed from {kind} checkpoint {path} at step {start_step}{saved_by} into "
                  f"{ctx.world_size} ranks in {time.perf_counter() - t0:.2f} s")
         if args.dump_loaded:
             loaded = get_model_state_dict(model, options=FULL)
@@ -249,21 +319,23 @@ def train_and_checkpoint(args, ctx):
             log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
 
     end_step = max(start_step, args.steps)
-    if args.save in ("both", "dcp"):
+    # The full file first, the DCP folder last: after a `both` save, `--resume latest` takes the
+    # newer one, the sharded checkpoint.
+    if args.checkpoint_format in ("both", "full"):
         t0 = time.perf_counter()
-        save_dcp(model, optimizer, args.dcp_dir, end_step, cfg, ctx)
-        if ctx.is_main:
-            files = sorted(os.listdir(args.dcp_dir))
-            log.info(f"sharded DCP checkpoint: {args.dcp_dir} | {len(files)} files "
-                     f"({', '.join(files)}) | {folder_bytes(args.dcp_dir):,} B | "
-                     f"{time.perf_counter() - t0:.2f} s")
-    if args.save in ("both", "full"):
-        t0 = time.perf_counter()
-        save_full(model, optimizer, args.full_checkpoint, end_step, ctx)
+        save_full(model, optimizer, full_path, end_step, ctx)
         dist.barrier()
         if ctx.is_main:
-            log.info(f"full checkpoint (rank 0 only): {args.full_checkpoint} | "
-                     f"{os.path.getsize(args.full_checkpoint):,} B | {time.perf_counter() - t0:.2f} s")
+            log.info(f"full checkpoint (rank 0 only): {full_path} | "
+                     f"{os.path.getsize(full_path):,} B | {time.perf_counter() - t0:.2f} s")
+    if args.checkpoint_format in ("both", "dcp"):
+        t0 = time.perf_counter()
+        save_dcp(model, optimizer, dcp_dir, end_step, cfg, ctx)
+        if ctx.is_main:
+            files = sorted(os.listdir(dcp_dir))
+            log.info(f"sharded DCP checkpoint: {dcp_dir} | {len(files)} files "
+                     f"({', '.join(files)}) | {folder_bytes(dcp_dir):,} B | "
+                     f"{time.perf_counter() - t0:.2f} s")
 
 
 if __name__ == "__main__":

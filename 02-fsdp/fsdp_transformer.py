@@ -17,9 +17,6 @@ The other knobs of a real FSDP job are flags: per-block or root-only wrapping, b
 """
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -30,11 +27,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import non_negative_int, positive_float, positive_int
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
+from distkit.theory import fsdp_padded_numel, fsdp_prediction, gpt_param_shapes
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
@@ -60,24 +58,26 @@ def parse_args(argv=None):
                         help="recompute each block's activations in backward instead of storing them")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep sharded params, grads and optimizer state in CPU memory (CPUOffloadPolicy)")
-    parser.add_argument("--steps", type=positive_int, default=200,
-                        help="optimizer steps per strategy (default: 200)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=32,
-                        help="sequences per optimizer step across all ranks (default: 32)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                        help="untimed harness warm-up steps (default: 2)")
+    add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, warmup_steps=2,
+                      results="runs/fsdp_transformer.jsonl",
+                      helps={"steps": "optimizer steps per strategy", "lr": "AdamW learning rate"})
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
-    parser.add_argument("--results", default="runs/fsdp_transformer.jsonl",
-                        help="harness records are appended here (default: runs/fsdp_transformer.jsonl)")
-    parser.add_argument("--save-params", default=None, metavar="DIR",
-                        help="rank 0 saves the trained full (unsharded) state dict as DIR/<strategy>.pt")
+    add_checkpoint_args(parser, save="none")
     add_gpt_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     gpt_config_from_args(args)  # a width that does not split into the heads: one error line
+    first = save_file(args, "a")  # an unknown {placeholder}: one error line, before any training
+    if first is not None and len(set(args.sharding)) > 1 and first == save_file(args, "b"):
+        parser.error(f"--save {args.save} names one file for {len(set(args.sharding))} strategies; "
+                     "put {strategy} in it (e.g. checkpoints/fsdp_{strategy}.pt)")
     return args
+
+
+def save_file(args, strategy):
+    """The file --save names for ``strategy`` (its {strategy} placeholder filled), or None."""
+    return save_path(args.save, strategy=strategy)
 
 
 def mesh_shape(strategy, ctx, hsdp_shard_size):
@@ -124,48 +124,30 @@ def shard_model(model, strategy, mesh, args, ctx):
     return model
 
 
-def padded_numel(shape, shards):
-    """FSDP2 shards dim 0, padded up to a multiple of the shard-group size."""
-    rows = math.ceil(shape[0] / shards) * shards if shards > 1 else shape[0]
-    return rows * math.prod(shape[1:])
-
-
-def predicted_bytes(model, strategy, args, world_size):
-    """What the textbook formulas predict per rank, with FSDP2's dim-0 padding modelled.
+def predicted_bytes(cfg, strategy, args, world_size):
+    """What the textbook formulas predict per rank (distkit.theory, FSDP2's dim-0 padding included).
 
     P = parameter bytes (fp32), s = shard-group size, r = replicas. Sharded state is P/s each for
     params and grads and 2P/s for AdamW's two moments. Communication payloads per step:
     all-gather = P (x2 for units resharded after forward: gathered in forward and again in
     backward), reduce-scatter = P, all-reduce across replicas = P/s; DDP all-reduces P.
-    A group of one rank still counts as a call: FSDP2 skips all-gather and reduce-scatter when the
-    shard group is one rank, but all-reduces over a 2D mesh's replicate dim whatever its size, and
-    DDP all-reduces even alone (payload counted, 0 bytes on the wire).
+    NO_SHARD is a shard group of one on a (world x 1) mesh, DDP the same state with no mesh.
     """
-    if strategy == "ddp":
-        shards, replicas = 1, world_size
-    elif strategy == "hybrid_shard":
+    if strategy == "hybrid_shard":
         shards, replicas = args.hsdp_shard_size, world_size // args.hsdp_shard_size
-    elif strategy == "no_shard":
+    elif strategy in ("ddp", "no_shard"):
         shards, replicas = 1, world_size
     else:
         shards, replicas = world_size, 1
-    gather_bytes = 2 if args.mixed_precision == "bf16" else 4
-    units = ([list(block.parameters()) for block in model.blocks] if args.wrap == "block" else [])
-    in_blocks = {id(p) for unit in units for p in unit}
-    root_unit = [p for p in model.parameters() if id(p) not in in_blocks]
-    reshard = strategy in ("full_shard", "hybrid_shard")
-    padded = sum(padded_numel(p.shape, shards) for p in model.parameters())
-    state = padded // shards * 4
-    comm = {}
-    if shards > 1:
-        gathers = sum(padded_numel(p.shape, shards) * (2 if reshard else 1) for unit in units for p in unit)
-        gathers += sum(padded_numel(p.shape, shards) for p in root_unit)
-        comm["all_gather"] = gathers * gather_bytes
-        comm["reduce_scatter"] = padded * 4
-    if strategy in ("ddp", "no_shard", "hybrid_shard"):
-        comm["all_reduce"] = padded // shards * 4
-    return {"params": state, "grads": state, "optimizer": 2 * state, "comm_bytes": comm,
-            "shard_group_size": shards, "replicas": replicas}
+    shapes = gpt_param_shapes(cfg)
+    states, comm = fsdp_prediction(shapes, shards, replicas, strategy in ("full_shard", "hybrid_shard"),
+                                   gather_bytes=2 if args.mixed_precision == "bf16" else 4, wrap=args.wrap)
+    comm_bytes = {name: int(stat["bytes"]) for name, stat in comm.items()}
+    if strategy in ("ddp", "no_shard", "hybrid_shard") and "all_reduce" not in comm_bytes:
+        # theory counts no all-reduce over one replica, but DDP all-reduces even alone and FSDP2
+        # all-reduces over a 2D mesh's replicate dim whatever its size (payload P/s, 0 bytes on the wire)
+        comm_bytes["all_reduce"] = sum(fsdp_padded_numel(s, shards) for s in shapes.values()) // shards * 4
+    return {**states[0], "comm_bytes": comm_bytes, "shard_group_size": shards, "replicas": replicas}
 
 
 def train_one(strategy, args, ctx, task, cfg, log, meshes):
@@ -180,7 +162,7 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
     if args.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
-    predicted = predicted_bytes(model, strategy, args, ctx.world_size)
+    predicted = predicted_bytes(cfg, strategy, args, ctx.world_size)
     if strategy == "ddp":
         if args.mixed_precision != "fp32" or args.cpu_offload:
             raise UsageError("--mixed-precision bf16 and --cpu-offload are FSDP options; drop them for ddp")
@@ -190,10 +172,11 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
         shard_model(model, strategy, mesh, args, ctx)
     # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    config = {"script": "fsdp_transformer", "model_size": args.model_size, "gpt": cfg.to_dict(),
-              "global_batch_size": args.global_batch_size, "precision": args.mixed_precision,
-              "param_count": sum(p.numel() for p in model.parameters()), "lr": args.lr,
-              "wrap": args.wrap, "activation_checkpointing": args.activation_checkpointing,
+    # The model's configuration and parameter count go into the record's own fields (the harness
+    # reads them from the TinyGPT), not into config.
+    config = {"script": "fsdp_transformer", "global_batch_size": args.global_batch_size,
+              "precision": args.mixed_precision, "lr": args.lr, "wrap": args.wrap,
+              "activation_checkpointing": args.activation_checkpointing,
               "cpu_offload": args.cpu_offload, "sharding": strategy,
               "hsdp_shard_size": args.hsdp_shard_size if strategy == "hybrid_shard" else None}
     harness = Harness(ctx, RECORD_NAME[strategy], model=model, optimizer=optimizer,
@@ -216,13 +199,13 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
             losses.append((step, global_loss.item() / ctx.world_size))
             log.info(f"{strategy:>13} | step {step:4d} | loss {losses[-1][1]:.4f}")
 
-    if args.save_params:
+    if save_file(args, strategy):
         # Gathers every shard into full tensors (collective: all ranks call it; a CPU-offloaded shard
         # is first copied to the mesh's device, so NCCL sees GPU tensors) and moves each to CPU memory
         # on rank 0 only: the file then loads anywhere, and no GPU holds the whole model.
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if ctx.is_main:
-            atomic_save(full, os.path.join(args.save_params, f"{strategy}.pt"))
+            atomic_save(full, save_file(args, strategy))
     return harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
 
 

@@ -23,9 +23,12 @@ STATE = ["params", "grads", "optimizer"]
 # What the harness measured as "peak memory" (the record's peak_memory_kind) -> the column header.
 PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
               "cuda_max_allocated": "peak GPU memory allocated MiB (max rank)"}
-# Config keys that differ between the strategies of one launch; every other key (and the device,
-# backend, world size) must match, or the table would set numbers of different runs side by side.
-PER_STRATEGY = {"sharding", "hsdp_shard_size", "param_count"}
+# Config keys that differ between the strategies of one launch; every other key (and the model,
+# device, backend, world size) must match, or the table would set numbers of different runs side by
+# side. Records written before schema 2 also kept the model in config (model_size, gpt,
+# param_count); read_records puts it in the record's `model` field, so those keys are left out too.
+PER_STRATEGY = {"sharding", "hsdp_shard_size"}
+MODEL_IN_OLD_CONFIG = {"model_size", "gpt", "param_count"}
 
 
 def parse_args(argv=None):
@@ -60,9 +63,20 @@ def newest_per_strategy(path):
 
 def run_signature(record):
     """What must be equal for two records to sit in one table."""
-    config = {k: v for k, v in record["config"].items() if k not in PER_STRATEGY}
-    return (record["device"], record["backend"], record["world_size"],
+    config = {k: v for k, v in record["config"].items() if k not in PER_STRATEGY | MODEL_IN_OLD_CONFIG}
+    return (record["device"], record["backend"], record["world_size"], sorted((record["model"] or {}).items()),
             record["metrics"].get("peak_memory_kind"), sorted(config.items(), key=str))
+
+
+def model_label(record):
+    """The model as the caption names it: its preset (`small` GPT) or, if it matches none, its shape."""
+    from distkit.models import GPT_PRESETS
+
+    model = {k: v for k, v in (record["model"] or {}).items() if k != "arch"}
+    preset = next((name for name, cfg in GPT_PRESETS.items() if cfg.to_dict() == model), None)
+    if preset:
+        return f"`{preset}` GPT"
+    return "GPT (" + ", ".join(f"{k} {v}" for k, v in model.items()) + ")"
 
 
 def peak_label(record):
@@ -103,7 +117,7 @@ def caption(records, source="records/fsdp_strategies.jsonl"):
     first, cfg = records[0], records[0]["config"]
     return (f"Measured on {machine_label(first['machine'], first['backend'])}, {first['world_size']} ranks, "
             f"torch {first['torch_version']}, {first['timestamp'][:10]} ([{source}]({source})): "
-            f"`{cfg['model_size']}` GPT ({cfg['param_count']:,} parameters), global batch "
+            f"{model_label(first)} ({first['param_count']:,} parameters), global batch "
             f"{cfg['global_batch_size']}, {cfg['precision']}, AdamW, {cfg['wrap']}-wise wrapping, "
             f"{first['metrics']['timed_steps']} timed steps. KiB on rank 0 as **measured (predicted)**; "
             "communication is the payload per step (nccl-tests convention), bus = bytes each rank "
@@ -174,7 +188,7 @@ def plot(records, out_dir):
             [sum(r["predicted"][k] for k in STATE) / 1024 for r in records],
             "model state on rank 0 (KiB)",
             f"Params + grads + AdamW state held by rank 0, {first['world_size']} ranks "
-            f"({first['config']['model_size']} GPT, fp32)", where)
+            f"({model_label(first).replace('`', '')}, fp32)", where)
     fig.tight_layout()
     save_figure(fig, out_dir / "strategies_memory.png")
 

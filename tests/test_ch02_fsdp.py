@@ -1,158 +1,74 @@
 """Chapter 02 (FSDP): every strategy trains the same model as one process, the measured bytes match
 the sharding formulas, DCP checkpoints reshard from 4 ranks to 2, and the README's commands run.
 
-Tolerances (fp32, AdamW lr 3e-3, a handful of steps): a parameter may differ from single-process
-training by at most FP32_ATOL = 2e-4 (about 7% of one Adam step; what remains is summation order,
-amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision
-cannot be judged by a max-abs bound: its largest difference from the fp32 reference (1.1e-2) is as
-large as what 4 training steps move the weights (1.2e-2), so untrained weights would pass. It is
-judged by the L2 error as a fraction of the L2 movement (untrained weights score 1) under
-BF16_RELATIVE = 0.15: measured 5.2e-2 for correct bf16 and 0.75 with one rank's gradient shard
-dropped. test_ch02_negative.py proves both tolerances fail for those bugs (and for gradients summed
-instead of averaged, HSDP without its replica all-reduce, a DCP resume without the Adam state or its
-step count) with the scripts' own sharding and checkpoint code. Byte counts are compared exactly:
-the dim-0 padding (vocab 65 on 4 ranks) changes them by less than 0.2%, so a relative tolerance of
-even 1% would hide a formula that forgets it (test_measured_bytes_match_the_formulas shows that).
+Tolerances (FP32_ATOL, BF16_RELATIVE) and the reference trainer are in ch02_common.py, which says
+what they were measured at; test_ch02_negative.py proves both tolerances fail for the bugs they must
+catch (gradients summed instead of averaged, a rank's gradient shard dropped, HSDP without its
+replica all-reduce, a DCP resume without the Adam state or its step count) with the scripts' own
+sharding and checkpoint code. Byte counts are compared exactly: the dim-0 padding (vocab 65 on 4
+ranks) changes them by less than 0.2%, so a relative tolerance of even 1% would hide a formula that
+forgets it (test_measured_bytes_match_the_formulas shows that).
+
+Launches are shared: one strategies sweep (4 ranks) serves the equivalence, byte and table tests;
+the two knob commands run side by side; the three checkpoint commands run once, in order, and the
+failing launches (bad input, damaged or foreign checkpoints) run two at a time, on copies of that
+checkpoint. Flag errors that argparse or parse_args catch are checked in this process.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
-import math
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from launch import (REPO, assert_one_line_error, command_argv, job_env, python, readme_commands, run,
-                    torchrun)
+from ch02_common import (BASICS, BF16, BF16_RELATIVE, CHAPTER, FP32_ATOL, LOOKUPS, OFFLOAD, README,
+                         RECORD, RESUME_FULL, RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE,
+                         TINY, check_ok, expected_bytes, max_diff, readme_argv, reference_state,
+                         relative_error, run_all, run_readme, shard_bytes)
+from launch import assert_one_line_error, assert_readme_covered
 
+from distkit import UsageError
 from distkit.harness import read_records
-from distkit.models import TinyGPT, gpt_config
-from workers.reference import train_one_process
-
-CHAPTER = REPO / "02-fsdp"
-README = CHAPTER / "README.md"
-FP32_ATOL = 2e-4
-BF16_RELATIVE = 0.15
-LR = 3e-3
-# vocab 65 is not a multiple of 2 or 4: tok_emb and lm_head get padded rows, so the byte checks
-# prove the padding is modelled.
-TINY = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
+from distkit.models import GPTConfig, TinyGPT, gpt_config
 
 
-def readme_command(fragment: str) -> str:
-    """The one README command that contains ``fragment``."""
-    found = [c for c in readme_commands(README) if fragment in c]
-    assert len(found) == 1, f"expected one README command with {fragment!r}, got {found}"
-    return found[0]
+def load_script(name: str):
+    """Import a chapter script as a module (its functions and parse_args, in this process)."""
+    spec = importlib.util.spec_from_file_location(f"ch02_{name}", CHAPTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def run_readme(command: str, tmp_path: Path, *extra: str, timeout: float = 300):
-    """Run a README command as written, plus ``extra`` flags (argparse keeps the last value).
-
-    ``torchrun`` becomes ``python -m torch.distributed.run --standalone`` (a free port per test);
-    ``python`` becomes this interpreter.
-    """
-    return run([*command_argv(command), *extra], timeout=timeout, env=job_env(tmp_path))
+def model_of(record: dict) -> GPTConfig:
+    """The GPTConfig of a harness record's ``model`` field."""
+    assert record["model"]["arch"] == "gpt", record["model"]
+    return GPTConfig(**{k: v for k, v in record["model"].items() if k != "arch"})
 
 
-@functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it
-def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, dict]:
-    """Single-process AdamW training on the same global batches: (initial, final) state dicts."""
-    cfg = gpt_config("tiny", vocab_size=vocab)
-    torch.manual_seed(0)
-    model = TinyGPT(cfg)
-    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b), set(a) ^ set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def relative_error(state: dict, expected: dict, initial: dict) -> float:
-    """L2 |state - expected| / L2 |expected - initial| over all weights: the error as a fraction of
-    what training moved (untrained weights score exactly 1)."""
-    err = sum(((state[k].float() - expected[k].float()) ** 2).sum().item() for k in expected)
-    moved = sum(((expected[k].float() - initial[k].float()) ** 2).sum().item() for k in expected)
-    return (err / moved) ** 0.5
-
-
-def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4, cfg=None,
-                   pad: bool = True, block_gathers: int | None = None) -> dict:
-    """Textbook FSDP traffic and state per rank for the tiny GPT, written independently of the script.
-
-    Units: one per block, then the root (the rest). Each parameter's dim 0 is padded to a multiple of
-    the shard-group size s. All-gather payload = padded unit size, twice per block unit when resharded
-    after forward (forward + backward), once for the root (never resharded) and for SHARD_GRAD_OP.
-    Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s),
-    issued by DDP and by every 2D (replicate, shard) mesh even when a group is one rank (world 1).
-    ``cfg`` (default: the tests' tiny GPT, vocab 65) is the model; ``pad=False`` and ``block_gathers``
-    give the deliberately wrong formulas of the negative control.
-    """
-    model = TinyGPT(cfg or gpt_config("tiny", vocab_size=65))
-    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
-
-    def padded(params):
-        rows = (lambda d0: math.ceil(d0 / s) * s) if pad else (lambda d0: d0)
-        return sum(rows(p.shape[0]) * p[0].numel() for p in params)
-
-    blocks = padded(model.blocks.parameters())
-    root = padded(p for n, p in model.named_parameters() if not n.startswith("blocks."))
-    every = blocks + root
-    comm = {}
-    if s > 1:
-        gathers = 2 if strategy in ("full_shard", "hybrid_shard") else 1
-        gathers = gathers if block_gathers is None else block_gathers
-        comm["all_gather"] = (gathers * blocks + root) * gather_bytes
-        comm["reduce_scatter"] = every * 4
-    if strategy in ("ddp", "no_shard", "hybrid_shard"):
-        comm["all_reduce"] = every // s * 4
-    state = every // s * 4
-    return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
-
-
-def shard_bytes(strategy: str, rank: int, world: int, shard_size: int) -> int:
-    """Parameter bytes rank ``rank`` holds: its torch.chunk piece of dim 0 of every parameter
-    (chunks of ceil(d0/s) rows; the last ranks get fewer rows or none, the padding is not data)."""
-    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
-    index = rank % s  # meshes are (replicate, shard), row-major: rank = replica * s + index
-    total = 0
-    for p in TinyGPT(gpt_config("tiny", vocab_size=65)).parameters():
-        rows = math.ceil(p.shape[0] / s)
-        mine = max(0, min(rows, p.shape[0] - index * rows))
-        total += mine * p[0].numel() * 4
-    return total
-
-
-STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
-RECORD = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
-          "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
-STEPS = 4
-
+# ------------------------------------------------------------------------------ the strategies sweep
 
 @pytest.fixture(scope="module")
-def strategies_run(tmp_path_factory):
+def sweep(tmp_path_factory):
     """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each
     (2 warm-up steps: DDP re-broadcasts its bucket layout in step 2, then the counted step 3)."""
     tmp = tmp_path_factory.mktemp("ch02_strategies")
-    result = run_readme(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"),
-                        tmp, *TINY, "--steps", str(STEPS), "--log-every", "1",
-                        "--results", str(tmp / "records.jsonl"), "--save-params", str(tmp / "params"))
+    result = run_readme(SWEEP, tmp, *TINY, "--steps", STEPS, "--log-every", "1",
+                        "--results", tmp / "records.jsonl", "--save", tmp / "params" / "{strategy}.pt")
     return tmp, result
 
 
-def test_every_strategy_matches_single_process_training(strategies_run):
+def test_every_strategy_matches_single_process_training(sweep):
     """Bug caught (FP32_ATOL): gradients summed instead of averaged, a rank's gradient shard lost,
     HSDP replicas not all-reduced (test_ch02_negative.py: all 200x above the tolerance)."""
-    tmp, _ = strategies_run
+    tmp, _ = sweep
     initial, reference = reference_state(STEPS)
     moved = max_diff(initial, reference)
     assert moved > 50 * FP32_ATOL  # the check below is not vacuous: training really moved the weights
@@ -161,12 +77,16 @@ def test_every_strategy_matches_single_process_training(strategies_run):
         assert max_diff(trained, reference) <= FP32_ATOL, strategy
 
 
-def test_measured_bytes_match_the_formulas(strategies_run):
-    tmp, result = strategies_run
+def test_measured_bytes_match_the_formulas(sweep):
+    tmp, result = sweep
     records = {r["strategy"]: r for r in read_records(tmp / "records.jsonl")}
     assert set(records) == {RECORD[s] for s in STRATEGIES}
+    tiny = gpt_config("tiny", vocab_size=65)
     for strategy in STRATEGIES:
         record = records[RECORD[strategy]]
+        # the model lives in the record's own fields, not in config (harness record schema 2)
+        assert model_of(record) == tiny and record["param_count"] == sum(p.numel() for p in TinyGPT(tiny).parameters())
+        assert not {"model_size", "gpt", "param_count"} & set(record["config"]), record["config"]
         expected = expected_bytes(strategy, world=4, shard_size=2)
         measured = {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()}
         assert set(measured) == set(expected["comm"]), (strategy, measured)
@@ -176,8 +96,10 @@ def test_measured_bytes_match_the_formulas(strategies_run):
         assert per_rank[0] == expected["state"], strategy  # rank 0 holds full (padded-size) chunks
         for rank, rank_state in enumerate(per_rank):  # later ranks hold the rest, padding excluded
             assert rank_state["params"] == shard_bytes(strategy, rank, world=4, shard_size=2), (strategy, rank)
-        # the script's own prediction (shown in the table) agrees with this independent formula
+        # the script's own prediction (distkit.theory, shown in the table) agrees with this
+        # independent formula, and the printed line shows the prediction next to the measurement
         assert record["predicted"]["comm_bytes"] == expected["comm"], strategy
+        assert f"{strategy:>13} | bytes/step " in result.stdout and f"(predicted {expected['comm']})" in result.stdout
         assert record["config"]["precision"] == "fp32"
     # FULL_SHARD moves about 1.5x DDP's bytes on the wire: 2 all-gathers + 1 reduce-scatter of P,
     # each (n-1)/n, against one all-reduce of P at 2(n-1)/n. The root unit is gathered once only.
@@ -202,112 +124,41 @@ def test_measured_bytes_match_the_formulas(strategies_run):
 
 def test_committed_strategies_record_matches_the_formulas():
     """The committed record behind the chapter's table and plots (a 4-rank `small` GPT run): its
-    measured model state and bytes equal the formulas, computed here independently of the script."""
-    from distkit.models import GPTConfig
-
+    measured model state and bytes equal the formulas, computed here independently of the script;
+    and the script's prediction, now taken from distkit.theory, equals the one it recorded then (so
+    the printed predicted-vs-measured numbers did not change)."""
+    transformer = load_script("fsdp_transformer")
     records = {r["strategy"]: r for r in read_records(CHAPTER / "records" / "fsdp_strategies.jsonl")}
     assert set(records) == {RECORD[s] for s in STRATEGIES}
     for strategy in STRATEGIES:
         record = records[RECORD[strategy]]
         assert record["world_size"] == 4 and record["config"]["precision"] == "fp32"
-        expected = expected_bytes(strategy, world=4, shard_size=2, cfg=GPTConfig(**record["config"]["gpt"]))
+        cfg = model_of(record)  # read_records upgraded the old record's config.gpt into `model`
+        expected = expected_bytes(strategy, world=4, shard_size=2, cfg=cfg)
         assert record["metrics"]["model_state_bytes_per_rank"][0] == expected["state"], strategy
         assert {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()} == expected["comm"], strategy
+        args = SimpleNamespace(hsdp_shard_size=2, mixed_precision="fp32", wrap=record["config"]["wrap"])
+        predicted = transformer.predicted_bytes(cfg, strategy, args, record["world_size"])
+        assert predicted == record["predicted"], strategy
+        assert str(predicted["comm_bytes"]) == str(record["predicted"]["comm_bytes"]), strategy  # as printed
 
 
-def test_knobs_keep_training_equal(tmp_path):
-    """Root-only wrapping + activation checkpointing + CPU offload change memory, not the maths
-    (fp32 tolerance); bf16 mixed precision by its error relative to the training movement.
-
-    Bugs caught: under offload, gradients summed or a shard dropped (FP32_ATOL, 200x); under bf16, a
-    gradient shard dropped (BF16_RELATIVE, 5x) (test_ch02_negative.py)."""
-    initial, reference = reference_state(STEPS)
-    out = tmp_path / "params"
-    run_readme(readme_command("--activation-checkpointing --cpu-offload"), tmp_path, *TINY,
-               "--steps", str(STEPS), "--results", str(tmp_path / "r.jsonl"), "--save-params", str(out))
-    for path in sorted(out.glob("*.pt")):
-        assert max_diff(torch.load(path, weights_only=True), reference) <= FP32_ATOL, path.name
-    record = read_records(tmp_path / "r.jsonl")[0]
-    assert record["config"]["activation_checkpointing"] and record["config"]["cpu_offload"]
-    assert record["config"]["wrap"] == "root"
-    # one unit for the whole model: it is the root, so gathered once per step
-    assert record["metrics"]["comm_per_step"]["all_gather"]["calls"] == 1
-
-    bf16 = tmp_path / "bf16"
-    run_readme(readme_command("--mixed-precision bf16"), tmp_path, *TINY, "--steps", str(STEPS),
-               "--results", str(tmp_path / "bf16.jsonl"), "--save-params", str(bf16))
-    trained = torch.load(bf16 / "full_shard.pt", weights_only=True)
-    assert all(v.dtype == torch.float32 for v in trained.values())  # fp32 master weights are kept
-    bf16_error = relative_error(trained, reference, initial)
-    print(f"bf16 vs fp32 reference: relative error {bf16_error:.3f}, max {max_diff(trained, reference):.2e}")
-    assert bf16_error <= BF16_RELATIVE
-    record = read_records(tmp_path / "bf16.jsonl")[0]
-    # parameters are gathered in bf16 (half the bytes), gradients reduced in fp32
-    expected = expected_bytes("full_shard", world=4, shard_size=2, gather_bytes=2)["comm"]
-    for collective, value in expected.items():
-        assert record["metrics"]["comm_per_step"][collective]["bytes"] == pytest.approx(value, rel=0.01)
-
-
-def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(tmp_path):
-    """Loaded == saved exactly (a misplaced row or a missing key changes bits); continued training
-    within FP32_ATOL of uninterrupted training. Bugs caught by the latter: the Adam moments not
-    restored (76x the tolerance) or its step count reset (45x) (test_ch02_negative.py)."""
-    dcp_dir, full = tmp_path / "dcp", tmp_path / "full.pt"
-    paths = ("--dcp-dir", str(dcp_dir), "--full-checkpoint", str(full))
-    save = run_readme(readme_command("fsdp_checkpoint.py --steps 100"), tmp_path, *TINY, *paths,
-                      "--steps", "3", "--log-every", "1")
-    assert "sharded DCP checkpoint" in save.stdout and "full checkpoint" in save.stdout
-    assert len(list(dcp_dir.glob("*.distcp"))) == 4  # one shard file per rank
-    saved = torch.load(full, weights_only=True)
-    assert saved["step"] == 3
-    first = tmp_path / "first.pt"
-    shutil.copy(full, first)  # the resumed run below overwrites full.pt
-
-    resumed = run_readme(readme_command("--resume dcp"), tmp_path, *TINY, *paths, "--steps", "6",
-                         "--log-every", "1", "--save", "full", "--dump-loaded", str(tmp_path / "loaded.pt"))
-    assert "resumed from dcp checkpoint at step 3 (saved by 4 ranks) into 2 ranks" in resumed.stdout
-    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
-    assert max_diff(loaded, saved["model"]) == 0.0  # resharded 4 -> 2, bit for bit
-
-    # Training continued from step 3 to 6 on 2 ranks equals 6 uninterrupted single-process steps:
-    # proves the optimizer state (Adam moments, step count) was restored too, not only weights.
-    _, reference = reference_state(6)
-    final = torch.load(full, weights_only=True)
-    assert final["step"] == 6
-    assert max_diff(final["model"], reference) <= FP32_ATOL
-
-    # The same from the one-file checkpoint (rank 0 reads, broadcast and shard to 2 ranks).
-    run_readme(readme_command("--resume full"), tmp_path, *TINY, "--full-checkpoint", str(first),
-               "--steps", "6", "--save", "none", "--dump-loaded", str(tmp_path / "loaded_full.pt"))
-    assert max_diff(torch.load(tmp_path / "loaded_full.pt", weights_only=True), saved["model"]) == 0.0
-
-
-def test_basics_shows_shards_and_the_step_trace(tmp_path):
-    result = run_readme(readme_command("fsdp_basics.py"), tmp_path, *TINY, "--steps", "4",
-                        "--results", str(tmp_path / "b.jsonl"))
-    for rank in range(4):
-        assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
-    assert "tok_emb.weight               full (65, 64)   -> my shard (17, 64)" in result.stdout  # padded
-    assert "block 0 forward starts:  q_proj.weight is full Tensor (64, 64)" in result.stdout
-    assert "block 0 forward ends:    q_proj.weight is DTensor shard (16, 64) of (64, 64)" in result.stdout
-    assert result.stdout.count("backward  _reduce_scatter_base_") == 3  # 2 blocks + root
-    assert read_records(tmp_path / "b.jsonl")[0]["strategy"] == "fsdp_full_shard"
-
-
-def test_table_script_prints_the_table_and_draws_the_plots(strategies_run, tmp_path):
-    records, _ = strategies_run
+def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, capsys):
+    records, _ = sweep
     plots = tmp_path / "plots"
-    result = run_readme(readme_command("make_strategies_table.py"), tmp_path,
-                        "--results", str(records / "records.jsonl"), "--plots-dir", str(plots))
+    result = run_readme(TABLE, tmp_path, "--results", records / "records.jsonl", "--plots-dir", plots)
     assert "| fsdp_full_shard |" in result.stdout and "| ddp |" in result.stdout
     assert "| peak RSS MiB (max rank) |" in result.stdout  # CPU records measured process RSS
     assert "Measured on " in result.stdout  # the caption says where it ran
+    assert "`tiny` GPT (" not in result.stdout  # vocab 65 is no preset: the caption names the shape
+    assert "GPT (vocab_size 65, seq_len 32, n_layer 2" in result.stdout
     assert (plots / "strategies_memory.png").stat().st_size > 0
     assert (plots / "strategies_comm.png").stat().st_size > 0
 
     # A results file that also holds a later run of another kind (here: the same records marked as
     # a 2-strategy GPU run, as a GPU host writes them) gives a table of that run alone, its peak
     # labelled as the GPU allocator's figure, never "peak RSS" and never mixed with the CPU rows.
+    # (The script's main, in this process: the README command itself ran above.)
     mixed = tmp_path / "mixed.jsonl"
     lines = (records / "records.jsonl").read_text().splitlines()
     gpu_like = []
@@ -318,39 +169,246 @@ def test_table_script_prints_the_table_and_draws_the_plots(strategies_run, tmp_p
             record["metrics"]["peak_memory_kind"] = "cuda_max_allocated"
             gpu_like.append(json.dumps(record))
     mixed.write_text("\n".join(lines + gpu_like) + "\n")
-    result = run_readme(readme_command("make_strategies_table.py"), tmp_path, "--results", str(mixed),
-                        "--plots-dir", str(plots))
-    text = result.stdout
+    load_script("make_strategies_table").main(["--results", str(mixed), "--plots-dir", str(plots)])
+    text = capsys.readouterr().out
     assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
     assert "| fsdp_full_shard |" in text and "| ddp |" in text and "| fsdp_no_shard |" not in text
 
 
-def test_bad_input_gives_one_error_line(tmp_path):
-    script = CHAPTER / "fsdp_transformer.py"
-    assert_one_line_error(python(script, "--sharding", "zero9", tmp_path=tmp_path, check=False), "--sharding")
-    # a world of one cannot be split into shard groups of 2
-    assert_one_line_error(python(script, "--sharding", "hybrid_shard", *TINY, "--steps", "1",
-                                 "--results", str(tmp_path / "r.jsonl"), tmp_path=tmp_path, check=False),
-                          "--hsdp-shard-size 2 does not divide the world size 1")
-    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "dcp", *TINY,
-                                 "--dcp-dir", str(tmp_path / "nothing"), tmp_path=tmp_path, check=False),
-                          "no complete DCP checkpoint")
-    other_model = tmp_path / "other.pt"
+# ------------------------------------------------------------------------------------- the knobs
+
+@pytest.fixture(scope="module")
+def knobs(tmp_path_factory):
+    """The README's two knob commands (4 ranks, as the negative controls), side by side."""
+    tmp = tmp_path_factory.mktemp("ch02_knobs")
+    jobs = {name: readme_argv(lookup, *TINY, "--steps", STEPS, "--results", tmp / f"{name}.jsonl",
+                              "--save", tmp / name / "{strategy}.pt")
+            for name, lookup in (("offload", OFFLOAD), ("bf16", BF16))}
+    results = run_all(jobs, tmp)
+    for result in results.values():
+        check_ok(result)
+    return tmp
+
+
+def test_knobs_keep_training_equal(knobs):
+    """Root-only wrapping + activation checkpointing + CPU offload change memory, not the maths
+    (fp32 tolerance); bf16 mixed precision by its error relative to the training movement.
+
+    Bugs caught: under offload, gradients summed or a shard dropped (FP32_ATOL, 200x); under bf16, a
+    gradient shard dropped (BF16_RELATIVE, 3.6x) (test_ch02_negative.py)."""
+    initial, reference = reference_state(STEPS)
+    saved = sorted((knobs / "offload").glob("*.pt"))
+    assert [p.name for p in saved] == ["full_shard.pt"]
+    assert max_diff(torch.load(saved[0], weights_only=True), reference) <= FP32_ATOL
+    record = read_records(knobs / "offload.jsonl")[0]
+    assert record["config"]["activation_checkpointing"] and record["config"]["cpu_offload"]
+    assert record["config"]["wrap"] == "root"
+    # one unit for the whole model: it is the root, so gathered once per step
+    assert record["metrics"]["comm_per_step"]["all_gather"]["calls"] == 1
+    # the script's prediction models the single unit too (distkit.theory, wrap="root")
+    assert record["predicted"]["comm_bytes"] == {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()}
+
+    trained = torch.load(knobs / "bf16" / "full_shard.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in trained.values())  # fp32 master weights are kept
+    bf16_error = relative_error(trained, reference, initial)
+    print(f"bf16 vs fp32 reference: relative error {bf16_error:.3f}, max {max_diff(trained, reference):.2e}")
+    assert bf16_error <= BF16_RELATIVE
+    record = read_records(knobs / "bf16.jsonl")[0]
+    # parameters are gathered in bf16 (half the bytes), gradients reduced in fp32
+    expected = expected_bytes("full_shard", world=4, shard_size=2, gather_bytes=2)["comm"]
+    for collective, value in expected.items():
+        assert record["metrics"]["comm_per_step"][collective]["bytes"] == pytest.approx(value, rel=0.01)
+    assert record["predicted"]["comm_bytes"] == expected
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The README's three checkpoint commands at tiny size, in order: save both formats on 4 ranks
+    at step 3; resume the newest (the DCP folder) on 2 ranks and train to 6; resume the full file of
+    step 3 on 2 ranks. Copies of what the save wrote are kept for the tests of broken checkpoints."""
+    tmp = tmp_path_factory.mktemp("ch02_checkpoints")
+    ckpt = tmp / "ck"
+    save = run_readme(SAVE, tmp, *TINY, "--checkpoint-dir", ckpt, "--steps", "3", "--log-every", "1")
+    shutil.copy(ckpt / "full.pt", tmp / "first.pt")  # the resumed runs below write into ck/
+    shutil.copytree(ckpt / "dcp", tmp / "saved_dcp")
+    resumed = run_readme(RESUME_LATEST, tmp, *TINY, "--checkpoint-dir", ckpt, "--steps", "6",
+                         "--log-every", "1", "--checkpoint-format", "full", "--dump-loaded", tmp / "loaded.pt")
+    from_full = run_readme(RESUME_FULL, tmp, *TINY, "--resume", tmp / "first.pt", "--checkpoint-dir",
+                           tmp / "unused", "--steps", "6", "--checkpoint-format", "none",
+                           "--dump-loaded", tmp / "loaded_full.pt")
+    return SimpleNamespace(tmp=tmp, ckpt=ckpt, save=save.stdout, resumed=resumed.stdout, from_full=from_full.stdout)
+
+
+def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
+    """Loaded == saved exactly (a misplaced row or a missing key changes bits); continued training
+    within FP32_ATOL of uninterrupted training. Bugs caught by the latter: the Adam moments not
+    restored (76x the tolerance) or its step count reset (45x) (test_ch02_negative.py)."""
+    tmp, ckpt = checkpoints.tmp, checkpoints.ckpt
+    assert f"full checkpoint (rank 0 only): {ckpt}/full.pt" in checkpoints.save
+    assert f"sharded DCP checkpoint: {ckpt}/dcp | 6 files" in checkpoints.save
+    assert len(list((tmp / "saved_dcp").glob("*.distcp"))) == 4  # one shard file per rank
+    saved = torch.load(tmp / "first.pt", weights_only=True)
+    assert saved["step"] == 3
+
+    # --resume latest took the DCP folder (written after the full file by a `both` save)
+    assert f"resumed from dcp checkpoint {ckpt}/dcp at step 3 (saved by 4 ranks) into 2 ranks" in checkpoints.resumed
+    loaded = torch.load(tmp / "loaded.pt", weights_only=True)
+    assert max_diff(loaded, saved["model"]) == 0.0  # resharded 4 -> 2, bit for bit
+
+    # Training continued from step 3 to 6 on 2 ranks equals 6 uninterrupted single-process steps:
+    # proves the optimizer state (Adam moments, step count) was restored too, not only weights.
+    _, reference = reference_state(6)
+    final = torch.load(ckpt / "full.pt", weights_only=True)
+    assert final["step"] == 6
+    assert max_diff(final["model"], reference) <= FP32_ATOL
+    assert "sharded DCP checkpoint" not in checkpoints.resumed  # --checkpoint-format full
+
+    # The same from the one-file checkpoint (rank 0 reads, broadcast and shard to 2 ranks).
+    assert f"resumed from full checkpoint {tmp}/first.pt at step 3 into 2 ranks" in checkpoints.from_full
+    assert max_diff(torch.load(tmp / "loaded_full.pt", weights_only=True), saved["model"]) == 0.0
+    assert "checkpoint (rank 0 only)" not in checkpoints.from_full and not (tmp / "unused").exists()
+
+
+def test_resume_latest_takes_the_newer_checkpoint(tmp_path):
+    """--resume latest / PATH, resolved without launching anything: the newer of DIR/dcp and
+    DIR/full.pt (DCP on a tie), a folder is DCP and a file a full checkpoint, nothing is one error."""
+    resolve = load_script("fsdp_checkpoint").resolve_resume
+    folder = tmp_path / "ck"
+    with pytest.raises(UsageError, match=f"--resume latest: no checkpoint in {folder}"):
+        resolve("latest", str(folder))
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "dcp" / "trainer_state.json").write_text("{}")
+    (folder / "full.pt").write_bytes(b"x")
+    os.utime(folder / "full.pt", (1000, 1000))
+    os.utime(folder / "dcp" / "trainer_state.json", (2000, 2000))
+    assert resolve("latest", str(folder)) == ("dcp", str(folder / "dcp"))
+    os.utime(folder / "full.pt", (3000, 3000))  # a later --checkpoint-format full run
+    assert resolve("latest", str(folder)) == ("full", str(folder / "full.pt"))
+    os.utime(folder / "full.pt", (2000, 2000))
+    assert resolve("latest", str(folder)) == ("dcp", str(folder / "dcp"))  # a tie: DCP
+    (folder / "dcp" / "trainer_state.json").unlink()  # an incomplete folder is no candidate
+    assert resolve("latest", str(folder)) == ("full", str(folder / "full.pt"))
+    assert resolve(str(folder / "dcp"), "elsewhere") == ("dcp", str(folder / "dcp"))
+    assert resolve(str(folder / "full.pt"), "elsewhere") == ("full", str(folder / "full.pt"))
+    assert resolve("none", str(folder)) is None
+    with pytest.raises(UsageError, match="no such checkpoint"):
+        resolve(str(tmp_path / "missing.pt"), str(folder))
+    with pytest.raises(UsageError, match=r"no complete DCP checkpoint in .*trainer_state.json is missing"):
+        load_script("fsdp_checkpoint").read_trainer_state(str(folder / "dcp"), gpt_config("tiny"))
+
+
+def dead_pid() -> int:
+    """The PID of a process that has just exited (a writer killed mid-save)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def torchrun_argv(script: str, *args, nproc: int = 2) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            CHAPTER / script, *args]
+
+
+@pytest.fixture(scope="module")
+def failures(checkpoints, tmp_path_factory):
+    """Every launch that must end in one error line, two at a time: bad input, a missing checkpoint,
+    a 0-byte full checkpoint beside stale temporaries (2 ranks), a full checkpoint of another model,
+    and copies of the 4-rank DCP save made foreign or damaged (2 ranks, and 1)."""
+    tmp = tmp_path_factory.mktemp("ch02_failures")
+    ckpt_script, python = CHAPTER / "fsdp_checkpoint.py", sys.executable
+
+    other_model = tmp / "other.pt"
     torch.save({"model": {"w": torch.zeros(2)}, "optim": {}, "step": 1}, other_model)
-    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", "--resume", "full", *TINY, "--full-checkpoint",
-                                 str(other_model), "--save", "none", tmp_path=tmp_path, check=False),
-                          "is from a different model")
-    assert_one_line_error(python(CHAPTER / "fsdp_basics.py", "--n-head", "3", tmp_path=tmp_path, check=False),
-                          "divisible by the head count 3")
+
+    folder = tmp / "empty"  # a 0-byte full.pt, a dead writer's temporary and a live writer's
+    folder.mkdir()
+    (folder / "full.pt").touch()
+    host = socket.gethostname()
+    stale = folder / f"full.pt.tmp.{host}.{dead_pid()}.abc123"
+    live = folder / f"full.pt.tmp.{host}.{os.getpid()}.def456"  # this test process is alive
+    stale.write_bytes(b"torn")
+    live.write_bytes(b"being written")
+
+    copies = {}
+    for name in ("named", "unnamed", "damaged"):
+        copies[name] = tmp / name / "dcp"
+        shutil.copytree(checkpoints.tmp / "saved_dcp", copies[name])
+    meta_path = copies["unnamed"] / "trainer_state.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model"]  # as saves from before trainer_state.json named the model
+    meta_path.write_text(json.dumps(meta))
+    (copies["damaged"] / "trainer_state.json").write_text("{not json")
+
+    no_save = ("--checkpoint-format", "none", "--checkpoint-dir", tmp / "unused", *TINY)
+    jobs = {
+        "hybrid_world_1": [python, CHAPTER / "fsdp_transformer.py", "--sharding", "hybrid_shard", *TINY,
+                           "--steps", "1", "--results", tmp / "r.jsonl"],
+        "no_checkpoint": [python, ckpt_script, "--resume", "latest", *TINY, "--checkpoint-dir", tmp / "nothing"],
+        "other_model_full": [python, ckpt_script, "--resume", other_model, *no_save],
+        "empty_full": torchrun_argv("fsdp_checkpoint.py", "--resume", folder / "full.pt", "--checkpoint-dir",
+                                    folder, "--checkpoint-format", "none", *TINY),
+        # the saved model has 2 blocks; a 3-block model asks DCP for keys it does not have (DCP itself
+        # loads a *larger* model's folder into a smaller one without complaint)
+        "named_dcp": torchrun_argv("fsdp_checkpoint.py", "--resume", copies["named"], *no_save, "--n-layer", "3"),
+        "unnamed_dcp": torchrun_argv("fsdp_checkpoint.py", "--resume", copies["unnamed"], *no_save, "--n-layer", "3"),
+        "damaged_dcp": [python, ckpt_script, "--resume", copies["damaged"], *no_save],
+    }
+    results = run_all(jobs, tmp)
+    return SimpleNamespace(results=results, stale=stale, live=live, empty=folder / "full.pt", copies=copies)
 
 
-def load_script(name: str):
-    """Import a chapter script as a module (its parse_args is then called in this process)."""
-    spec = importlib.util.spec_from_file_location(f"ch02_{name}", CHAPTER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_bad_input_gives_one_error_line(failures):
+    results = failures.results
+    # a world of one cannot be split into shard groups of 2
+    assert_one_line_error(results["hybrid_world_1"], "--hsdp-shard-size 2 does not divide the world size 1")
+    assert_one_line_error(results["no_checkpoint"], "--resume latest: no checkpoint in")
+    assert_one_line_error(results["other_model_full"], "is from a different model")
 
+
+def test_bad_full_checkpoint_is_one_line_and_stale_temporaries_go(failures):
+    """2 ranks: rank 0 finds the 0-byte file and tells rank 1 (no hang); stale temporaries of a dead
+    writer are removed at start, a live writer's are kept."""
+    result = failures.results["empty_full"]
+    assert_one_line_error(result, f"checkpoint {failures.empty} is empty (0 bytes)")
+    assert not failures.stale.exists() and failures.live.exists()
+    assert f"removed 1 temporary file(s) left by an interrupted save: {failures.stale.name}" in result.stdout
+
+
+def test_dcp_checkpoint_of_another_model_is_one_line(checkpoints, failures):
+    """A DCP folder saved by another model: named from trainer_state.json when it records the model
+    (rank 0 checks it before any model is built, and tells rank 1); when it does not (older saves),
+    DCP's CheckpointException (a BaseException, raised on every rank) still becomes one line on 2
+    ranks; a damaged trainer_state.json too."""
+    meta = json.loads((checkpoints.tmp / "saved_dcp" / "trainer_state.json").read_text())
+    assert meta["step"] == 3 and meta["world_size"] == 4 and meta["model"]["n_layer"] == 2
+    assert not list(checkpoints.ckpt.glob("*.tmp*")) and not list(checkpoints.ckpt.glob("dcp.*"))  # no leftovers
+    results, copies = failures.results, failures.copies
+    assert_one_line_error(results["named_dcp"],
+                          f"DCP checkpoint {copies['named']} is from a different model (n_layer 2 there, 3 here)")
+    assert_one_line_error(results["unnamed_dcp"], "does not fit this model or is damaged")
+    assert_one_line_error(results["damaged_dcp"], "trainer_state.json is unreadable (JSONDecodeError")
+
+
+# --------------------------------------------------------------------------------------- basics
+
+def test_basics_shows_shards_and_the_step_trace(tmp_path):
+    result = run_readme(BASICS, tmp_path, *TINY, "--steps", "4", "--results", tmp_path / "b.jsonl")
+    for rank in range(4):
+        assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
+    assert "tok_emb.weight               full (65, 64)   -> my shard (17, 64)" in result.stdout  # padded
+    assert "block 0 forward starts:  q_proj.weight is full Tensor (64, 64)" in result.stdout
+    assert "block 0 forward ends:    q_proj.weight is DTensor shard (16, 64) of (64, 64)" in result.stdout
+    assert result.stdout.count("backward  _reduce_scatter_base_") == 3  # 2 blocks + root
+    # each traced collective is named by its unit, from distkit.theory's padded sizes
+    assert result.stdout.count("<- a block's unit") == 6 and result.stdout.count("<- root unit") == 2
+    record = read_records(tmp_path / "b.jsonl")[0]
+    assert record["strategy"] == "fsdp_full_shard" and record["model"]["vocab_size"] == 65
+    assert not {"model_size", "gpt", "param_count"} & set(record["config"])
+
+
+# ------------------------------------------------------------------------------ flags, in-process
 
 @pytest.mark.parametrize("script,argv,expected", [
     ("fsdp_basics", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
@@ -361,6 +419,7 @@ def load_script(name: str):
     ("fsdp_basics", ["--lr", "nan"], "argument --lr: must be a positive number"),
     ("fsdp_basics", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0"),
     ("fsdp_basics", ["--n-head", "0"], "argument --n-head: must be a positive integer, got 0"),
+    ("fsdp_transformer", ["--sharding", "zero9"], "argument --sharding: invalid choice: 'zero9'"),
     ("fsdp_transformer", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
     ("fsdp_transformer", ["--global-batch-size", "-1"], "argument --global-batch-size: must be a positive"),
     ("fsdp_transformer", ["--hsdp-shard-size", "0"], "argument --hsdp-shard-size: must be a positive integer"),
@@ -368,14 +427,17 @@ def load_script(name: str):
     ("fsdp_transformer", ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
     ("fsdp_transformer", ["--warmup-steps", "x"], "argument --warmup-steps: must be an integer >= 0, got 'x'"),
     ("fsdp_transformer", ["--n-embd", "-64"], "argument --n-embd: must be a positive integer, got -64"),
+    ("fsdp_transformer", ["--sharding", "full_shard", "ddp", "--save", "x.pt"],
+     "--save x.pt names one file for 2 strategies; put {strategy} in it"),
     ("fsdp_checkpoint", ["--steps", "-1"], "argument --steps: must be an integer >= 0, got -1"),
     ("fsdp_checkpoint", ["--global-batch-size", "0"], "argument --global-batch-size: must be a positive"),
     ("fsdp_checkpoint", ["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
     ("fsdp_checkpoint", ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
     ("fsdp_checkpoint", ["--vocab-size", "0"], "argument --vocab-size: must be a positive integer, got 0"),
+    ("fsdp_checkpoint", ["--checkpoint-format", "dcp2"], "argument --checkpoint-format: invalid choice"),
 ])
 def test_numeric_flags_are_range_checked_where_defined(script, argv, expected, capsys, monkeypatch):
-    """Each bad number is rejected by argparse (exit 2, one error line), before any process group."""
+    """Each bad flag is rejected by argparse (exit 2, one error line), before any process group."""
     monkeypatch.delenv("RANK", raising=False)  # rank 0 is the one that prints
     with pytest.raises(SystemExit) as exit_info:
         load_script(script).parse_args(argv)
@@ -384,71 +446,25 @@ def test_numeric_flags_are_range_checked_where_defined(script, argv, expected, c
     assert len(errors) == 1 and expected in errors[0], errors
 
 
+def test_flag_values_checked_after_parsing():
+    """What only the combination can tell, raised as the UsageError run_main prints as one line."""
+    with pytest.raises(UsageError, match="divisible by the head count 3"):
+        load_script("fsdp_basics").parse_args(["--n-head", "3"])
+    with pytest.raises(UsageError, match=r"--save 'x\{foo\}.pt': unknown placeholder 'foo' \(known: \{strategy\}\)"):
+        load_script("fsdp_transformer").parse_args(["--save", "x{foo}.pt"])
+
+
 def test_flag_ranges_keep_valid_values():
-    assert load_script("fsdp_checkpoint").parse_args(["--steps", "0"]).steps == 0  # saves step 0
+    args = load_script("fsdp_checkpoint").parse_args(["--steps", "0"])
+    assert args.steps == 0 and args.resume == "none" and args.checkpoint_format == "both"  # saves step 0
     args = load_script("fsdp_basics").parse_args(["--warmup-steps", "0", "--lr", "1e-4"])
     assert args.warmup_steps == 0 and args.lr == 1e-4
-
-
-def dead_pid() -> int:
-    """The PID of a process that has just exited (a writer killed mid-save)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def test_bad_full_checkpoint_is_one_line_and_stale_temporaries_go(tmp_path):
-    """2 ranks: rank 0 finds the 0-byte file and tells rank 1 (no hang); stale temporaries of a dead
-    writer are removed at start, a live writer's are kept."""
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    empty = folder / "full.pt"
-    empty.touch()
-    host = socket.gethostname()
-    stale = folder / f"full.pt.tmp.{host}.{dead_pid()}.abc123"
-    live = folder / f"full.pt.tmp.{host}.{os.getpid()}.def456"  # this test process is alive
-    stale.write_bytes(b"torn")
-    live.write_bytes(b"being written")
-    result = torchrun(CHAPTER / "fsdp_checkpoint.py", "--resume", "full", "--full-checkpoint", empty,
-                      "--dcp-dir", folder / "dcp", "--save", "none", *TINY, nproc=2, tmp_path=tmp_path,
-                      check=False)
-    assert_one_line_error(result, f"checkpoint {empty} is empty (0 bytes)")
-    assert not stale.exists() and live.exists()
-    assert f"removed 1 temporary file(s) left by an interrupted save: {stale.name}" in result.stdout
-
-
-def test_dcp_checkpoint_of_another_model_is_one_line(tmp_path):
-    """A DCP folder saved by another model: named from trainer_state.json when it records the model;
-    when it does not (older saves), DCP's CheckpointException (a BaseException) still becomes one
-    line on 2 ranks; a damaged trainer_state.json too. (The saved model has fewer blocks: DCP itself
-    loads a *larger* model's folder without complaint, reading only the keys asked for, which is
-    why trainer_state.json records the model.)"""
-    dcp_dir = tmp_path / "dcp"
-    python(CHAPTER / "fsdp_checkpoint.py", *TINY, "--n-layer", "1", "--steps", "1", "--save", "dcp",
-           "--dcp-dir", dcp_dir, tmp_path=tmp_path)
-    meta_path = dcp_dir / "trainer_state.json"
-    meta = json.loads(meta_path.read_text())
-    assert meta["step"] == 1 and meta["model"]["n_layer"] == 1
-    assert not list(dcp_dir.glob("*.tmp*")) and not list(tmp_path.glob("dcp.*"))  # no leftovers
-
-    resume = ("--resume", "dcp", "--dcp-dir", dcp_dir, "--save", "none", "--steps", "2", *TINY)
-    assert_one_line_error(torchrun(CHAPTER / "fsdp_checkpoint.py", *resume, nproc=2, tmp_path=tmp_path,
-                                   check=False),
-                          f"DCP checkpoint {dcp_dir} is from a different model (n_layer 1 there, 2 here)")
-    del meta["model"]
-    meta_path.write_text(json.dumps(meta))
-    assert_one_line_error(torchrun(CHAPTER / "fsdp_checkpoint.py", *resume, nproc=2, tmp_path=tmp_path,
-                                   check=False),
-                          "does not fit this model or is damaged")
-    meta_path.write_text("{not json")
-    assert_one_line_error(python(CHAPTER / "fsdp_checkpoint.py", *resume, tmp_path=tmp_path, check=False),
-                          "trainer_state.json is unreadable (JSONDecodeError")
+    transformer = load_script("fsdp_transformer")
+    args = transformer.parse_args(["--sharding", "full_shard", "ddp", "--save", "out/{strategy}.pt"])
+    assert [transformer.save_file(args, s) for s in args.sharding] == ["out/full_shard.pt", "out/ddp.pt"]
+    assert transformer.save_file(transformer.parse_args([]), "full_shard") is None  # default: none
 
 
 def test_every_readme_command_is_run_by_a_test():
-    """Each fragment below is looked up by a test above; together they must cover the README."""
-    covered = ["fsdp_basics.py", "--sharding full_shard shard_grad_op no_shard hybrid_shard ddp",
-               "make_strategies_table.py", "--activation-checkpointing --cpu-offload",
-               "--mixed-precision bf16", "fsdp_checkpoint.py --steps 100", "--resume dcp", "--resume full"]
-    for command in readme_commands(README):
-        assert sum(fragment in command for fragment in covered) == 1, command
+    """Each lookup in ch02_common.LOOKUPS is run by a test above; together they cover the README."""
+    assert_readme_covered(README, LOOKUPS)

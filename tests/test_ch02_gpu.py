@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ch02_common import (BASICS, BF16, BF16_RELATIVE, FP32_ATOL, LR, OFFLOAD, RECORD, RESUME_FULL,
+                         RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE, TINY, command,
+                         expected_bytes, max_diff, reference_state, relative_error, shard_bytes)
 from launch import command_argv, gpu_count, job_env, require_gpus, run
-from test_ch02_fsdp import (BF16_RELATIVE, FP32_ATOL, LR, RECORD, STEPS, STRATEGIES, TINY,
-                            expected_bytes, max_diff, readme_command, reference_state, relative_error,
-                            shard_bytes)
 
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
@@ -101,7 +101,7 @@ def assert_gpu_record(record: dict, world: int) -> None:
 def test_basics_on_one_gpu(tmp_path):
     require_gpus(1, "fsdp_basics at world size 1 on NCCL")
     results = tmp_path / "basics.jsonl"
-    result = gpu_run(readme_command("fsdp_basics.py"), tmp_path, *TINY, "--steps", "30", "--log-every", "10",
+    result = gpu_run(command(BASICS), tmp_path, *TINY, "--steps", "30", "--log-every", "10",
                      "--results", results, nproc=1)
     # a world of one: the "shard" is the whole tensor, still a DTensor outside the block's forward
     assert "[rank 0] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (64, 64)" in result.stdout
@@ -116,7 +116,7 @@ def test_basics_on_one_gpu(tmp_path):
 def test_basics_on_four_gpus(tmp_path):
     require_gpus(4, "the README's 4-rank fsdp_basics command on NCCL, one GPU per rank")
     results = tmp_path / "basics.jsonl"
-    result = gpu_run(readme_command("fsdp_basics.py"), tmp_path, *TINY, "--steps", "30", "--log-every", "10",
+    result = gpu_run(command(BASICS), tmp_path, *TINY, "--steps", "30", "--log-every", "10",
                      "--results", results)
     for rank in range(4):
         assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
@@ -154,13 +154,13 @@ def check_strategies(tmp_path: Path, world: int, shard_size: int, result) -> lis
 
 def test_strategies_on_one_gpu(tmp_path):
     require_gpus(1, "every strategy at world size 1 on NCCL")
-    result = gpu_run(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"),
+    result = gpu_run(command(SWEEP),
                      tmp_path, *TINY, "--hsdp-shard-size", "1", "--steps", str(STEPS), "--log-every", "1",
-                     "--results", tmp_path / "records.jsonl", "--save-params", tmp_path / "params", nproc=1)
+                     "--results", tmp_path / "records.jsonl", "--save", tmp_path / "params" / "{strategy}.pt", nproc=1)
     check_strategies(tmp_path, world=1, shard_size=1, result=result)
 
     # the table script labels these peaks as the GPU allocator's, not as process RSS
-    text = gpu_run(readme_command("make_strategies_table.py"), tmp_path, "--results", tmp_path / "records.jsonl",
+    text = gpu_run(command(TABLE), tmp_path, "--results", tmp_path / "records.jsonl",
                    "--plots-dir", tmp_path).stdout
     assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
     assert "| fsdp_hybrid_shard | 1 x 1 |" in text
@@ -168,9 +168,9 @@ def test_strategies_on_one_gpu(tmp_path):
 
 def test_strategies_on_four_gpus(tmp_path):
     require_gpus(4, "the README's 4-rank strategies command on NCCL (HSDP 2x2)")
-    result = gpu_run(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"),
+    result = gpu_run(command(SWEEP),
                      tmp_path, *TINY, "--steps", str(STEPS), "--log-every", "1",
-                     "--results", tmp_path / "records.jsonl", "--save-params", tmp_path / "params")
+                     "--results", tmp_path / "records.jsonl", "--save", tmp_path / "params" / "{strategy}.pt")
     records = {r["strategy"]: r for r in check_strategies(tmp_path, world=4, shard_size=2, result=result)}
     bus = {s: sum(v["bus_bytes"] for v in records[RECORD[s]]["metrics"]["comm_per_step"].values())
            for s in STRATEGIES}
@@ -183,7 +183,7 @@ def test_each_strategy_gets_its_own_gpu_peak(tmp_path):
     widened so its state (tens of MiB) dwarfs allocator noise."""
     require_gpus(1, "peak GPU memory per configuration")
     results = tmp_path / "records.jsonl"
-    gpu_run(readme_command("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp"), tmp_path,
+    gpu_run(command(SWEEP), tmp_path,
             *TINY, "--n-embd", "256", "--sharding", "full_shard", "ddp", "full_shard", "--steps", str(STEPS),
             "--results", results, nproc=1)
     first, ddp, again = read_records(results)
@@ -201,12 +201,12 @@ def test_knobs_on_one_gpu(tmp_path):
     within BF16_RELATIVE of what training moves the weights and keeps fp32 master weights."""
     require_gpus(1, "--cpu-offload and --mixed-precision bf16 on NCCL")
     reference = gpu_reference(STEPS)
-    offload_command = readme_command("--activation-checkpointing --cpu-offload")
+    offload_command = command(OFFLOAD)
     runs = {}
-    for name, command in (("offload", offload_command),
-                          ("plain", offload_command.replace(" --cpu-offload", ""))):
-        gpu_run(command, tmp_path, *TINY, "--steps", str(STEPS), "--results", tmp_path / f"{name}.jsonl",
-                "--save-params", tmp_path / name, nproc=1)
+    for name, line in (("offload", offload_command),
+                       ("plain", offload_command.replace(" --cpu-offload", ""))):
+        gpu_run(line, tmp_path, *TINY, "--steps", str(STEPS), "--results", tmp_path / f"{name}.jsonl",
+                "--save", tmp_path / name / "{strategy}.pt", nproc=1)
         trained = torch.load(tmp_path / name / "full_shard.pt", weights_only=True)
         assert all_tensors_on_cpu(trained)
         assert max_diff(trained, reference) <= FP32_ATOL, name
@@ -219,8 +219,8 @@ def test_knobs_on_one_gpu(tmp_path):
     peak = {name: r["metrics"]["peak_memory_bytes_per_rank"][0] for name, r in runs.items()}
     assert peak["plain"] - peak["offload"] >= state["optimizer"], peak
 
-    gpu_run(readme_command("--mixed-precision bf16"), tmp_path, *TINY, "--steps", str(STEPS),
-            "--results", tmp_path / "bf16.jsonl", "--save-params", tmp_path / "bf16", nproc=1)
+    gpu_run(command(BF16), tmp_path, *TINY, "--steps", str(STEPS),
+            "--results", tmp_path / "bf16.jsonl", "--save", tmp_path / "bf16" / "{strategy}.pt", nproc=1)
     trained = torch.load(tmp_path / "bf16" / "full_shard.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in trained.values())
     initial, _ = reference_state(STEPS)  # the same seed-0 weights the jobs start from (built on CPU)
@@ -231,29 +231,30 @@ def test_knobs_on_one_gpu(tmp_path):
 
 
 def save_and_resume(tmp_path: Path, save_nproc: int | None, resume_nproc: int | None):
-    """The README's three checkpoint commands at tiny size: save at step 3, resume from DCP to step 6,
-    resume from the full file; the resumes must load exactly what was saved, and the continued run
-    must equal uninterrupted training."""
-    dcp_dir, full = tmp_path / "dcp", tmp_path / "full.pt"
-    paths = ("--dcp-dir", dcp_dir, "--full-checkpoint", full)
-    save = gpu_run(readme_command("fsdp_checkpoint.py --steps 100"), tmp_path, *TINY, *paths,
-                   "--steps", "3", "--log-every", "1", nproc=save_nproc)
+    """The README's three checkpoint commands at tiny size: save at step 3, resume the newest (DCP)
+    to step 6, resume the full file; the resumes must load exactly what was saved, and the continued
+    run must equal uninterrupted training."""
+    ckpt = tmp_path / "ck"
+    save = gpu_run(command(SAVE), tmp_path, *TINY, "--checkpoint-dir", ckpt, "--steps", "3", "--log-every", "1",
+                   nproc=save_nproc)
     assert "sharded DCP checkpoint" in save.stdout and "full checkpoint" in save.stdout
-    saved = torch.load(full, weights_only=True)  # no map_location: a CUDA tensor would come back on a GPU
+    saved = torch.load(ckpt / "full.pt", weights_only=True)  # no map_location: a CUDA tensor would come back on a GPU
     assert saved["step"] == 3 and all_tensors_on_cpu(saved)
     first = tmp_path / "first.pt"
-    shutil.copy(full, first)
+    shutil.copy(ckpt / "full.pt", first)
 
-    resumed = gpu_run(readme_command("--resume dcp"), tmp_path, *TINY, *paths, "--steps", "6", "--log-every", "1",
-                      "--save", "full", "--dump-loaded", tmp_path / "loaded.pt", nproc=resume_nproc)
-    assert "resumed from dcp checkpoint at step 3" in resumed.stdout
+    resumed = gpu_run(command(RESUME_LATEST), tmp_path, *TINY, "--checkpoint-dir", ckpt, "--steps", "6",
+                      "--log-every", "1", "--checkpoint-format", "full", "--dump-loaded", tmp_path / "loaded.pt",
+                      nproc=resume_nproc)
+    assert f"resumed from dcp checkpoint {ckpt}/dcp at step 3" in resumed.stdout
     assert max_diff(torch.load(tmp_path / "loaded.pt", weights_only=True), saved["model"]) == 0.0
-    final = torch.load(full, weights_only=True)
+    final = torch.load(ckpt / "full.pt", weights_only=True)
     assert final["step"] == 6
     assert max_diff(final["model"], gpu_reference(6)) <= FP32_ATOL
 
-    gpu_run(readme_command("--resume full"), tmp_path, *TINY, "--full-checkpoint", first, "--steps", "6",
-            "--save", "none", "--dump-loaded", tmp_path / "loaded_full.pt", nproc=resume_nproc)
+    gpu_run(command(RESUME_FULL), tmp_path, *TINY, "--resume", first, "--checkpoint-dir", tmp_path / "unused",
+            "--steps", "6", "--checkpoint-format", "none", "--dump-loaded", tmp_path / "loaded_full.pt",
+            nproc=resume_nproc)
     assert max_diff(torch.load(tmp_path / "loaded_full.pt", weights_only=True), saved["model"]) == 0.0
     return save, resumed
 
@@ -261,7 +262,7 @@ def save_and_resume(tmp_path: Path, save_nproc: int | None, resume_nproc: int | 
 def test_checkpoints_on_one_gpu(tmp_path):
     require_gpus(1, "DCP and full checkpoints at world size 1 on NCCL")
     save_and_resume(tmp_path, save_nproc=1, resume_nproc=1)
-    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 1
+    assert len(list((tmp_path / "ck" / "dcp").glob("*.distcp"))) == 1
 
 
 def test_checkpoints_reshard_from_four_gpus_to_two(tmp_path):
@@ -276,7 +277,7 @@ def test_cpu_jobs_on_a_gpu_host_stay_on_the_cpu(tmp_path):
     logits) and no rank looks for a GPU it does not have ("invalid device ordinal")."""
     require_gpus(1, "needs a GPU host to show that CPU jobs ignore its accelerator")
     results = tmp_path / "cpu.jsonl"
-    gpu_run(readme_command("fsdp_basics.py"), tmp_path, *TINY, "--steps", "3", "--device", "cpu",
+    gpu_run(command(BASICS), tmp_path, *TINY, "--steps", "3", "--device", "cpu",
             "--results", results, nproc=2, backend=None)
     record = read_records(results)[0]
     assert (record["backend"], record["device"], record["metrics"]["peak_memory_kind"]) == (
@@ -284,7 +285,7 @@ def test_cpu_jobs_on_a_gpu_host_stay_on_the_cpu(tmp_path):
     gpus = gpu_count()
     if gpus >= 4:
         pytest.skip(f"{gpus} GPUs: more ranks than GPUs would mean {gpus + 1} CPU ranks; checked --device cpu only")
-    result = gpu_run(readme_command("fsdp_checkpoint.py --steps 100"), tmp_path, *TINY, "--steps", "2",
-                     "--save", "dcp", "--dcp-dir", tmp_path / "dcp", nproc=gpus + 1, backend=None)
+    result = gpu_run(command(SAVE), tmp_path, *TINY, "--steps", "2",
+                     "--checkpoint-format", "dcp", "--checkpoint-dir", tmp_path / "ck", nproc=gpus + 1, backend=None)
     assert f"world size {gpus + 1}" in result.stdout and "sharded DCP checkpoint" in result.stdout
-    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == gpus + 1
+    assert len(list((tmp_path / "ck" / "dcp").glob("*.distcp"))) == gpus + 1

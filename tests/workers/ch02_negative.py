@@ -1,11 +1,13 @@
-"""Worker: negative controls for chapter 02's equivalence tests that negative_controls.py does not
-cover: HSDP (2 x 2 mesh), root wrapping + activation checkpointing + CPU offload, and the exactness
-of a DCP resume. Launched with 4 ranks.
+"""Worker: every negative control of chapter 02's equivalence tests, in one 4-rank launch (the world
+size test_ch02_fsdp.py trains at): the FSDP cases of negative_controls.py (FULL_SHARD,
+SHARD_GRAD_OP, NO_SHARD with SGD; bf16 with AdamW) and those it does not cover: HSDP (2 x 2 mesh),
+root wrapping + activation checkpointing + CPU offload, and the exactness of a DCP resume.
 
 Everything is built with the chapter scripts' own functions (fsdp_transformer.py's ``mesh_shape``,
 ``build_mesh``, ``shard_model``; fsdp_checkpoint.py's ``save_dcp``, ``load_dcp``). Rank 0 compares
-each result with a single-process reference trainer written here and writes
-``{case: {variant: max |distributed - reference|}}`` to ``--out``.
+each result with the single-process reference trainer (tests/workers/reference.py) and writes
+``{case: {variant: max |distributed - reference|, variant_relative: L2 error / L2 movement}}`` to
+``--out``.
 
 * hsdp / offload: SGD (lr 0.5, 3 steps, as negative_controls.py: a gradient twice too large moves a
   weight twice as far). Bugs: gradients summed over the ranks instead of averaged, rank 1's gradient
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import negative_controls as nc  # noqa: E402  (its helpers: load, new_model, batches, the bugs)
-
-from distkit import ArgumentParser, add_runtime_args, distributed, run_main  # noqa: E402
-from distkit.models import TokenTask, lm_loss  # noqa: E402
-from reference import train_one_process  # noqa: E402  (tests/workers/reference.py)
+# Beside this worker (a script's own folder is on sys.path): negative_controls.py's helpers (load,
+# new_model, batches, the bugs, its chapter-02 cases) and the one reference trainer.
+import negative_controls as nc
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.models import TokenTask, lm_loss
+from reference import train_one_process
 
 ADAMW_LR, SAVE_AT, RESUME_TO = 3e-3, 3, 6
 
@@ -116,6 +117,9 @@ def case_resume(ctx, variant, meshes, folder):
     return nc.full_state(model)
 
 
+NC_CASES = ["ch02_full_shard", "ch02_shard_grad_op", "ch02_no_shard", "ch02_bf16"]
+
+
 def main():
     parser = ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -125,24 +129,30 @@ def main():
         meshes: dict = {}
         folder = [tempfile.mkdtemp(prefix="ch02_dcp_") if ctx.is_main else None]
         dist.broadcast_object_list(folder, src=0)
-        cases = {
+        # name -> (run(variant), variants, reference (initial, final))
+        cases = {name: (lambda v, fn=nc.CASES[name][0]: fn(ctx, v), nc.CASES[name][1],
+                        lambda name=name: nc.reference(adamw=nc.CASES[name][2].get("adamw", False)))
+                 for name in NC_CASES}
+        cases.update({
             "ch02_hsdp": (lambda v: case_sgd(ctx, v, "hybrid_shard", [], meshes),
-                          ["correct", "summed", "dropped_shard", "replicas_not_reduced"], False, nc.STEPS),
+                          ["correct", "summed", "dropped_shard", "replicas_not_reduced"],
+                          lambda: reference(False, nc.STEPS)),
             "ch02_offload": (lambda v: case_sgd(ctx, v, "full_shard",
                                                 ["--wrap", "root", "--activation-checkpointing", "--cpu-offload"],
                                                 meshes),
-                             ["correct", "summed", "dropped_shard"], False, nc.STEPS),
+                             ["correct", "summed", "dropped_shard"], lambda: reference(False, nc.STEPS)),
             "ch02_resume": (lambda v: case_resume(ctx, v, meshes, folder[0] + f"/{v}"),
-                            ["correct", "weights_only", "step_reset"], True, RESUME_TO),
-        }
+                            ["correct", "weights_only", "step_reset"], lambda: reference(True, RESUME_TO)),
+        })
         results = {}
-        for name, (run, variants, adamw, steps) in cases.items():
-            initial, expected = reference(adamw, steps)
+        for name, (run, variants, make_reference) in cases.items():
+            initial, expected = make_reference()
             results[name] = {"moved": nc.max_diff(initial, expected)}
             for variant in variants:
                 state = run(variant)
                 if ctx.is_main:
                     results[name][variant] = nc.max_diff(state, expected)
+                    results[name][f"{variant}_relative"] = nc.relative_error(state, expected, initial)
             if ctx.is_main:
                 print(f"{name}: " + ", ".join(f"{k} {v:.2e}" for k, v in results[name].items()), flush=True)
         if ctx.is_main:

@@ -1,0 +1,158 @@
+"""What chapter 02's test files share: tolerances, the tiny model's flags, the single-process
+reference, the independent byte formulas, and a way to run several launches at once.
+
+Tolerances (fp32, AdamW lr 3e-3, a handful of steps): a parameter may differ from single-process
+training by at most FP32_ATOL = 2e-4 (about 7% of one Adam step; what remains is summation order,
+amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision
+cannot be judged by a max-abs bound: its largest difference from the fp32 reference (1.1e-2) is as
+large as what 4 training steps move the weights (1.2e-2), so untrained weights would pass. It is
+judged by the L2 error as a fraction of the L2 movement (untrained weights score 1) under
+BF16_RELATIVE = 0.15: measured 5.4e-2 for correct bf16 and 0.54 with one rank's gradient shard
+dropped, on 4 ranks (test_ch02_negative.py proves both tolerances fail for the bugs they must catch).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from launch import REPO, command_argv, job_env, readme_command, run
+
+from distkit.models import TinyGPT, gpt_config
+from workers.reference import train_one_process
+
+CHAPTER = REPO / "02-fsdp"
+README = CHAPTER / "README.md"
+FP32_ATOL = 2e-4
+BF16_RELATIVE = 0.15
+LR = 3e-3
+# vocab 65 is not a multiple of 2 or 4: tok_emb and lm_head get padded rows, so the byte checks
+# prove the padding is modelled.
+TINY = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+RECORD = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
+          "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
+STEPS = 4
+
+# The README's commands, as the tests look them up (launch.readme_command needles); together they
+# must cover the README (launch.assert_readme_covered).
+BASICS = ("fsdp_basics.py",)
+SWEEP = ("--sharding full_shard shard_grad_op no_shard hybrid_shard ddp",)
+TABLE = ("make_strategies_table.py",)
+OFFLOAD = ("--activation-checkpointing --cpu-offload",)
+BF16 = ("--mixed-precision bf16",)
+SAVE = ("fsdp_checkpoint.py --steps 100",)
+RESUME_LATEST = ("fsdp_checkpoint.py", "--resume latest")
+RESUME_FULL = ("fsdp_checkpoint.py", "--resume checkpoints/fsdp/full.pt")
+LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL]
+
+
+def command(lookup) -> str:
+    """The one README command a lookup above names."""
+    if len(lookup) == 2 and isinstance(lookup[0], tuple):
+        return readme_command(README, *lookup[0], without=lookup[1])
+    return readme_command(README, *lookup)
+
+
+def readme_argv(lookup, *extra, nproc: int | None = None) -> list[str]:
+    """A README command as argv (``nproc`` replaces its rank count), plus ``extra`` flags (argparse
+    keeps the last value of a repeated flag)."""
+    return [*command_argv(command(lookup), nproc), *map(str, extra)]
+
+
+def run_readme(lookup, tmp_path: Path, *extra, nproc: int | None = None, timeout: float = 300):
+    """Run a README command as written (or on ``nproc`` ranks), plus ``extra`` flags."""
+    return run(readme_argv(lookup, *extra, nproc=nproc), timeout=timeout, env=job_env(tmp_path))
+
+
+def run_all(jobs: dict[str, list], tmp_path: Path, parallel: int = 2, timeout: float = 400) -> dict:
+    """Run independent launches ``{name: argv}`` ``parallel`` at a time (a single-process job uses
+    one of the machine's cores; two overlap) and return ``{name: CompletedProcess}`` (output merged,
+    exit code not checked: the caller asserts what each must end with)."""
+    def one(item):
+        name, argv = item
+        folder = tmp_path / f"job_{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return name, run([*map(str, argv)], timeout=timeout, env=job_env(folder), check=False)
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return dict(pool.map(one, jobs.items()))
+
+
+def check_ok(result) -> str:
+    """The output of a launch that must have succeeded."""
+    assert result.returncode == 0, f"exit {result.returncode}: {result.args}\n{result.stdout[-6000:]}"
+    return result.stdout
+
+
+@functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it
+def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, dict]:
+    """Single-process AdamW training on the same global batches: (initial, final) state dicts."""
+    cfg = gpt_config("tiny", vocab_size=vocab)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def relative_error(state: dict, expected: dict, initial: dict) -> float:
+    """L2 |state - expected| / L2 |expected - initial| over all weights: the error as a fraction of
+    what training moved (untrained weights score exactly 1)."""
+    err = sum(((state[k].float() - expected[k].float()) ** 2).sum().item() for k in expected)
+    moved = sum(((expected[k].float() - initial[k].float()) ** 2).sum().item() for k in expected)
+    return (err / moved) ** 0.5
+
+
+def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4, cfg=None,
+                   pad: bool = True, block_gathers: int | None = None) -> dict:
+    """Textbook FSDP traffic and state per rank for the tiny GPT, written independently of the script
+    (and of distkit.theory, which the script prints its predictions from).
+
+    Units: one per block, then the root (the rest). Each parameter's dim 0 is padded to a multiple of
+    the shard-group size s. All-gather payload = padded unit size, twice per block unit when resharded
+    after forward (forward + backward), once for the root (never resharded) and for SHARD_GRAD_OP.
+    Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s),
+    issued by DDP and by every 2D (replicate, shard) mesh even when a group is one rank (world 1).
+    ``cfg`` (default: the tests' tiny GPT, vocab 65) is the model; ``pad=False`` and ``block_gathers``
+    give the deliberately wrong formulas of the negative control.
+    """
+    model = TinyGPT(cfg or gpt_config("tiny", vocab_size=65))
+    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
+
+    def padded(params):
+        rows = (lambda d0: math.ceil(d0 / s) * s) if pad else (lambda d0: d0)
+        return sum(rows(p.shape[0]) * p[0].numel() for p in params)
+
+    blocks = padded(model.blocks.parameters())
+    root = padded(p for n, p in model.named_parameters() if not n.startswith("blocks."))
+    every = blocks + root
+    comm = {}
+    if s > 1:
+        gathers = 2 if strategy in ("full_shard", "hybrid_shard") else 1
+        gathers = gathers if block_gathers is None else block_gathers
+        comm["all_gather"] = (gathers * blocks + root) * gather_bytes
+        comm["reduce_scatter"] = every * 4
+    if strategy in ("ddp", "no_shard", "hybrid_shard"):
+        comm["all_reduce"] = every // s * 4
+    state = every // s * 4
+    return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
+
+
+def shard_bytes(strategy: str, rank: int, world: int, shard_size: int) -> int:
+    """Parameter bytes rank ``rank`` holds: its torch.chunk piece of dim 0 of every parameter
+    (chunks of ceil(d0/s) rows; the last ranks get fewer rows or none, the padding is not data)."""
+    s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
+    index = rank % s  # meshes are (replicate, shard), row-major: rank = replica * s + index
+    total = 0
+    for p in TinyGPT(gpt_config("tiny", vocab_size=65)).parameters():
+        rows = math.ceil(p.shape[0] / s)
+        mine = max(0, min(rows, p.shape[0] - index * rows))
+        total += mine * p[0].numel() * 4
+    return total
