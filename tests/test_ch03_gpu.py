@@ -71,13 +71,12 @@ def test_gpu_zero_stages_memory_and_equivalence(tmp_path, ranks):
             [*SMALL, *NCCL, "--steps", 4, "--lr", LR, "--record", record_file, "--save", params / "{strategy}.pt",
              "--results", results], tmp_path)
 
-    strategies = STRATEGIES
     records = read_records(results)
-    assert [r["strategy"] for r in records] == strategies
+    assert [r["strategy"] for r in records] == STRATEGIES
     reference = reference_weights(steps=4, batch=16)
     zero0 = safe_load(params / "zero0.pt")
     assert max_diff(zero0, reference) < GPU_TOL
-    for strategy in strategies[1:]:
+    for strategy in STRATEGIES[1:]:
         diff = max_diff(safe_load(params / f"{strategy}.pt"), zero0)
         assert diff < WEIGHT_TOL, f"{strategy} vs zero0 on GPU: {diff:.2e}"
 
