@@ -1,12 +1,14 @@
 """Run every strategy through the shared harness, side by side: a matrix of strategies x world sizes
 x model sizes, each cell its own ``torchrun`` job running the chapter script that teaches it.
 
-Every chapter script follows the same contract (``--model-size``, ``--steps``,
-``--global-batch-size``, ``--warmup-steps``, ``--results``), so a cell is "script + the flags that
-pick the strategy" (the table :data:`STRATEGY_COMMANDS`). The harness inside each script times the
-steps after the warm-up, counts the collectives on an untimed step and records per-rank memory;
-this runner only launches, collects the records into one results file and keeps going when a cell
-fails (the failure is recorded with its error line).
+Every chapter script takes the same model and training flags (``distkit.models.add_gpt_args``,
+``distkit.flags.add_training_args``: ``--model-size``, ``--steps``, ``--global-batch-size``,
+``--warmup-steps``, ``--results``), so a cell is "script + the flags that pick the strategy" (the
+table :data:`STRATEGY_COMMANDS`). The harness inside each script times the steps after the warm-up,
+counts the collectives on an untimed step and records per-rank memory and the model; this runner
+only launches, adds what it knows about the cell (``record["benchmark"]``: its launch command and
+time, the model preset, grouping and placement) and keeps going when a cell fails (a record with
+``"status": "failed"`` and the error line).
 
 On a GPU machine a cell runs on NCCL when the machine has one GPU per rank; a cell with more ranks
 than GPUs runs on CPU/gloo with the GPUs hidden from it, and its output line and record
@@ -34,56 +36,49 @@ from pathlib import Path
 import torch
 
 from distkit import ArgumentParser, run_main
-from distkit.flags import non_negative_int, positive_float, positive_int
-from distkit.harness import append_record, read_records
+from distkit.flags import add_training_args, positive_float, positive_int
+from distkit.harness import RECORD_SCHEMA, append_record, describe_model, read_records
 from distkit.logs import progress
 from distkit.models import GPT_PRESETS, gpt_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
 
-# strategy -> (chapter script, flags that select the strategy, smallest world size).
-# {scratch} is the cell's temporary folder (checkpoints and logs the scripts write go there).
-# Most strategies also run on one rank (collectives over a group of one: a world-size-1 cell is what
-# a single-GPU machine can run on NCCL); the 2 x 2 meshes need 4.
+# strategy -> (chapter script, flags that select the strategy, smallest world size). {scratch} is the
+# cell's temporary folder, for what a script writes even when it saves no weights (--save none):
+# ddp_training's checkpoints and logs, DeepSpeed's checkpoint. Most strategies also run on one rank
+# (collectives over a group of one: a world-size-1 cell is what a single-GPU machine can run on
+# NCCL); the 2 x 2 meshes need 4.
 STRATEGY_COMMANDS: dict[str, tuple[str, list[str], int]] = {
     "ddp": ("01-ddp-basics/ddp_training.py",
             ["--resume", "none", "--checkpoint-dir", "{scratch}/ckpt", "--checkpoint-every", "1000000",
              "--log-dir", "{scratch}/logs"], 1),
-    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "{scratch}/model.pt"], 1),
+    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "none"], 1),
     "fsdp_full_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 1),
     "fsdp_shard_grad_op": ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 1),
     "fsdp_no_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 1),
     "fsdp_hybrid_shard": ("02-fsdp/fsdp_transformer.py",
                           ["--sharding", "hybrid_shard", "--hsdp-shard-size", "2"], 4),
-    "zero1": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero1_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
-    "zero2": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero2_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
-    "zero3": ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", "03-deepspeed/configs/zero3_config.json",
-              "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
-    "zero3_offload": ("03-deepspeed/deepspeed_train.py",
-                      ["--deepspeed_config", "03-deepspeed/configs/zero3_offload_config.json",
-                       "--checkpoint-dir", "{scratch}/ds", "--fp32-out", "{scratch}/fp32.pt"], 1),
-    "tp": ("05-advanced/tensor_parallel.py", ["--checkpoint", "{scratch}/tp.pt"], 1),
-    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--checkpoint", "{scratch}/tp.pt"], 1),
-    "pp_gpipe": ("05-advanced/pipeline_parallel.py",
-                 ["--schedule", "gpipe", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 1),
-    "pp_1f1b": ("05-advanced/pipeline_parallel.py",
-                ["--schedule", "1f1b", "--microbatches", "4", "--checkpoint", "{scratch}/pp.pt"], 1),
-    "pp_interleaved_1f1b": ("05-advanced/pipeline_parallel.py",
-                            ["--schedule", "interleaved_1f1b", "--stages-per-rank", "2", "--microbatches", "4",
-                             "--checkpoint", "{scratch}/pp.pt"], 1),
-    "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py",
-                   ["--mode", "2d", "--tp", "2", "--checkpoint", "{scratch}/2d.pt"], 4),
-    "hsdp": ("05-advanced/hybrid_parallelism.py",
-             ["--mode", "hsdp", "--shard", "2", "--checkpoint", "{scratch}/hsdp.pt"], 4),
+    **{zero: ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", f"03-deepspeed/configs/{zero}_config.json",
+                                                   "--checkpoint-dir", "{scratch}/ds", "--save", "none"], 1)
+       for zero in ("zero1", "zero2", "zero3", "zero3_offload")},
+    "tp": ("05-advanced/tensor_parallel.py", ["--save", "none"], 1),
+    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--save", "none"], 1),
+    **{f"pp_{schedule}": ("05-advanced/pipeline_parallel.py",
+                          ["--schedule", schedule, "--microbatches", "4", "--save", "none"]
+                          + (["--stages-per-rank", "2"] if schedule == "interleaved_1f1b" else []), 1)
+       for schedule in ("gpipe", "1f1b", "interleaved_1f1b")},
+    "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py", ["--mode", "2d", "--tp", "2", "--save", "none"], 4),
+    "hsdp": ("05-advanced/hybrid_parallelism.py", ["--mode", "hsdp", "--shard", "2", "--save", "none"], 4),
 }
 
 # --quick: the tiny model (with 4 blocks so the interleaved pipeline has 2 stages per rank), 2 ranks
-# (4 where the mesh needs 2 x 2), few steps. Cells of one script that can train several strategies
-# in one process share a launch (GROUPS) to save start-up time; a full run never groups.
-QUICK_MODEL = ("tiny", ["--n-layer", "4"])
+# (4 where the mesh needs 2 x 2), a small batch and the fewest steps that give a clean counted step:
+# 2 warm-up steps (a run's second step still broadcasts: DDP its rebuilt bucket order, DeepSpeed
+# ZeRO-3 its own bookkeeping), the counted step, 2 timed ones. Cells of one script that can train
+# several strategies in one process share a launch (GROUPS) to save start-up time; a full run never
+# groups.
+QUICK_MODEL_SIZE, QUICK_N_LAYER = "tiny", 4
 QUICK_STEPS, QUICK_BATCH = 5, 8
 GROUPS = {
     "fsdp": (("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard"), "02-fsdp/fsdp_transformer.py",
@@ -93,7 +88,7 @@ GROUPS = {
              lambda names: ["--configs", *names, "--record", "{scratch}/zero_memory.jsonl"]),
     "pp": (("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"), "05-advanced/pipeline_parallel.py",
            lambda names: ["--schedule", *[n.removeprefix("pp_") for n in names], "--microbatches", "4",
-                          "--stages-per-rank", "2", "--checkpoint", "{scratch}/pp_{schedule}.pt"]),
+                          "--stages-per-rank", "2", "--save", "none"]),
 }
 
 
@@ -117,12 +112,8 @@ class Cell:
     flags: list[str]
     world_size: int
     model_size: str
-    model_flags: list[str] = field(default_factory=list)
+    n_layer: int | None = None  # the preset's block count when None
     placement: Placement = field(default_factory=lambda: Placement("auto", "auto"))
-
-    @property
-    def label(self) -> str:
-        return f"{'+'.join(self.strategies)} | {self.world_size} ranks | {self.model_size}"
 
 
 def parse_args(argv=None):
@@ -133,7 +124,8 @@ def parse_args(argv=None):
         epilog="example: python benchmarks/distributed_benchmarks.py --world-sizes 2 4 --model-size tiny small")
     parser.add_argument("--quick", action="store_true",
                         help="small CI matrix: tiny model (4 blocks), 2 ranks unless --world-sizes says "
-                             f"otherwise (4 for 2-D meshes), {QUICK_STEPS} steps, cells of one script share a launch")
+                             f"otherwise (4 for 2-D meshes), {QUICK_STEPS} steps and a global batch of "
+                             f"{QUICK_BATCH} unless given, cells of one script share a launch")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_COMMANDS), metavar="NAME",
                         help=f"strategies to run (default: all): {' '.join(STRATEGY_COMMANDS)}")
     parser.add_argument("--world-sizes", nargs="+", type=positive_int, default=None, metavar="N",
@@ -144,14 +136,15 @@ def parse_args(argv=None):
     parser.add_argument("--n-layer", type=positive_int, default=None,
                         help="override the preset's block count in every cell (the pipeline needs at least "
                              "one block per stage, interleaved two per rank)")
-    parser.add_argument("--steps", type=positive_int, default=10,
-                        help="optimizer steps per cell, incl. warm-up and the counted step (default: 10)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=2, help="untimed warm-up steps (default: 2)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=16,
-                        help="sequences per step across all ranks; must divide by every world size and "
-                             "by the 4 pipeline micro-batches (default: 16)")
-    parser.add_argument("--results", default=DEFAULT_RESULTS,
-                        help=f"records of every cell are appended here (default: {DEFAULT_RESULTS})")
+    add_training_args(parser, steps=10, global_batch_size=16, lr=None, warmup_steps=2, results=DEFAULT_RESULTS,
+                      helps={"steps": "optimizer steps per cell, incl. warm-up and the counted step "
+                                      f"(--quick: {QUICK_STEPS} unless given)",
+                             "global_batch_size": "sequences per step across all ranks; must divide by every "
+                                                  "world size and by the 4 pipeline micro-batches "
+                                                  f"(--quick: {QUICK_BATCH} unless given)",
+                             "warmup_steps": "untimed warm-up steps per cell",
+                             "results": "the records of every cell are appended here"})
+    parser.set_defaults(steps=None, global_batch_size=None)  # None = not given: the mode's default below
     parser.add_argument("--cell-timeout-s", type=positive_float, default=900,
                         help="a cell running longer is killed and recorded as failed (default: 900)")
     parser.add_argument("--bandwidth", action="store_true",
@@ -172,7 +165,10 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGY_COMMANDS)}")
     if args.quick:
-        args.model_size, args.steps, args.global_batch_size = [QUICK_MODEL[0]], QUICK_STEPS, QUICK_BATCH
+        args.model_size = [QUICK_MODEL_SIZE]
+        args.n_layer = args.n_layer or QUICK_N_LAYER
+    args.steps = args.steps or (QUICK_STEPS if args.quick else 10)
+    args.global_batch_size = args.global_batch_size or (QUICK_BATCH if args.quick else 16)
     if args.steps <= args.warmup_steps + 1:
         parser.error(f"--steps {args.steps} leaves no timed step after {args.warmup_steps} warm-up "
                      "steps and the counted step; use at least --warmup-steps + 2")
@@ -211,7 +207,7 @@ def place(world: int, args, gpus: int) -> Placement | str:
 
 
 def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
-    """The launches to make, and the cells skipped (with their reason) before launching.
+    """The launches to make, and the records of the cells skipped (with their reason) before launching.
 
     ``gpus`` defaults to what this machine has (:func:`visible_gpus`); passing it makes the plan a
     pure function of the arguments (the tests do).
@@ -220,51 +216,55 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
     if gpus is None:
         gpus = visible_gpus(args)
     for model_size in args.model_size:
-        model_flags = list(QUICK_MODEL[1]) if args.quick else []
-        if args.n_layer is not None:
-            model_flags = ["--n-layer", str(args.n_layer)]
-        cfg = gpt_config(model_size, n_layer=int(model_flags[1]) if model_flags else None)
+        cfg = gpt_config(model_size, n_layer=args.n_layer)
         for world in args.world_sizes:
-            pending = list(args.strategies)
-            placements = {}
+            placements = {}  # strategy -> (world size, placement) of every cell that runs
             for strategy in args.strategies:
-                script, flags, min_world = STRATEGY_COMMANDS[strategy]
-                reason = None
+                min_world = STRATEGY_COMMANDS[strategy][2]
                 world_here = max(world, min_world) if args.quick else world
                 where = place(world_here, args, gpus)
                 if world_here < min_world:
                     reason = f"needs at least {min_world} ranks" + (" (a 2 x 2 mesh)" if min_world == 4 else "")
                 elif strategy == "pp_interleaved_1f1b" and cfg.n_layer < 2 * world_here:
-                    reason = f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, {model_size} has {cfg.n_layer}"
+                    reason = (f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, "
+                              f"{model_size} has {cfg.n_layer}")
                 elif strategy.startswith("pp_") and cfg.n_layer < world_here:
                     reason = f"{world_here} pipeline stages need {world_here} blocks, {model_size} has {cfg.n_layer}"
-                elif isinstance(where, str):
-                    reason = where
-                if reason:
-                    pending.remove(strategy)
-                    skipped.append({"strategy": strategy, "world_size": world_here, "model_size": model_size,
-                                    "status": "skipped", "error": reason})
                 else:
-                    placements[strategy] = where
+                    reason = where if isinstance(where, str) else None
+                if reason:
+                    skipped.append(runner_record(strategy, world_here, "skipped", reason, cfg,
+                                                 {"model_size": model_size}))
+                else:
+                    placements[strategy] = (world_here, where)
             if args.quick:
-                for _, (members, script, make_flags) in GROUPS.items():
-                    together = tuple(s for s in members if s in pending)
+                for members, script, make_flags in GROUPS.values():
+                    together = tuple(s for s in members if s in placements)
                     if len(together) > 1:  # grouped strategies share one world size, so one placement
-                        cells.append(Cell(together, script, make_flags(together), world, model_size, model_flags,
-                                          placements[together[0]]))
-                        pending = [s for s in pending if s not in together]
-            for strategy in pending:
-                script, flags, min_world = STRATEGY_COMMANDS[strategy]
-                world_here = max(world, min_world) if args.quick else world
-                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, model_flags,
-                                  placements[strategy]))
+                        world_here, where = placements[together[0]]
+                        cells.append(Cell(together, script, make_flags(together), world_here, model_size,
+                                          args.n_layer, where))
+                        placements = {s: v for s, v in placements.items() if s not in together}
+            for strategy, (world_here, where) in placements.items():
+                script, flags, _ = STRATEGY_COMMANDS[strategy]
+                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, args.n_layer, where))
     return cells, skipped
 
 
+def runner_record(strategy: str, world_size: int, status: str, error: str, cfg, benchmark: dict,
+                  **extra) -> dict:
+    """The record of a cell that wrote none itself (skipped before launching, or failed): what the
+    runner knows about it, in the fields a harness record has (``distkit.harness``, schema 2)."""
+    return {"schema": RECORD_SCHEMA, "strategy": strategy, "world_size": world_size,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": describe_model(cfg),
+            "status": status, "error": error, **extra, "benchmark": benchmark}
+
+
 def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
-    flags = [f.format(scratch=scratch, schedule="{schedule}") for f in cell.flags]
+    flags = [f.format(scratch=scratch) for f in cell.flags]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cell.world_size}",
-            cell.script, *flags, "--model-size", cell.model_size, *cell.model_flags,
+            cell.script, *flags, "--model-size", cell.model_size,
+            *(["--n-layer", str(cell.n_layer)] if cell.n_layer else []),
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
             "--global-batch-size", str(args.global_batch_size), "--results", str(results),
             "--backend", cell.placement.backend, "--device", cell.placement.device]
@@ -312,26 +312,19 @@ def run_cell(cell: Cell, args) -> list[dict]:
         rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s, cell.placement.hide_gpus)
         records = read_records(cell_results) if cell_results.exists() else []
     shown = shlex.join(cmd[1:]).replace(str(scratch), "$SCRATCH")
-    cfg = gpt_config(cell.model_size, n_layer=int(cell.model_flags[1]) if cell.model_flags else None)
     cell_info = {"command": "python " + shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
-                 "gpt": cfg.to_dict(), "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
+                 "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
                  # what the runner asked for; the record's own "backend"/"device" say what ran
                  "placement": {"backend": cell.placement.backend, "device": cell.placement.device,
                                "gpus_hidden": cell.placement.hide_gpus, "note": cell.placement.note}}
-    found = {r["strategy"] for r in records}
-    out = []
     for record in records:
-        record["status"] = "ok"
-        record["benchmark"] = cell_info
-        out.append(record)
-    for strategy in cell.strategies:
-        if strategy not in found:
-            reason = error_line(output) if rc else f"exit 0 but no {strategy} record was written"
-            out.append({"strategy": strategy, "world_size": cell.world_size, "status": "failed",
-                        "error": reason, "exit_code": rc, "benchmark": cell_info,
-                        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "config": {"model_size": cell.model_size, "global_batch_size": args.global_batch_size}})
-    return out
+        record.update(status="ok", benchmark=cell_info)
+    found = {r["strategy"] for r in records}
+    cfg = gpt_config(cell.model_size, n_layer=cell.n_layer)
+    return records + [runner_record(strategy, cell.world_size, "failed",
+                                    error_line(output) if rc else f"exit 0 but no {strategy} record was written",
+                                    cfg, cell_info, exit_code=rc)
+                      for strategy in cell.strategies if strategy not in found]
 
 
 def run_bandwidth(world: int, args, results_file: Path, gpus: int) -> dict:
@@ -370,7 +363,6 @@ def main(argv=None):
                                   "GPU(s) (--gpu-only skips them)" if on_cpu else ""), flush=True)
     summary = []
     for entry in skipped:
-        entry["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         append_record(results_file, entry)
     for cell in progress(cells, 0, total=len(cells), desc="benchmark cells"):
         for record in run_cell(cell, args):

@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
-from distkit.flags import positive_int
+from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
 
@@ -31,8 +31,8 @@ def parse_args():
     add_gpt_args(parser)
     parser.set_defaults(model_size="tiny")
     parser.add_argument("--rounds", type=positive_int, default=6, help="alternating rounds (default: 6)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per round and mode (default: 20)")
-    parser.add_argument("--global-batch-size", type=positive_int, default=16, help="sequences per step (default: 16)")
+    add_training_args(parser, steps=20, global_batch_size=16, lr=1e-3, warmup_steps=2, results=None,
+                      helps={"steps": "timed steps per round and mode"})
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -43,9 +43,9 @@ def main():
         cfg = gpt_config_from_args(args)
         model = TinyGPT(cfg).to(ctx.device)
         model = DDP(model, device_ids=ctx.device_ids)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         task = TokenTask(cfg, seed=args.seed)
-        harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=2)
+        harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps)
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
         step_index = 0
 

@@ -1,12 +1,12 @@
-"""benchmarks/ on GPUs (``pytest -m gpu``): a small matrix on NCCL, checked against theory.py the way
+"""benchmarks/ on GPUs (``pytest -m gpu``): a small matrix on NCCL, checked against distkit.theory the way
 the CPU suite checks its quick matrix, and the cells that need more GPUs than the machine has run on
 CPU/gloo with a note in their record instead of being skipped.
 
-At world size 1 only the model state is compared with theory.py: over a group of one the
+At world size 1 only the model state is compared with distkit.theory: over a group of one the
 implementations skip some collectives (DTensor, FSDP2's gathers) and keep others (DDP's
-all-reduce), which theory.py does not model, and every bus byte is zero anyway. ZeRO cells are
+all-reduce), which distkit.theory does not model, and every bus byte is zero anyway. ZeRO cells are
 checked for placement and memory but not against the byte bars on GPU: DeepSpeed's GPU path may pick
-other collectives than the CPU/gloo path theory.py models (see the README's ZeRO row).
+other collectives than the CPU/gloo path distkit.theory models (see the README's ZeRO row).
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import json
 
 import pytest
 
+from benchmarks_common import BENCH, BYTES_TOLERANCE, STATE_TOLERANCE
+from distkit import theory
 from distkit.harness import read_records
 from launch import REPO, gpu_count, job_env, python, require_gpus
-from test_benchmarks import BENCH, BYTES_TOLERANCE, STATE_TOLERANCE, theory
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +73,7 @@ def test_two_gpu_matrix_meets_the_byte_bars(tmp_path):
 
 @pytest.mark.parametrize("script, strategy_flags", [
     ("05-advanced/pipeline_parallel.py", ("--schedule", "1f1b", "1f1b", "--microbatches", "4",
-                                          "--checkpoint", "{tmp}/pp_{{schedule}}_{{microbatches}}.pt")),
+                                          "--save", "{tmp}/pp_{{schedule}}_{{microbatches}}.pt")),
     ("02-fsdp/fsdp_transformer.py", ("--sharding", "full_shard", "full_shard")),
 ], ids=["pipeline", "fsdp"])
 def test_grouped_strategies_start_on_a_clean_gpu_slate(script, strategy_flags, tmp_path):
