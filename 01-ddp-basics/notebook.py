@@ -15,16 +15,20 @@
 # %% [markdown]
 # # Chapter 01: DDP basics, hands-on
 #
-# This notebook launches the chapter's scripts at a small size (the `tiny` transformer, 30 steps),
-# plots what they measured, and **asserts** what theory says about it:
+# This notebook launches the chapter's scripts at a small size (the `tiny` transformer, 30 steps)
+# and **asserts** what theory says about what they did:
 #
 # 1. **loss curves for 1, 2 and 4 ranks** with the same global batch: DDP is single-process training
 #    on the global batch, split across processes, so the three curves must coincide (up to float
 #    rounding);
 # 2. **DDP vs DDP-from-scratch** on 4 ranks: the same arithmetic, so the same final weights; the
 #    harness counts the collectives that really ran (one per parameter tensor by hand, one bucket
-#    with DDP, the same bytes) and times the steps;
-# 3. the chapter README's **recorded runs** (`records/outputs.jsonl`) say the same at the default size.
+#    with DDP, the same bytes);
+# 3. the chapter README's **recorded runs** (`records/outputs.jsonl`) say the same at the default size,
+#    and show what the extra calls cost in step time there.
+#
+# Timings are plotted only from committed records (they depend on the machine and its load); the
+# jobs launched here print and assert what does not: losses, calls, bytes, weights.
 #
 # Each job is a real `torchrun` subprocess (CPU + gloo here, NCCL on GPUs).
 
@@ -48,10 +52,12 @@ def start(nproc, script, *args):
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 def finish(job):
-    """Wait for a job, show its last lines, fail loudly if it failed."""
+    """Wait for a job, show its last logged loss, fail loudly if it failed. (Timings are not shown:
+    they depend on the machine and its load; section 3 shows the committed records' timings.)"""
     out, _ = job.communicate(timeout=600)
-    print("\n".join(out.strip().splitlines()[-3:]))
     assert job.returncode == 0, out[-3000:]
+    print(f"{job.args[5]} ({job.args[4].split('=')[1]} ranks):",
+          [line for line in out.splitlines() if re.search(r"step +\d+/\d+ \| loss", line)][-1])
 
 def torchrun(nproc, script, *args):
     finish(start(nproc, script, *args))
@@ -67,9 +73,8 @@ def train(n):
     return start(n, "ddp_training.py", *SMALL, "--resume", "none", "--checkpoint-dir", OUT / f"ck{n}",
                  "--log-dir", OUT / f"logs{n}", "--results", OUT / f"ddp{n}.jsonl")
 
-for job in [train(1), train(2)]:   # only their losses matter: run them side by side
+for job in [train(1), train(2), train(4)]:   # only their losses matter: run them side by side
     finish(job)
-finish(train(4))                   # its timing is compared below: run it alone
 
 # %%
 ddp_runs = {n: records(OUT / f"ddp{n}.jsonl")[-1] for n in (1, 2, 4)}
@@ -107,21 +112,16 @@ scratch, ddp = records(OUT / "scratch.jsonl")[-1], ddp_runs[4]
 rows = []
 for name, r in (("DDP (buckets, overlap)", ddp), ("from scratch (per tensor)", scratch)):
     comm = r["metrics"]["comm_per_step"]["all_reduce"]
-    rows.append((name, r["metrics"]["step_time_s_median"], comm["calls"], comm["bytes"]))
-    print(f"{name:<27} median step {rows[-1][1]:.3f} s | all-reduce calls/step {comm['calls']:.0f} "
-          f"| {comm['bytes'] / 2**20:.2f} MiB/step")
-fig, ax = plt.subplots(figsize=(6, 3))
-ax.barh([r[0] for r in rows], [r[1] for r in rows], color=["tab:blue", "tab:orange"])
-ax.set(xlabel="median step time (s)", title="4 ranks, tiny model: same bytes, different number of calls")
-plt.tight_layout(); plt.show()
+    rows.append((name, comm["calls"], comm["bytes"]))
+    print(f"{name:<27} all-reduce calls/step {comm['calls']:.0f} | {comm['bytes'] / 2**20:.2f} MiB/step")
 
 # %% [markdown]
 # What must hold whatever the machine: both versions move exactly the fp32 gradients once per step
 # (4 bytes per parameter); by hand that takes one call per parameter tensor, DDP one per 25 MiB
 # bucket (the tiny model fits in one); and both end with the same weights (tolerance 5e-5, as in
 # `tests/test_ch01_ddp.py`: different summation order, amplified by AdamW; summed-not-averaged
-# gradients are 1,300x further away, see `tests/test_ch01_negative.py`). The timing is shown, not
-# asserted: it depends on the machine and its load.
+# gradients are 1,300x further away, see `tests/test_ch01_negative.py`). What the number of calls
+# costs in time depends on the machine and its load: section 3 plots it from the committed records.
 
 # %%
 by_hand = torch.load(OUT / "scratch.pt", weights_only=True)["model"]
@@ -130,8 +130,8 @@ grad_bytes = 4 * sum(t.numel() for t in by_hand.values())
 param_diff = max((by_hand[k] - with_ddp[k]).abs().max().item() for k in by_hand)
 print(f"{len(by_hand)} parameter tensors, {grad_bytes / 2**20:.2f} MiB of fp32 gradients; "
       f"max |by hand - DDP| = {param_diff:.1e}")
-assert rows[1][2] == len(by_hand) and rows[0][2] == 1
-assert rows[0][3] == rows[1][3] == grad_bytes
+assert rows[1][1] == len(by_hand) and rows[0][1] == 1
+assert rows[0][2] == rows[1][2] == grad_bytes
 assert param_diff < 5e-5, param_diff
 
 # %% [markdown]
@@ -139,18 +139,26 @@ assert param_diff < 5e-5, param_diff
 #
 # The chapter README shows the by-hand and the DDP run at the default (`small`) size, recorded on
 # its reference machine in `records/outputs.jsonl`. The same theory holds there: the same loss at
-# every logged step, the same bytes per step, and one call per parameter tensor by hand.
+# every logged step, the same bytes per step, and one call per parameter tensor by hand. The plot
+# shows their median step times: the price of one all-reduce call per tensor on that machine.
 
 # %%
 saved = {r["name"]: r for r in records("records/outputs.jsonl")}
 def logged(name):
     out = saved[name]["output"]
     losses = dict(re.findall(r"step (\d+)/\d+ \| loss ([\d.]+)", out))
-    calls, mib = re.search(r"all-reduce per step: (\d+) calls, ([\d.]+) MiB", out).groups()
-    return losses, int(calls), float(mib), saved[name]["machine"]["device_name"]
-hand_losses, hand_calls, hand_mib, where = logged("ddp_from_scratch")
-ddp_losses, ddp_calls, ddp_mib, _ = logged("ddp_training")
+    calls, mib, step_s = re.search(r"all-reduce per step: (\d+) calls, ([\d.]+) MiB \| median step ([\d.]+) s",
+                                   out).groups()
+    return losses, int(calls), float(mib), float(step_s), saved[name]["machine"]["device_name"]
+hand_losses, hand_calls, hand_mib, hand_s, where = logged("ddp_from_scratch")
+ddp_losses, ddp_calls, ddp_mib, ddp_s, _ = logged("ddp_training")
 print(f"recorded on {where}: by hand {hand_calls} calls, {hand_mib} MiB/step; DDP {ddp_calls} call(s), {ddp_mib} MiB/step")
+fig, ax = plt.subplots(figsize=(6, 2.5))
+ax.barh([f"DDP ({ddp_calls} call)", f"from scratch ({hand_calls} calls)"], [ddp_s, hand_s],
+        color=["tab:blue", "tab:orange"])
+ax.set(xlabel="median step time (s)",
+       title=f"4 ranks, small model, {hand_mib} MiB/step either way ({where}, {saved['ddp_training']['date']})")
+plt.tight_layout(); plt.show()
 print("losses at the logged steps:", hand_losses)
 assert hand_losses == ddp_losses and len(hand_losses) >= 3
 assert hand_mib == ddp_mib and ddp_calls == 1 and hand_calls > 10

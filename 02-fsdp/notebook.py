@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from distkit.harness import bus_factor, read_records
+from distkit.theory import config_of_record
 from distkit.models import GPTConfig, TinyGPT
 
 results = Path(tempfile.mkdtemp()) / "strategies.jsonl"
@@ -94,7 +95,7 @@ def formula(cfg: GPTConfig, strategy: str, world: int, hsdp_shard_size: int = 2)
 def check(records):
     """Print measured vs formula for each strategy, and assert they are equal."""
     for r in records:
-        cfg = GPTConfig(**r["config"]["gpt"])
+        cfg = config_of_record(r)
         want = formula(cfg, r["strategy"], r["world_size"], r["config"]["hsdp_shard_size"] or 2)
         state = r["metrics"]["model_state_bytes_per_rank"][0]
         comm = {k: int(v["bytes"]) for k, v in r["metrics"]["comm_per_step"].items()}
@@ -115,7 +116,7 @@ check(records)
 # %%
 committed = read_records("records/fsdp_strategies.jsonl")
 print("recorded on", committed[0]["machine"]["device_name"], committed[0]["backend"],
-      committed[0]["timestamp"][:10], "|", committed[0]["config"]["model_size"], "GPT")
+      committed[0]["timestamp"][:10], "|", config_of_record(committed[0]))
 check(committed)
 ddp_state = next(sum(r["metrics"]["model_state_bytes_per_rank"][0].values()) for r in committed
                  if r["strategy"] == "ddp")
@@ -137,7 +138,7 @@ for kind in ("params", "grads", "optimizer"):
     vals = [r["metrics"]["model_state_bytes_per_rank"][0][kind] / 1024 for r in committed]
     ax1.bar(x, vals, bottom=bottom, label=f"{kind} (measured)")
     bottom = [b + v for b, v in zip(bottom, vals)]
-want_state = [sum(formula(GPTConfig(**r["config"]["gpt"]), r["strategy"], r["world_size"])["state"].values()) / 1024
+want_state = [sum(formula(config_of_record(r), r["strategy"], r["world_size"])["state"].values()) / 1024
               for r in committed]
 ax1.scatter(x, want_state, marker="_", s=600, linewidths=2, color="black", zorder=3, label="formula")
 ax1.set_ylim(0, 1.15 * max(bottom + want_state))
@@ -147,7 +148,7 @@ ax1.set_title("model state per rank")
 ax1.legend(fontsize=8, markerscale=0.5)
 
 bus = [sum(v["bus_bytes"] for v in r["metrics"]["comm_per_step"].values()) / 1024 for r in committed]
-want_bus = [formula(GPTConfig(**r["config"]["gpt"]), r["strategy"], r["world_size"])["bus"] / 1024 for r in committed]
+want_bus = [formula(config_of_record(r), r["strategy"], r["world_size"])["bus"] / 1024 for r in committed]
 ax2.bar(x, bus, label="measured")
 ax2.scatter(x, want_bus, marker="_", s=600, linewidths=2, color="black", zorder=3, label="formula")
 ax2.set_ylim(0, 1.15 * max(bus + want_bus))

@@ -24,13 +24,15 @@
 # CPU/gloo numbers show **memory and bytes** faithfully; their **speed** says little about GPUs.
 
 # %%
-import tempfile
 from pathlib import Path
 
-from IPython.display import Image, Markdown, display
+from IPython.display import Markdown, display
 
 import plot      # benchmarks/plot.py (this notebook runs in benchmarks/)
 from distkit import theory
+
+# %matplotlib inline
+import matplotlib.pyplot as plt  # noqa: E402 (after plot.py, which picks a file backend for scripts)
 
 RESULTS = Path("records/results_cpu.jsonl")   # or Path("../runs/benchmarks.jsonl")
 records, problems, bandwidth = plot.load(RESULTS)
@@ -56,7 +58,7 @@ display(Markdown(table))
 header, _, *lines = (line.strip("| ").split(" | ") for line in table.splitlines())
 shown = {(row[0], row[1], row[2]): dict(zip(header, row)) for row in lines}
 for r in records:
-    tokens_per_step = r["config"]["global_batch_size"] * r["benchmark"]["gpt"]["seq_len"]
+    tokens_per_step = r["config"]["global_batch_size"] * r["model"]["seq_len"]
     median_s = r["metrics"]["step_time_s_median"]
     row = shown[(r["strategy"], str(r["world_size"]), plot.model_size(r))]
     assert row["step ms"] == f"{median_s * 1e3:.1f}", (r["strategy"], row["step ms"])
@@ -68,13 +70,15 @@ print(f"step ms and tokens/s of all {len(records)} rows = global batch x seq len
 #
 # Throughput, memory per rank (top: model state, bars measured, black marks predicted; bottom: peak
 # memory, measured only), bytes on the wire per step, scaling efficiency and the chapter-04 bandwidth
-# sweep. Each PNG is stamped with where it was measured.
+# sweep: the figures of the README, drawn here by the same `plot.py` functions. Each is stamped with
+# where it was measured.
 
 # %%
-out_dir = Path(tempfile.mkdtemp(prefix="plots_"))
-for path in plot.write_all(RESULTS, out_dir):
-    if path.suffix == ".png":
-        display(Image(filename=str(path), width=800))
+source = f"data: {RESULTS.name}"
+for draw, data in ((plot.figure_throughput, records), (plot.figure_memory, records), (plot.figure_comm, records),
+                   (plot.figure_scaling, records), (plot.figure_bandwidth, bandwidth)):
+    draw(data, source).tight_layout(rect=(0, 0.03, 1, 0.97))   # as plot.write_all lays out the README's PNGs
+    plt.show()
 
 # %% [markdown]
 # The scaling plot's efficiencies, recomputed from the throughputs: tokens/s at 4 ranks over twice
@@ -86,7 +90,7 @@ by_cell = {(r["strategy"], r["world_size"]): r for r in records}
 for strategy, points in eff.items():
     if set(points) == {2, 4}:
         two, four = by_cell[(strategy, 2)], by_cell[(strategy, 4)]
-        rate = lambda r: r["config"]["global_batch_size"] * r["benchmark"]["gpt"]["seq_len"] / r["metrics"]["step_time_s_median"]  # noqa: E731
+        rate = lambda r: r["config"]["global_batch_size"] * r["model"]["seq_len"] / r["metrics"]["step_time_s_median"]  # noqa: E731
         assert abs(points[4] - rate(four) / (2 * rate(two))) < 1e-9, strategy
 print({s: round(p[max(p)], 2) for s, p in eff.items()})
 

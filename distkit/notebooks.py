@@ -161,8 +161,17 @@ def clean(nb) -> None:
         cell.metadata.pop("ExecuteTime", None)
         digest = hashlib.sha256(f"{index}\0{cell.cell_type}\0{cell.source}".encode()).hexdigest()
         cell["id"] = digest[:8]
+        outputs = []
         for out in cell.get("outputs", []):
             out.get("metadata", {}).pop("execution", None)
+            # one print split over two messages or not depends on timing: join consecutive streams
+            if (outputs and out.get("output_type") == "stream" and outputs[-1].get("output_type") == "stream"
+                    and outputs[-1].get("name") == out.get("name")):
+                outputs[-1]["text"] += out["text"]
+            else:
+                outputs.append(out)
+        if cell.cell_type == "code":
+            cell["outputs"] = outputs
 
 
 def write(nb, path: Path) -> None:
@@ -185,7 +194,11 @@ def write_executed(source: Path, timeout_s: float = TIMEOUT_S) -> Path:
     from .records import LOCK_FILE
 
     with open(LOCK_FILE, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{_rel(source)}: waiting for a recorded run to finish ({LOCK_FILE})", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         nb = execute(source, timeout_s)
     target = Path(source).with_name(NOTEBOOK_NAME)
     write(nb, target)

@@ -1,45 +1,128 @@
-"""Every chapter notebook executes top to bottom, headless, as a reader would run it, and its
-committed ``.ipynb`` holds exactly the cells of its source, the percent-format ``notebook.py`` beside
-it (``jupytext --sync notebook.py`` after editing). The notebooks assert the numbers they show
-(against their records or theory), so a wrong outcome fails here as an error output."""
+"""Every chapter notebook is committed executed, from its current cells, and still executes.
+
+Each chapter's notebook is written as ``notebook.py`` (jupytext percent format) and committed as
+``notebook.ipynb`` *with the outputs of a real run* (``python -m distkit.records render``, see
+``distkit.notebooks``). These tests prove that
+
+(a) the ``.ipynb`` holds exactly the cells of its ``notebook.py``;
+(b) every code cell of the committed ``.ipynb`` was executed, and the outputs were produced by the
+    current cells: the executed notebook stores the hash of the cells it ran, and a cell edited
+    afterwards (without re-executing) fails the check, as the negative controls below show;
+(c) the notebook executes top to bottom, headless, as a reader would run it, and shows the same
+    kinds of output (text, figures) in the same cells as the committed one. The notebooks assert
+    the numbers they show (against their records or theory), so a wrong outcome fails here as an
+    error.
+"""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jupytext
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
+from distkit import notebooks
 from launch import REPO
 
-NOTEBOOKS = sorted(p for pattern in ("0*/*.ipynb", "benchmarks/*.ipynb") for p in REPO.glob(pattern)
-                   if ".ipynb_checkpoints" not in p.parts)
+SOURCES = notebooks.sources([str(REPO)])
+IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
+
+
+def test_every_chapter_has_a_notebook():
+    chapters = {p.name for p in REPO.iterdir() if p.is_dir() and (p.name[:2].isdigit() or p.name == "benchmarks")}
+    assert {p.parent.name for p in SOURCES} == chapters
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_notebook_matches_its_percent_source(source: Path):
+    target = source.with_name(notebooks.NOTEBOOK_NAME)
+    assert target.exists(), f"{source.name} has no executed {target.name}: run python -m distkit.records render"
+    assert notebooks.cells(jupytext.read(source)) == notebooks.cells(nbformat.read(target, as_version=4)), (
+        f"{target.name} and {source.name} differ: run python -m distkit.records render "
+        f"{source.parent.relative_to(REPO)}")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_committed_notebook_was_executed_from_its_current_cells(source: Path):
+    assert notebooks.problems_of(source) == []
+
+
+def _output_kinds(nb) -> list[tuple[int, list[str]]]:
+    """Per code cell, the kinds of output it shows: printed text and the MIME types of displays and
+    results (not stderr: a library warning may come and go)."""
+    kinds = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        shown = set()
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "stream":
+                if out.get("name") == "stdout":
+                    shown.add("stdout")
+            else:
+                shown.add("+".join(sorted(out.get("data", {}))) or out["output_type"])
+        kinds.append((index, sorted(shown)))
+    return kinds
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(p.relative_to(REPO)) for p in NOTEBOOKS])
-def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch):
-    # The kernel inherits this environment: one thread per rank, no progress bars, scratch in tmp.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("DISTKIT_NO_PROGRESS", "1")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [out for cell in nb.cells if cell.cell_type == "code"
-              for out in cell.get("outputs", []) if out.get("output_type") == "error"]
-    assert not errors, errors
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
+    executed = notebooks.execute(source)         # raises NotebookError naming the failed cell
+    committed = nbformat.read(source.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
+    key = notebooks.METADATA_KEY
+    assert executed.metadata[key]["source_sha256"] == committed.metadata.get(key, {}).get("source_sha256")
+    assert _output_kinds(executed) == _output_kinds(committed), (
+        "a fresh run shows other outputs than the committed notebook: run python -m distkit.records render "
+        f"{source.parent.relative_to(REPO)}")
 
 
-def _cells(nb) -> list[tuple[str, str]]:
-    return [(cell.cell_type, cell.source.strip()) for cell in nb.cells]
+# ------------------------------------------------------------------------------- negative controls
+@pytest.fixture
+def chapter_copy(tmp_path: Path) -> Path:
+    """A copy of one chapter's committed notebook pair (the check reads nothing else)."""
+    source = REPO / "04-nccl-operations" / notebooks.SOURCE_NAME
+    copy = tmp_path / "chapter" / notebooks.SOURCE_NAME
+    copy.parent.mkdir()
+    shutil.copy(source, copy)
+    shutil.copy(source.with_name(notebooks.NOTEBOOK_NAME), copy.with_name(notebooks.NOTEBOOK_NAME))
+    assert notebooks.problems_of(copy) == []
+    return copy
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(p.relative_to(REPO)) for p in NOTEBOOKS])
-def test_notebook_matches_its_percent_source(path: Path):
-    source = path.with_suffix(".py")
-    assert source.exists(), f"{path.name} has no paired source {source.name} (jupytext percent format)"
-    assert _cells(jupytext.read(source)) == _cells(nbformat.read(path, as_version=4)), (
-        f"{path.name} and {source.name} differ: run jupytext --sync {source.relative_to(REPO)}")
+def _edit_first_code_cell(text: str) -> str:
+    marker = "\n# %%\n"
+    at = text.index(marker) + len(marker)
+    return text[:at] + "EDITED_AFTER_EXECUTION = 1\n" + text[at:]
+
+
+def test_a_cell_edited_after_execution_fails_the_check(chapter_copy: Path):
+    """The edit is synced into the .ipynb (as ``jupytext --sync`` would), keeping the old outputs."""
+    chapter_copy.write_text(_edit_first_code_cell(chapter_copy.read_text()))
+    target = chapter_copy.with_name(notebooks.NOTEBOOK_NAME)
+    nb = nbformat.read(target, as_version=4)
+    edited = jupytext.read(chapter_copy)
+    for cell, new in zip(nb.cells, edited.cells):
+        cell.source = new.source
+    nbformat.write(nb, target)
+    found = notebooks.problems_of(chapter_copy)
+    assert len(found) == 1 and "not produced by its current cells" in found[0], found
+
+
+def test_an_edited_source_without_render_fails_the_check(chapter_copy: Path):
+    chapter_copy.write_text(_edit_first_code_cell(chapter_copy.read_text()))
+    found = notebooks.problems_of(chapter_copy)
+    assert len(found) == 1 and "cells differ" in found[0], found
+
+
+def test_a_notebook_without_outputs_fails_the_check(chapter_copy: Path):
+    target = chapter_copy.with_name(notebooks.NOTEBOOK_NAME)
+    nb = nbformat.read(target, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.write(nb, target)
+    found = notebooks.problems_of(chapter_copy)
+    assert len(found) == 1 and "never executed" in found[0], found
