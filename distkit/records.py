@@ -33,6 +33,10 @@ Paths in marks are relative to the Markdown file. The commands::
     python -m distkit.records render [PATH ...]                          # regenerate blocks, tables, plots
     python -m distkit.records check [PATH ...]                           # exit 1 if anything is stale
 
+``render`` also re-executes the notebook of every chapter folder among the paths (all without
+paths; ``--no-notebooks`` skips them) and ``check`` fails on a notebook not executed from its current
+cells: see :mod:`distkit.notebooks`.
+
 ``check`` also fails on a ```text block or an image that no mark generates (a hand-typed figure).
 Recorded runs hold a machine-wide lock, so two never measure at the same time, and set
 ``DISTKIT_NO_PROGRESS=1`` (progress bars are drawn for a terminal, not a record).
@@ -317,7 +321,9 @@ def check(paths: list[str] | None = None) -> list[str]:
                     if not committed.exists() or committed.read_bytes() != written.read_bytes():
                         problems.append(f"{rel}: {committed.relative_to(md.parent)} differs from what "
                                         f"its record draws (run: python -m distkit.records render {rel})")
-    return problems
+    from . import notebooks  # chapter notebooks: committed executed, from their current cells
+
+    return problems + notebooks.problems(paths)
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> None:
@@ -346,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("check", "exit 1 when a generated part differs from what its record gives")):
         p = sub.add_parser(name, help=text)
         p.add_argument("paths", nargs="*", help="Markdown files or folders (default: the whole repository)")
+    sub.choices["render"].add_argument("--no-notebooks", action="store_true",
+                                       help="do not re-execute the notebook.ipynb of chapter folders among the paths")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
@@ -368,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "render":
             for path in render(args.paths):
                 print(f"regenerated {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+            if not args.no_notebooks:
+                from . import notebooks  # executes chapter folders' notebook.py into notebook.ipynb
+
+                if notebooks.render(args.paths):
+                    return 1
         else:
             problems = check(args.paths)
             for p in problems:
