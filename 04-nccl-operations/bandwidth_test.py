@@ -12,12 +12,13 @@ events on GPU, ``time.perf_counter`` on CPU), the time averaged over ranks, then
   (exactly; for sums whose partial results a low-precision dtype cannot hold exactly, beyond the
   rounding that summation order allows).
 
-Output: a table per collective in the nccl-tests layout, one JSON record per collective (the harness's
-record, ``distkit.harness.make_record``: command, machine, torch version; plus the collective, its rows
-and the run's start time) and a PNG of busbw vs size stamped with device, backend and world size. With several GPUs (or
-``--p2p-matrix``) also a send/recv bandwidth matrix between every pair of ranks. ``readme_figures``
-redraws the README's plot and tables from the committed record ``records/bandwidth_cpu_gloo_4ranks.jsonl``
-(``python -m distkit.records render 04-nccl-operations``).
+Output: a table per collective in the nccl-tests layout, one JSON record per collective (the
+harness's record, ``distkit.harness.make_record``: command, machine, torch version; plus the
+collective, its rows and the run's start time) and a PNG of busbw vs size stamped with device,
+backend and world size. With several GPUs (or ``--p2p-matrix``) also a send/recv bandwidth matrix
+between every pair of ranks. ``readme_figures`` redraws the README's plot and tables from the
+committed record ``records/bandwidth_cpu_gloo_4ranks.jsonl`` (``python -m distkit.records render
+04-nccl-operations``).
 
     torchrun --standalone --nproc_per_node=4 04-nccl-operations/bandwidth_test.py
     torchrun --standalone --nproc_per_node=8 04-nccl-operations/bandwidth_test.py --max-bytes 8G
@@ -50,21 +51,15 @@ def factor(collective: str, n: int) -> float:
     return bus_factor("send" if collective == "sendrecv" else collective, n)
 
 
-def parse_size(text: str) -> int | None:
-    """'64M' -> 67108864 (nccl-tests style: K, M, G are powers of 1024); None when unreadable."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1] if text and text[-1] in UNITS else ""
-    try:
-        return int(float(text[:len(text) - len(unit)]) * UNITS[unit])
-    except ValueError:
-        return None
-
-
 def byte_size(text: str) -> int:
-    """argparse type: a message size of at least one byte, written like 4096, 64K, 64M or 2G."""
-    size = parse_size(text)
-    if size is None:
-        raise ArgumentTypeError(f"{text!r}: write bytes like 4096, 64K, 64M or 2G")
+    """argparse type: a message size of at least one byte, written like 4096, 64K, 64M or 2G (nccl-tests
+    style: K, M, G are powers of 1024)."""
+    number = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = number[-1] if number and number[-1] in UNITS else ""
+    try:
+        size = int(float(number[:len(number) - len(unit)]) * UNITS[unit])
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r}: write bytes like 4096, 64K, 64M or 2G") from None
     if size < 1:
         raise ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return size
@@ -392,7 +387,7 @@ def main():
             append_record(args.results, records[-1])
 
         if (args.p2p_matrix if args.p2p_matrix is not None else cuda) and n > 1:
-            size = args.p2p_bytes or parse_size("256M" if cuda else "4M")
+            size = args.p2p_bytes or (256 if cuda else 4) * 2**20
             matrix = p2p_matrix(ctx, size, args)
             if ctx.is_main:
                 append_record(args.results, make_record(
