@@ -28,7 +28,7 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.theory import fsdp_padded_numel
+from distkit.theory import fsdp_prediction, gpt_param_shapes
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
 
@@ -86,18 +86,21 @@ def print_in_rank_order(lines, ctx):
         dist.barrier()
 
 
-def unit_bytes(params, world_size):
-    """Bytes of one FSDP unit's gathered buffer: each parameter padded on dim 0 to a multiple of the
-    world size (distkit.theory's FSDP2 padding), at the parameter's element size."""
-    return sum(fsdp_padded_numel(tuple(p.shape), world_size) * p.element_size() for p in params)
+def gathered_bytes(shapes, world_size):
+    """Bytes one FSDP unit's all-gather moves (and its fp32 reduce-scatter too): distkit.theory's
+    FSDP2 model, each parameter's dim 0 padded to a multiple of the world size. None alone (no
+    collectives in a world of one)."""
+    _, comm = fsdp_prediction(shapes, world_size, 1, reshard_blocks=False, wrap="root")  # one unit
+    return int(comm["all_gather"]["bytes"]) if comm else None
 
 
 def trace_one_step(model, optimizer, inputs, targets, ctx):
     """Run one step with hooks on block 0 and a collective trace; returns (trace lines, global loss)."""
-    in_blocks = {id(p) for p in model.blocks.parameters()}
-    unit_names = {unit_bytes(model.blocks[0].parameters(), ctx.world_size): "<- a block's unit",
-                  unit_bytes([p for p in model.parameters() if id(p) not in in_blocks], ctx.world_size):
-                      "<- root unit (embeddings, ln_f, lm_head)"}
+    shapes = gpt_param_shapes(model.cfg)
+    unit_names = {gathered_bytes({n: s for n, s in shapes.items() if n.startswith("blocks.0.")},
+                                 ctx.world_size): "<- a block's unit",
+                  gathered_bytes({n: s for n, s in shapes.items() if not n.startswith("blocks.")},
+                                 ctx.world_size): "<- root unit (embeddings, ln_f, lm_head)"}
     events = []
     block = model.blocks[0]
     weight = lambda: block.attn.q_proj.weight  # noqa: E731 - FSDP swaps this attribute in and out

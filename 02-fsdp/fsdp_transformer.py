@@ -68,8 +68,10 @@ def parse_args(argv=None):
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     gpt_config_from_args(args)  # a width that does not split into the heads: one error line
-    first = save_file(args, "a")  # an unknown {placeholder}: one error line, before any training
-    if first is not None and len(set(args.sharding)) > 1 and first == save_file(args, "b"):
+    # Filled in for two made-up strategies before any training: an unknown {placeholder} is one
+    # error line, and a path without {strategy} would be overwritten by each strategy in turn.
+    one, other = save_file(args, "one"), save_file(args, "other")
+    if one is not None and one == other and len(set(args.sharding)) > 1:
         parser.error(f"--save {args.save} names one file for {len(set(args.sharding))} strategies; "
                      "put {strategy} in it (e.g. checkpoints/fsdp_{strategy}.pt)")
     return args

@@ -225,20 +225,23 @@ def test_knobs_keep_training_equal(knobs):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """The README's three checkpoint commands at tiny size, in order: save both formats on 4 ranks
-    at step 3; resume the newest (the DCP folder) on 2 ranks and train to 6; resume the full file of
-    step 3 on 2 ranks. Copies of what the save wrote are kept for the tests of broken checkpoints."""
+    """The README's three checkpoint commands at tiny size: save both formats on 4 ranks at step 3;
+    then, side by side, resume the newest (the DCP folder) on 2 ranks and train to 6, and resume a
+    copy of the full file of step 3 on 2 ranks. Copies of what the save wrote are kept for the tests
+    of broken checkpoints."""
     tmp = tmp_path_factory.mktemp("ch02_checkpoints")
     ckpt = tmp / "ck"
     save = run_readme(SAVE, tmp, *TINY, "--checkpoint-dir", ckpt, "--steps", "3", "--log-every", "1")
-    shutil.copy(ckpt / "full.pt", tmp / "first.pt")  # the resumed runs below write into ck/
+    shutil.copy(ckpt / "full.pt", tmp / "first.pt")  # the resumed run below writes ck/full.pt
     shutil.copytree(ckpt / "dcp", tmp / "saved_dcp")
-    resumed = run_readme(RESUME_LATEST, tmp, *TINY, "--checkpoint-dir", ckpt, "--steps", "6",
-                         "--log-every", "1", "--checkpoint-format", "full", "--dump-loaded", tmp / "loaded.pt")
-    from_full = run_readme(RESUME_FULL, tmp, *TINY, "--resume", tmp / "first.pt", "--checkpoint-dir",
-                           tmp / "unused", "--steps", "6", "--checkpoint-format", "none",
-                           "--dump-loaded", tmp / "loaded_full.pt")
-    return SimpleNamespace(tmp=tmp, ckpt=ckpt, save=save.stdout, resumed=resumed.stdout, from_full=from_full.stdout)
+    resumes = run_all({
+        "latest": readme_argv(RESUME_LATEST, *TINY, "--checkpoint-dir", ckpt, "--steps", "6", "--log-every", "1",
+                              "--checkpoint-format", "full", "--dump-loaded", tmp / "loaded.pt"),
+        "full": readme_argv(RESUME_FULL, *TINY, "--resume", tmp / "first.pt", "--checkpoint-dir", tmp / "unused",
+                            "--steps", "6", "--checkpoint-format", "none", "--dump-loaded", tmp / "loaded_full.pt"),
+    }, tmp)
+    return SimpleNamespace(tmp=tmp, ckpt=ckpt, save=save.stdout, resumed=check_ok(resumes["latest"]),
+                           from_full=check_ok(resumes["full"]))
 
 
 def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
