@@ -26,7 +26,8 @@ import logging
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
@@ -34,7 +35,6 @@ from distkit.flags import add_checkpoint_args, add_training_args, positive_int, 
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
-from tensor_parallel import apply_tensor_parallel, check_divisible  # the TP plan of tensor_parallel.py
 
 
 def parse_args():
@@ -76,6 +76,19 @@ def mesh_shape(args, world_size: int) -> tuple[tuple[int, int], tuple[str, str]]
     return (outer, inner), names
 
 
+def tensor_parallel_blocks(model: TinyGPT, tp_mesh) -> None:
+    """Megatron TP of every block over the ``tp`` axis: tensor_parallel.py's plan without sequence
+    parallelism (that script explains it line by line). Column-parallel q/k/v and fc_in, row-parallel
+    out_proj and fc_out, one replicated input per attention and per MLP."""
+    plan = {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+
+
 def main():
     args = parse_args()
     with distributed(args) as ctx:
@@ -88,8 +101,10 @@ def main():
         model = TinyGPT(cfg).to(ctx.device)  # the same dense initial weights on every rank
         param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         if args.mode == "2d":
-            check_divisible(cfg, args.tp, sequence_parallel=False)
-            apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False)  # inner axis first
+            for name, value in {"--n-head": cfg.n_head, "the MLP width": cfg.mlp_ratio * cfg.n_embd}.items():
+                if value % args.tp:  # the heads and hidden units split evenly over the TP ranks
+                    raise UsageError(f"{name} = {value} is not divisible by --tp {args.tp}")
+            tensor_parallel_blocks(model, mesh["tp"])  # inner axis first
             shard_mesh, dp_size, dp_rank = mesh["dp"], shape[0], mesh.get_local_rank("dp")
         else:
             shard_mesh, dp_size, dp_rank = mesh, ctx.world_size, ctx.rank  # a 2-D mesh = HSDP

@@ -215,14 +215,12 @@ _MODULES: dict[Path, Any] = {}
 
 
 def load_function(script: Path, function: str) -> Callable[[Path], str]:
-    """``function`` of the script at ``script``, imported by path (its folder on ``sys.path``, as when run)."""
+    """``function`` of the script at ``script``, imported by its path (scripts import only distkit and
+    libraries, never a sibling script, so nothing is added to ``sys.path``)."""
     script = script.resolve()
     if script not in _MODULES:
         if not script.exists():
             raise RecordError(f"render mark names {script}, which does not exist")
-        folder = str(script.parent)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location(f"_rendered_{script.stem}_{len(_MODULES)}", script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # type: ignore[union-attr]

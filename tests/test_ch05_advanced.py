@@ -232,9 +232,7 @@ def test_overlap_is_measured_on_one_timeline():
 def test_bad_flags_are_one_argparse_line():
     """A bad number is one argparse line and exit code 2 before any process group exists
     (distkit.flags types). The parsers run in this process (ch04_common.parse_args_result): the
-    same code and output as a launch. hybrid_parallelism.py imports tensor_parallel.py's TP plan,
-    so that is loaded under its own name first."""
-    load_script(CHAPTER / "tensor_parallel.py", name="tensor_parallel")
+    same code and output as a launch."""
     cases = [("pipeline_parallel.py", ["--microbatches", "4", "0"], "argument --microbatches: must be a positive integer, got 0"),
              ("communication_overlap.py", ["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
              ("hybrid_parallelism.py", ["--tp", "-2"], "argument --tp: must be a positive integer, got -2"),

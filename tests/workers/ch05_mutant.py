@@ -26,7 +26,6 @@ def main(argv: list[str]) -> None:
     path = Path(script).resolve()
     code = compile(mutated_source(path, old, new), str(path), "exec")  # old must occur exactly once
     sys.argv = [str(path), *rest]
-    sys.path.insert(0, str(path.parent))  # as when the script is run directly
     exec(code, {"__name__": "__main__", "__file__": str(path)})
 
 
