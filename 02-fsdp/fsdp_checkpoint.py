@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_usage_errors,
                                 remove_stale_temporaries, safe_load)
-from distkit.flags import add_checkpoint_args, add_training_args, non_negative_int, positive_int
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
                             rank_slice)
@@ -47,18 +47,16 @@ def parse_args(argv=None):
         description="Train the small GPT with FSDP2, save a full and a sharded (DCP) checkpoint, and "
                     "resume from either, on any number of ranks.",
         epilog="example: torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py --steps 200 --resume latest")
-    training = add_training_args(
+    add_training_args(
         parser, steps=100, global_batch_size=32, lr=3e-3, warmup_steps=None, results=None,
+        zero_steps_allowed=True,  # 0 is meaningful here: save the initial model
         helps={"steps": "train until this global step (a resumed run continues from the saved step; "
                         "0 saves the initial model)", "lr": "AdamW learning rate"})
-    # add_training_args takes positive step counts; here 0 is meaningful (save the initial model)
-    action(training, "steps").type = non_negative_int
     parser.add_argument("--log-every", type=positive_int, default=25,
                         help="log the loss every N steps (default: 25)")
-    checkpoints = add_checkpoint_args(parser, checkpoint_dir="checkpoints/fsdp", resume="none")
-    action(checkpoints, "resume").help = (
-        "start from: none, latest (the newer of DIR/dcp/ and DIR/full.pt in --checkpoint-dir) or the "
-        "PATH of one checkpoint: a DCP folder or a full .pt file (default: none)")
+    checkpoints = add_checkpoint_args(parser, checkpoint_dir="checkpoints/fsdp", resume="none", helps={
+        "resume": "start from: none, latest (the newer of DIR/dcp/ and DIR/full.pt in --checkpoint-dir) "
+                  "or the PATH of one checkpoint: a DCP folder or a full .pt file"})
     checkpoints.add_argument("--checkpoint-format", choices=["both", "dcp", "full", "none"], default="both",
                              help="which checkpoints to write into --checkpoint-dir at the end: the "
                                   "sharded DIR/dcp/ folder, the one-file DIR/full.pt, both or none "
@@ -70,11 +68,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     gpt_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
-
-
-def action(group, dest):
-    """The argparse action of ``dest`` in an argument group (to adjust a shared flag's type or help)."""
-    return next(a for a in group._group_actions if a.dest == dest)
 
 
 def dcp_folder(checkpoint_dir):

@@ -61,9 +61,9 @@ def parse_args():
                              "The README's tables and plot are drawn from "
                              "03-deepspeed/records/zero_memory.jsonl: pass that file to re-record them "
                              "(default: runs/ch03_zero_memory.jsonl)")
-    for action in add_checkpoint_args(parser, save="none")._group_actions:  # --save: one file per config
-        action.help = ("rank 0 writes each config's final full fp32 weights here, {strategy} "
-                       "filled in (e.g. runs/ch03_params/{strategy}.pt); 'none' skips it (default: none)")
+    add_checkpoint_args(parser, save="none", helps={  # --save: one file per config
+        "save": "rank 0 writes each config's final full fp32 weights here, {strategy} filled in "
+                "(e.g. runs/ch03_params/{strategy}.pt); 'none' skips it"})
     add_gpt_args(parser)
     add_runtime_args(parser)
     parser.set_defaults(model_size="small")

@@ -68,7 +68,7 @@ _UNSET = object()
 def add_training_args(parser: argparse.ArgumentParser, *, steps: int | None = 20,
                       global_batch_size: int | None = 16, lr: float | None = 1e-3,
                       warmup_steps: int | None = 2, results: str | None = "runs/results.jsonl",
-                      grad_accum_steps: int | None = None,
+                      grad_accum_steps: int | None = None, zero_steps_allowed: bool = False,
                       helps: dict[str, str] | None = None) -> argparse._ArgumentGroup:
     """The training flags every chapter script shares, with this script's defaults.
 
@@ -77,14 +77,14 @@ def add_training_args(parser: argparse.ArgumentParser, *, steps: int | None = 20
     before timing starts; *not* a learning-rate warm-up), ``--results`` (the JSON-lines file harness
     records are appended to) and, where a script accumulates, ``--grad-accum-steps`` (micro-batches
     whose gradients are summed per optimizer step). Pass ``None`` for a flag the script does not
-    take. ``helps`` replaces a flag's help text where the script gives it a sharper meaning (keyed
+    take. ``zero_steps_allowed`` accepts ``--steps 0`` (a script where 0 steps means something, like
+    saving the initial model). ``helps`` replaces a flag's help text where the script gives it a sharper meaning (keyed
     by destination, e.g. ``{"steps": "train until this global step"}``; the default is appended).
     Returns the argument group, so a script can add its own training flags beside these.
     """
     group = parser.add_argument_group("training")
-    helps = helps or {}
     if steps is not None:
-        group.add_argument("--steps", type=positive_int, default=steps,
+        group.add_argument("--steps", type=non_negative_int if zero_steps_allowed else positive_int, default=steps,
                            help=f"optimizer steps (default: {steps})")
     if global_batch_size is not None:
         group.add_argument("--global-batch-size", type=positive_int, default=global_batch_size,
@@ -104,9 +104,7 @@ def add_training_args(parser: argparse.ArgumentParser, *, steps: int | None = 20
     if results is not None:
         group.add_argument("--results", default=results, metavar="FILE",
                            help=f"harness records (JSON lines) are appended here (default: {results})")
-    for action in group._group_actions:
-        if action.dest in helps:
-            action.help = f"{helps[action.dest]} (default: {action.default})"
+    _sharpen_help(group, helps)
     return group
 
 
@@ -125,7 +123,8 @@ def add_bucket_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,
                         checkpoint_dir: str | None | object = _UNSET,
-                        resume: str | None | object = _UNSET) -> argparse._ArgumentGroup:
+                        resume: str | None | object = _UNSET,
+                        helps: dict[str, str] | None = None) -> argparse._ArgumentGroup:
     """Checkpoint flags with one meaning each, in every script that has them:
 
     * ``--save PATH``: rank 0 writes the trained model (full, unsharded weights) to this file at the
@@ -137,6 +136,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | o
       ``--checkpoint-dir``) or the path of one checkpoint.
 
     Pass a default to add a flag (``None`` is a valid default), leave it out to not add the flag.
+    ``helps`` sharpens a flag's help text for this script, as in :func:`add_training_args`.
     """
     group = parser.add_argument_group("checkpoints")
     if save is not _UNSET:
@@ -150,7 +150,15 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | o
         group.add_argument("--resume", default=resume, metavar="WHAT",
                            help="start from: none, latest (the newest complete checkpoint in "
                                 f"--checkpoint-dir) or PATH of one checkpoint (default: {resume})")
+    _sharpen_help(group, helps)
     return group
+
+
+def _sharpen_help(group: argparse._ArgumentGroup, helps: dict[str, str] | None) -> None:
+    """Replace the help of the group's flags named in ``helps`` (keyed by destination), keeping the default."""
+    for action in group._group_actions:
+        if helps and action.dest in helps:
+            action.help = f"{helps[action.dest]} (default: {action.default})"
 
 
 def save_path(value: str | None, **fields: Any) -> str | None:

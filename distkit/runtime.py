@@ -54,10 +54,13 @@ class ArgumentParser(argparse.ArgumentParser):
 def _let_rank0_report_first() -> None:
     """Delay a non-zero rank's exit on an error every rank found.
 
-    torchrun stops the whole group as soon as one rank exits, so a rank that exits first could
-    get rank 0 killed before it prints the one line that explains the failure.
+    torchrun (and the deepspeed launcher, and ``mp.spawn``) stop the whole group as soon as one rank
+    exits, so a rank that exits first could get rank 0 killed before it prints the one line that
+    explains the failure. Waiting costs nothing in the usual case: rank 0 prints, exits, and the
+    launcher ends this rank during the wait. 10 s covers rank 0 arriving late on a loaded machine
+    (1 s did not: four ranks on two busy cores, rank 0 was killed before it printed).
     """
-    time.sleep(1.0)
+    time.sleep(10.0)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
