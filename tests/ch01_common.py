@@ -2,9 +2,7 @@
 single-process reference of ddp_training.py's optimizer, and loading a chapter script by path."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -41,14 +39,6 @@ TINY = ["--model-size", "tiny", "--global-batch-size", str(GLOBAL_BATCH), "--ste
 TOLERANCE = 5e-5
 WIDE = 100  # a negative control's bug must exceed the tolerance by at least this factor
 
-
-def load_script(path: Path, name: str | None = None):
-    """Import a chapter script (or worker) as a module by its path; its main() does not run."""
-    spec = importlib.util.spec_from_file_location(name or f"ch01_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def training_flags(folder: Path) -> list[str]:

@@ -3,8 +3,6 @@ test_ch03_gpu.py): the tolerance, the small run's flags, the single-process refe
 the measured bytes are held to, and loading a chapter script as a module."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 
@@ -47,11 +45,3 @@ def expected_state(stage: int, psi: int, n: int) -> dict[str, float]:
     if stage == 1:
         expected["grads"] = 4 * psi / n
     return expected
-
-
-def load_script(name: str):
-    """A chapter script as a module (its functions, without running main)."""
-    spec = importlib.util.spec_from_file_location(f"ch03_{Path(name).stem}", CHAPTER / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -4,12 +4,7 @@ check after a failing job, and argparse errors checked in this process.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 from launch import REPO, command_argv, readme_command
@@ -60,36 +55,3 @@ def own_processes(marker: str) -> list[str]:
             found.append(text)
     return found
 
-
-def load_script(path: Path, name: str | None = None):
-    """Import a chapter script as a module by its path (its functions, without running ``main``).
-
-    ``name`` registers it in ``sys.modules`` under that name, for a sibling script that imports it.
-    """
-    spec = importlib.util.spec_from_file_location(name or f"_chapter_{path.parent.name[:2]}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    if name:
-        sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def parse_args_result(module, *args: str) -> subprocess.CompletedProcess:
-    """A chapter script's ``parse_args()`` on ``args``, in this process, as a CompletedProcess (exit
-    code and everything printed) for ``launch.assert_one_line_error``.
-
-    A bad flag is rejected by argparse before the script starts a process group or touches a tensor,
-    so running the parser here checks the same code path, line and exit code as launching the
-    script, without starting an interpreter and importing torch for every case.
-    """
-    out, argv = io.StringIO(), sys.argv
-    sys.argv = [module.__file__, *map(str, args)]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            module.parse_args()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.argv = argv
-    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), "")

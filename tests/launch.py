@@ -198,3 +198,42 @@ def assert_readme_covered(readme: Path, lookups: list) -> None:
     for lookup in lookups:
         hits = [command for command in commands if matches(command, lookup)]
         assert len(hits) == 1, f"lookup {lookup} finds {len(hits)} README commands: {hits}"
+
+
+def load_script(path: Path, name: str | None = None):
+    """A chapter script imported by its path, as a module: its functions and ``parse_args``, without
+    running ``main``. Each call imports it afresh (a test may change module state), registered in
+    ``sys.modules`` as ``name`` (default: ``script_<folder>_<stem>``) so dataclasses and pickling work."""
+    import importlib.util
+
+    path = Path(path)
+    name = name or "script_" + re.sub(r"\W", "_", f"{path.parent.name}_{path.stem}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args_result(module, *args: str) -> subprocess.CompletedProcess:
+    """A script's ``parse_args()`` on ``args``, in this process, as a CompletedProcess (exit code and
+    everything printed) for :func:`assert_one_line_error`.
+
+    A bad flag is rejected by argparse before the script starts a process group or touches a tensor,
+    so running the parser here checks the same code path, line and exit code as launching the
+    script, without starting an interpreter and importing torch for every case.
+    """
+    import contextlib
+    import io
+
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [module.__file__, *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            module.parse_args()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), "")

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, README, STATE_TOLERANCE, load_script,
-                               parse_args_result)
+from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, README, STATE_TOLERANCE)
 from distkit import theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config
-from launch import (assert_one_line_error, assert_readme_covered, command_argv, job_env, python,
+from launch import (load_script, parse_args_result, assert_one_line_error, assert_readme_covered, command_argv, job_env, python,
                     readme_command, run)
 
 # The README's commands, as the tests find them (launch.readme_command). The --quick matrix runs as
@@ -190,7 +189,7 @@ def test_plot_draws_the_records_numbers(lookup, quick_results, tmp_path):
     results, _ = quick_results
     out = run(command_argv(readme_command(README, *lookup))
               + ["--results", str(results), "--out-dir", str(tmp_path / "plots")], env=job_env(tmp_path))
-    plot = load_script("plot")
+    plot = load_script(BENCH / "plot.py")
     for name in plot.PLOTS:
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     table = (tmp_path / "plots" / "summary.md").read_text()
@@ -235,7 +234,7 @@ def test_committed_figures_plot_the_records_numbers():
     from matplotlib.collections import PathCollection
     from matplotlib.patches import Rectangle
 
-    plot = load_script("plot")
+    plot = load_script(BENCH / "plot.py")
     records, _, _ = plot.load(COMMITTED_RESULTS)
     raw = {(r["strategy"], r["world_size"]): r for r in _raw_ok_records(COMMITTED_RESULTS)}
     expected_tokens = sorted(_independent_tokens_per_s(r) for r in raw.values())
@@ -288,7 +287,7 @@ def test_cells_beyond_the_gpus_are_planned_on_cpu_not_skipped():
     """The plan for a machine with one GPU: the 1-rank cells run as asked (NCCL on the GPU), the
     2-rank cells on CPU/gloo with the GPUs hidden and a note; --gpu-only or a forced --backend nccl
     skips them with the reason. Without GPUs nothing changes. (The GPU suite launches such cells.)"""
-    bench = load_script("distributed_benchmarks")
+    bench = load_script(BENCH / "distributed_benchmarks.py")
     argv = ["--strategies", "ddp", "pp_1f1b", "hsdp", "--world-sizes", "1", "2", "--n-layer", "4",
             "--global-batch-size", "8"]
     cells, skipped = bench.plan_cells(bench.parse_args(argv), gpus=1)
@@ -318,7 +317,7 @@ def test_plot_keeps_cells_from_different_devices_apart(tmp_path):
     """A results file with a GPU cell next to CPU/gloo cells (what a matrix on a one-GPU machine
     writes): both rows stay, the table says where each ran, and panels are split per device. The
     GPU record is a relabelled copy of a CPU one: only the bookkeeping is under test here."""
-    plot = load_script("plot")
+    plot = load_script(BENCH / "plot.py")
     records = [json.loads(line) for line in COMMITTED_RESULTS.read_text().splitlines()]
     ddp = next(r for r in records if r["strategy"] == "ddp" and r["world_size"] == 2 and r.get("status") == "ok")
     relabelled = dict(ddp, backend="nccl", device="cuda", machine=dict(ddp["machine"], device_name="GPU X"))
@@ -338,7 +337,7 @@ def test_plot_keeps_cells_from_different_devices_apart(tmp_path):
 def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
     # NCCL without a GPU: each cell fails as its script starts (one rank each keeps it cheap)
     results = tmp_path / "r.jsonl"
-    out = python(load_script("distributed_benchmarks").__file__, "--strategies", "ddp", "tp", "--world-sizes", "1",
+    out = python(load_script(BENCH / "distributed_benchmarks.py").__file__, "--strategies", "ddp", "tp", "--world-sizes", "1",
                  "--steps", "4", "--backend", "nccl", "--device", "cpu", "--results", results,
                  tmp_path=tmp_path, timeout=600)
     records = [json.loads(line) for line in results.read_text().splitlines()]
@@ -350,8 +349,8 @@ def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
 
 
 def test_bad_input_is_one_line(tmp_path):
-    # argparse errors: the scripts' parsers in this process (benchmarks_common.parse_args_result)
-    bench, overhead = load_script("distributed_benchmarks"), load_script("harness_overhead")
+    # argparse errors: the scripts' parsers in this process (launch.parse_args_result)
+    bench, overhead = load_script(BENCH / "distributed_benchmarks.py"), load_script(BENCH / "harness_overhead.py")
     for module, args, expected in [
             (bench, ["--strategies", "ddp", "nope"], "unknown strategy nope"),
             (bench, ["--world-sizes", "3", "--global-batch-size", "16"], "must divide by every world size"),
@@ -368,7 +367,7 @@ def test_bad_input_is_one_line(tmp_path):
     assert_one_line_error(missing, "does not exist")
     (tmp_path / "garbage.jsonl").write_text("not json\n")
     with pytest.raises(UsageError, match="is not JSON lines"):
-        load_script("plot").load(tmp_path / "garbage.jsonl")
+        load_script(BENCH / "plot.py").load(tmp_path / "garbage.jsonl")
 
 
 # ---------------------------------------------------------------- the other README commands
@@ -376,7 +375,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_readme_matrices_are_planned(tmp_path):
     """The bigger matrices of the README (many minutes on this CPU, or meant for GPUs) with --dry-run:
     every cell the plan holds is printed as its torchrun command, every skipped cell with its reason."""
-    bench = load_script("distributed_benchmarks")
+    bench = load_script(BENCH / "distributed_benchmarks.py")
     for lookup in DRY_RUNS:
         argv = command_argv(readme_command(README, *lookup)) + ["--results", str(tmp_path / "r.jsonl"), "--dry-run"]
         out = run(argv, env=job_env(tmp_path)).stdout.splitlines()

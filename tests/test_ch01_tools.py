@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ch01_common import CHAPTER, README, README_LOOKUPS, TRAINING, load_script, readme_argv
+from ch01_common import CHAPTER, README, README_LOOKUPS, TRAINING, readme_argv
 from distkit import UsageError
 from distkit.checkpoint import atomic_save
 from distkit.harness import read_records
-from launch import assert_one_line_error, assert_readme_covered, free_port, job_env, python, run
+from launch import load_script, assert_one_line_error, assert_readme_covered, free_port, job_env, python, run
 
 
 @pytest.fixture(scope="module", autouse=True)

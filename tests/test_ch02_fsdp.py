@@ -16,7 +16,6 @@ checkpoint. Flag errors that argparse or parse_args catch are checked in this pr
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -32,19 +31,12 @@ from ch02_common import (BASICS, BF16, BF16_RELATIVE, CHAPTER, FP32_ATOL, LOOKUP
                          RECORD, RESUME_FULL, RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE,
                          TINY, check_ok, expected_bytes, max_diff, readme_argv, reference_state,
                          relative_error, run_all, run_readme, shard_bytes)
-from launch import assert_one_line_error, assert_readme_covered
+from launch import load_script, assert_one_line_error, assert_readme_covered
 
 from distkit import UsageError
 from distkit.harness import read_records
 from distkit.models import GPTConfig, TinyGPT, gpt_config
 
-
-def load_script(name: str):
-    """Import a chapter script as a module (its functions and parse_args, in this process)."""
-    spec = importlib.util.spec_from_file_location(f"ch02_{name}", CHAPTER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def model_of(record: dict) -> GPTConfig:
@@ -127,7 +119,7 @@ def test_committed_strategies_record_matches_the_formulas():
     measured model state and bytes equal the formulas, computed here independently of the script;
     and the script's prediction, now taken from distkit.theory, equals the one it recorded then (so
     the printed predicted-vs-measured numbers did not change)."""
-    transformer = load_script("fsdp_transformer")
+    transformer = load_script(CHAPTER / "fsdp_transformer.py")
     records = {r["strategy"]: r for r in read_records(CHAPTER / "records" / "fsdp_strategies.jsonl")}
     assert set(records) == {RECORD[s] for s in STRATEGIES}
     for strategy in STRATEGIES:
@@ -169,7 +161,7 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
             record["metrics"]["peak_memory_kind"] = "cuda_max_allocated"
             gpu_like.append(json.dumps(record))
     mixed.write_text("\n".join(lines + gpu_like) + "\n")
-    load_script("make_strategies_table").main(["--results", str(mixed), "--plots-dir", str(plots)])
+    load_script(CHAPTER / "make_strategies_table.py").main(["--results", str(mixed), "--plots-dir", str(plots)])
     text = capsys.readouterr().out
     assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
     assert "| fsdp_full_shard |" in text and "| ddp |" in text and "| fsdp_no_shard |" not in text
@@ -277,7 +269,7 @@ def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
 def test_resume_latest_takes_the_newer_checkpoint(tmp_path):
     """--resume latest / PATH, resolved without launching anything: the newer of DIR/dcp and
     DIR/full.pt (DCP on a tie), a folder is DCP and a file a full checkpoint, nothing is one error."""
-    resolve = load_script("fsdp_checkpoint").resolve_resume
+    resolve = load_script(CHAPTER / "fsdp_checkpoint.py").resolve_resume
     folder = tmp_path / "ck"
     with pytest.raises(UsageError, match=f"--resume latest: no checkpoint in {folder}"):
         resolve("latest", str(folder))
@@ -299,7 +291,7 @@ def test_resume_latest_takes_the_newer_checkpoint(tmp_path):
     with pytest.raises(UsageError, match="no such checkpoint"):
         resolve(str(tmp_path / "missing.pt"), str(folder))
     with pytest.raises(UsageError, match=r"no complete DCP checkpoint in .*trainer_state.json is missing"):
-        load_script("fsdp_checkpoint").read_trainer_state(str(folder / "dcp"), gpt_config("tiny"))
+        load_script(CHAPTER / "fsdp_checkpoint.py").read_trainer_state(str(folder / "dcp"), gpt_config("tiny"))
 
 
 def dead_pid() -> int:
@@ -443,7 +435,7 @@ def test_numeric_flags_are_range_checked_where_defined(script, argv, expected, c
     """Each bad flag is rejected by argparse (exit 2, one error line), before any process group."""
     monkeypatch.delenv("RANK", raising=False)  # rank 0 is the one that prints
     with pytest.raises(SystemExit) as exit_info:
-        load_script(script).parse_args(argv)
+        load_script(CHAPTER / f"{script}.py").parse_args(argv)
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], errors
@@ -452,17 +444,17 @@ def test_numeric_flags_are_range_checked_where_defined(script, argv, expected, c
 def test_flag_values_checked_after_parsing():
     """What only the combination can tell, raised as the UsageError run_main prints as one line."""
     with pytest.raises(UsageError, match="divisible by the head count 3"):
-        load_script("fsdp_basics").parse_args(["--n-head", "3"])
+        load_script(CHAPTER / "fsdp_basics.py").parse_args(["--n-head", "3"])
     with pytest.raises(UsageError, match=r"--save 'x\{foo\}.pt': unknown placeholder 'foo' \(known: \{strategy\}\)"):
-        load_script("fsdp_transformer").parse_args(["--save", "x{foo}.pt"])
+        load_script(CHAPTER / "fsdp_transformer.py").parse_args(["--save", "x{foo}.pt"])
 
 
 def test_flag_ranges_keep_valid_values():
-    args = load_script("fsdp_checkpoint").parse_args(["--steps", "0"])
+    args = load_script(CHAPTER / "fsdp_checkpoint.py").parse_args(["--steps", "0"])
     assert args.steps == 0 and args.resume == "none" and args.checkpoint_format == "both"  # saves step 0
-    args = load_script("fsdp_basics").parse_args(["--warmup-steps", "0", "--lr", "1e-4"])
+    args = load_script(CHAPTER / "fsdp_basics.py").parse_args(["--warmup-steps", "0", "--lr", "1e-4"])
     assert args.warmup_steps == 0 and args.lr == 1e-4
-    transformer = load_script("fsdp_transformer")
+    transformer = load_script(CHAPTER / "fsdp_transformer.py")
     args = transformer.parse_args(["--sharding", "full_shard", "ddp", "--save", "out/{strategy}.pt"])
     assert [transformer.save_file(args, s) for s in args.sharding] == ["out/full_shard.pt", "out/ddp.pt"]
     assert transformer.save_file(transformer.parse_args([]), "full_shard") is None  # default: none

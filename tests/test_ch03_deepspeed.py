@@ -39,13 +39,13 @@ import pytest
 import torch
 
 from ch03_common import (CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state,
-                         load_script, max_diff, reference_weights)
+                         max_diff, reference_weights)
 from distkit import UsageError, theory
 from distkit import deepspeed as dk
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import (assert_one_line_error, assert_readme_covered, command_argv, free_port, job_env,
+from launch import (load_script, assert_one_line_error, assert_readme_covered, command_argv, free_port, job_env,
                     readme_command, run)
 
 TRAIN = ("torchrun", "deepspeed_train.py")
@@ -140,7 +140,7 @@ def test_zero_memory_record_renders_the_readme_section(zero_memory):
         assert row["predicted"] == theory.zero_fp32_state_bytes(row["stage"], psi, n)
     out = zero_memory["tmp"] / "render"
     out.mkdir()
-    section = load_script("zero_memory.py").render_record(record_file, out)
+    section = load_script(CHAPTER / "zero_memory.py").render_record(record_file, out)
     assert (out / "zero_memory.png").stat().st_size > 10_000
     assert "| zero3_offload |" in section and ", gloo, torch" in section  # caption: where it ran
 
@@ -202,7 +202,7 @@ def test_consolidated_weights_match_single_process_and_generate(trained):
 def test_resume_that_finds_nothing_is_one_line(tmp_path):
     """--resume latest in an empty folder and --resume PATH of a missing checkpoint: one line each,
     before DeepSpeed is imported."""
-    script = load_script("deepspeed_train.py")
+    script = load_script(CHAPTER / "deepspeed_train.py")
     with pytest.raises(UsageError, match="--resume latest: no checkpoint in"):
         script.checkpoint_to_resume("latest", tmp_path)
     with pytest.raises(UsageError, match="no such checkpoint folder"):
@@ -263,7 +263,7 @@ def test_numeric_flags_are_checked_where_they_are_defined(tmp_path, monkeypatch,
         ("deepspeed_inference.py", ["--new-tokens", "0"], "argument --new-tokens: must be a positive integer"),
         ("deepspeed_inference.py", ["--prompts", "-1"], "argument --prompts: must be a positive integer"),
     ]
-    scripts = {name: load_script(name) for name in {case[0] for case in cases}}
+    scripts = {name: load_script(CHAPTER / name) for name in {case[0] for case in cases}}
     for name, flags, message in cases:
         status, err = parse(scripts[name], flags, monkeypatch, capsys)
         errors = [line for line in err.splitlines() if line.startswith("error:")]

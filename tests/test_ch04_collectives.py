@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from ch04_common import CHAPTER, load_script, parse_args_result
-from launch import assert_one_line_error, python, torchrun
+from ch04_common import CHAPTER
+from launch import load_script, parse_args_result, assert_one_line_error, python, torchrun
 from workers import ch04_ring_model as ring_model
 
 
@@ -45,7 +45,7 @@ def test_bad_input_gives_one_error_line(tmp_path):
 
 def test_bad_flags_are_one_argparse_line_where_defined():
     # argparse rejects these before any process group exists: one line each, exit code 2. The
-    # parsers run in this process (ch04_common.parse_args_result): the same code and output as a launch.
+    # parsers run in this process (launch.parse_args_result): the same code and output as a launch.
     cases = [
         ("collective_ops.py", ["--only", "allreduce"], "unknown demo 'allreduce'"),
         ("bandwidth_test.py", ["--max-bytes", "12Q"], "argument --max-bytes: '12Q': write bytes like"),

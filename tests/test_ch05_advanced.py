@@ -21,10 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ch04_common import load_script, parse_args_result
 from ch05_common import CHAPTER, QUICK, README, TOLERANCE, launch, reference
 from distkit.harness import read_records
-from launch import assert_one_line_error, assert_readme_covered, python, readme_command
+from launch import load_script, parse_args_result, assert_one_line_error, assert_readme_covered, python, readme_command
 
 # Every README command, as the lookup (needles, without) the test that runs it uses.
 LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
@@ -231,7 +230,7 @@ def test_overlap_is_measured_on_one_timeline():
 
 def test_bad_flags_are_one_argparse_line():
     """A bad number is one argparse line and exit code 2 before any process group exists
-    (distkit.flags types). The parsers run in this process (ch04_common.parse_args_result): the
+    (distkit.flags types). The parsers run in this process (launch.parse_args_result): the
     same code and output as a launch."""
     cases = [("pipeline_parallel.py", ["--microbatches", "4", "0"], "argument --microbatches: must be a positive integer, got 0"),
              ("communication_overlap.py", ["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
