@@ -46,6 +46,7 @@ print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[r
 assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 # %%
+from distkit import theory
 from distkit.harness import read_records
 from distkit.records import read_jsonl
 
@@ -72,10 +73,12 @@ for r in records:
 
 # %%
 def formula(stage: int, psi: int, n: int) -> dict:
-    if stage == 0:
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
-    params = 4 * psi if stage < 3 else 4 * psi // n
-    return {"params": params, "grads": 4 * psi // n, "optimizer": 12 * psi // n}
+    """distkit.theory's fp32 formula (the paper's stage 1 keeps full gradients), with DeepSpeed's
+    stage 1 holding only its gradient partition, as the table says."""
+    expected = theory.zero_fp32_state_bytes(stage, psi, n)
+    if stage == 1:
+        expected["grads"] = 4 * psi / n
+    return expected
 
 
 psi, n = records[0]["param_count"], records[0]["world_size"]
