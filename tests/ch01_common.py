@@ -91,9 +91,9 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def readme_argv(*needles: str, nproc: int | None = None) -> list[str]:
+def readme_argv(*needles: str, nproc: int | None = None, launcher: str = "fork") -> list[str]:
     """The one chapter-README command with every needle, as argv for this interpreter."""
-    return command_argv(readme_command(README, *needles), nproc=nproc)
+    return command_argv(readme_command(README, *needles), nproc=nproc, launcher=launcher)
 
 
 def final_params(folder: Path) -> dict[str, torch.Tensor]:

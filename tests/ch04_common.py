@@ -36,11 +36,11 @@ NCCL_TESTS_FACTOR = {c: (lambda n, c=c: float(ring_model.bus_factor(c, n))) for 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank +: (\d+) .*\n  exitcode +: (-?\d+)")
 
 
-def readme_argv(name: str, nproc: int | None = None) -> list[str]:
+def readme_argv(name: str, nproc: int | None = None, launcher: str = "fork") -> list[str]:
     """The README command ``name`` (a key of LOOKUPS) as argv for this interpreter, with ``nproc``
-    workers instead of the README's where given."""
+    workers instead of the README's where given (``launcher``: see tests/launch.py)."""
     needles, without = LOOKUPS[name]
-    return command_argv(readme_command(README, *needles, without=without), nproc=nproc)
+    return command_argv(readme_command(README, *needles, without=without), nproc=nproc, launcher=launcher)
 
 
 def own_processes(marker: str) -> list[str]:

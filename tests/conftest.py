@@ -3,10 +3,14 @@
 `pytest` (the default, ``-m 'not gpu'``) hides every GPU from the test process itself and, through
 ``launch.job_env``, from every job it launches: the CPU-path tests then check the gloo/CPU path
 even on a GPU host. `pytest -m gpu` leaves the GPUs visible.
+
+It also holds the one launch two test files share (fixtures here need no import between tests).
 """
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -16,3 +20,23 @@ def pytest_configure(config):
     runs_gpu_tests = "gpu" in markexpr and "notgpu" not in markexpr
     if not runs_gpu_tests:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA in this process
+
+
+@pytest.fixture(scope="session")
+def first_command_run(tmp_path_factory):
+    """The reader's first command, ``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py`` (the top
+    README's quick start and chapter 01's first command), run once per session under the real torchrun
+    on the offline MNIST sample with its default epochs; outputs inside a temporary folder.
+
+    Returns ``(folder, CompletedProcess)``: ``folder`` holds ``results.jsonl``, ``model.pt``,
+    ``log.txt``. tests/test_readme_top.py and tests/test_ddp_mnist.py both assert on this one run.
+    """
+    from launch import REPO, command_argv, job_env, readme_command, run
+
+    folder = tmp_path_factory.mktemp("first_command")
+    command = readme_command(REPO / "README.md", "01-ddp-basics/ddp_mnist.py")
+    done = run(command_argv(command, launcher="torchrun") + [
+        "--offline", "--data-dir", str(folder / "data"), "--results", str(folder / "results.jsonl"),
+        "--save", str(folder / "model.pt"), "--log-file", str(folder / "log.txt")],
+        env=job_env(folder), timeout=600)
+    return folder, done

@@ -36,13 +36,13 @@ def scratch(folder: Path) -> subprocess.CompletedProcess:
 
 def killed_rank(folder: Path) -> subprocess.CompletedProcess:
     """SIGKILL rank 2 at step 5 (first attempt only); torchrun restarts all four workers."""
-    return run([*readme_argv("--crash-at-step"), *training_flags(folder), "--crash-at-step", "5",
+    return run([*readme_argv("--crash-at-step", launcher="torchrun"), *training_flags(folder), "--crash-at-step", "5",
                 "--crash-rank", "2"], env=restart_env(folder), timeout=900)
 
 
 def torn_checkpoint(folder: Path) -> subprocess.CompletedProcess:
     """Rank 0 dies half-way through writing the step-6 checkpoint (2 ranks); torchrun restarts both."""
-    return run([*readme_argv("--crash-in-checkpoint-at-step"), *training_flags(folder),
+    return run([*readme_argv("--crash-in-checkpoint-at-step", launcher="torchrun"), *training_flags(folder),
                 "--crash-in-checkpoint-at-step", "6"], env=restart_env(folder), timeout=900)
 
 

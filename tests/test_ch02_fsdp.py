@@ -31,7 +31,7 @@ from ch02_common import (BASICS, BF16, BF16_RELATIVE, CHAPTER, FP32_ATOL, LOOKUP
                          RECORD, RESUME_FULL, RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE,
                          TINY, check_ok, expected_bytes, max_diff, readme_argv, reference_state,
                          relative_error, run_all, run_readme, shard_bytes)
-from launch import load_script, assert_one_line_error, assert_readme_covered
+from launch import launcher_argv, load_script, assert_one_line_error, assert_readme_covered
 
 from distkit import UsageError
 from distkit.harness import read_records
@@ -302,8 +302,7 @@ def dead_pid() -> int:
 
 
 def torchrun_argv(script: str, *args, nproc: int = 2) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            CHAPTER / script, *args]
+    return [*launcher_argv("fork"), "--standalone", f"--nproc_per_node={nproc}", CHAPTER / script, *args]
 
 
 @pytest.fixture(scope="module")

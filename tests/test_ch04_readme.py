@@ -167,7 +167,9 @@ def test_readme_commands_are_all_covered():
 @pytest.mark.parametrize("name", list(CASES))
 def test_readme_command(name: str, tmp_path: Path):
     extra, expected_rc, check = CASES[name]
-    argv = readme_argv(name) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    # the debug lab teaches what torchrun shows when a job fails: run it under the real torchrun
+    launcher = "torchrun" if name.startswith("debug_lab") else "fork"
+    argv = readme_argv(name, launcher=launcher) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
     start = time.perf_counter()
     # the lab scenarios must end by themselves well inside this limit (timeouts of 2-3 s)
     result = run(argv, timeout=180, env=job_env(tmp_path), check=False)

@@ -14,17 +14,19 @@ from ch01_common import README
 from distkit.checkpoint import safe_load
 from distkit.harness import bus_factor, read_records
 from distkit.models import MnistCNN
-from launch import REPO, command_argv, job_env, python, readme_command, run, torchrun
+from launch import REPO, python, readme_command, torchrun
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 
 
-def test_ddp_mnist_readme_command_on_offline_sample(tmp_path):
-    results, checkpoint = tmp_path / "results.jsonl", tmp_path / "model.pt"
-    argv = command_argv(readme_command(README, "ddp_mnist.py"))
-    done = run([*argv, "--data-dir", str(tmp_path / "data"), "--offline", "--results", str(results),
-                "--save", str(checkpoint), "--log-file", str(tmp_path / "log.txt")],
-               env=job_env(tmp_path), timeout=600)
+def test_ddp_mnist_readme_command_on_offline_sample(first_command_run):
+    """The chapter's first command is the top README's quick start: conftest.py runs it once (real
+    torchrun, default epochs, the offline sample) for both READMEs' tests."""
+    # the same command (--standalone only asks for a private rendezvous port, which tests always get)
+    chapter = readme_command(README, "ddp_mnist.py").replace("--standalone ", "")
+    assert chapter == readme_command(REPO / "README.md", "ddp_mnist.py")
+    folder, done = first_command_run
+    results, checkpoint = folder / "results.jsonl", folder / "model.pt"
     out = done.stdout
     assert "5k offline sample" in out
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", out).group(1))
@@ -52,7 +54,7 @@ def test_ddp_mnist_readme_command_on_offline_sample(tmp_path):
     model = MnistCNN()
     model.load_state_dict(state["model"])
     assert state["world_size"] == 4
-    assert (tmp_path / "log.txt").read_text().count("epoch 3/3") == 1
+    assert (folder / "log.txt").read_text().count("epoch 3/3") == 1
 
 
 def test_ddp_mnist_runs_with_one_and_two_processes(tmp_path):

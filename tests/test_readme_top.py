@@ -1,20 +1,16 @@
-"""The top-level README's commands: the quick start runs as written (small flags appended so that it
-is quick), and its output block is the recorded run of exactly that command.
+"""The top-level README's commands: the quick start runs as written (on the offline sample), and its
+output block is the recorded run of exactly that command.
 
 Its two records commands are the exception: ``render`` rewrites committed files (a test must not),
 and ``check`` over the whole repository is exactly ``tests/test_records.py::
 test_every_figure_in_the_repository_matches_its_record``; here they are only found (every README
 command has a lookup below, so a new command in the README cannot slip through untested).
 """
-import shlex
-
-from launch import REPO, assert_readme_covered, command_argv, job_env, readme_command, run
+from launch import REPO, assert_readme_covered, readme_command
 
 README = REPO / "README.md"
 QUICK_START = "01-ddp-basics/ddp_mnist.py"
 RECORDS_COMMANDS = ["python -m distkit.records render", "python -m distkit.records check"]
-# Appended to the quick start in the test; argparse keeps the last value of a repeated flag.
-SMALL_FLAGS = "--epochs 1 --max-steps 3 --offline"
 
 
 def test_every_readme_command_has_a_test():
@@ -23,14 +19,13 @@ def test_every_readme_command_has_a_test():
         assert readme_command(README, command) == command
 
 
-def test_quick_start_command_runs(tmp_path):
+def test_quick_start_command_runs(first_command_run):
+    """conftest.py runs this command once, as written under the real torchrun (the offline sample and
+    output paths appended); tests/test_ddp_mnist.py checks the same run's accuracy and records."""
     command = readme_command(README, QUICK_START)
     assert command == "torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py"
-    result = run(command_argv(command) + shlex.split(SMALL_FLAGS) + [
-        "--data-dir", str(tmp_path / "data"), "--results", str(tmp_path / "r.jsonl"),
-        "--save", str(tmp_path / "m.pt"), "--log-file", str(tmp_path / "log.txt")],
-        env=job_env(tmp_path), timeout=600)
-    assert "done: test accuracy" in result.stdout and (tmp_path / "m.pt").exists(), result.stdout[-2000:]
+    folder, result = first_command_run
+    assert "done: test accuracy" in result.stdout and (folder / "model.pt").exists(), result.stdout[-2000:]
 
 
 def test_the_quick_start_output_is_the_recorded_run_of_its_command():
