@@ -43,6 +43,7 @@ from distkit.models import GPT_PRESETS, gpt_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
+DEFAULT_LAUNCHER = "python -m torch.distributed.run --standalone --nproc_per_node={nproc}"
 
 # strategy -> (chapter script, flags that select the strategy, smallest world size). {scratch} is the
 # cell's temporary folder, for what a script writes even when it saves no weights (--save none):
@@ -159,8 +160,13 @@ def parse_args(argv=None):
     parser.add_argument("--gpu-only", action="store_true",
                         help="on a GPU machine, skip the cells that need more GPUs than it has (one GPU per "
                              "NCCL rank) instead of running them on CPU/gloo")
+    parser.add_argument("--launcher", default=DEFAULT_LAUNCHER, metavar="COMMAND",
+                        help="how a cell's ranks are started; the script and its flags follow ({nproc}: the "
+                             "cell's rank count; 'python': this interpreter; default: '%(default)s')")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
+    if "{nproc}" not in args.launcher:
+        parser.error(f"--launcher {args.launcher!r} must contain {{nproc}} (where the rank count goes)")
     unknown = [s for s in args.strategies if s not in STRATEGY_COMMANDS]
     if unknown:
         parser.error(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGY_COMMANDS)}")
@@ -260,10 +266,14 @@ def runner_record(strategy: str, world_size: int, status: str, error: str, cfg, 
             "status": status, "error": error, **extra, "benchmark": benchmark}
 
 
+def launcher_argv(args, nproc: int) -> list[str]:
+    """``--launcher`` for ``nproc`` ranks, as argv ('python' is this interpreter)."""
+    return [sys.executable if a == "python" else a for a in shlex.split(args.launcher.format(nproc=nproc))]
+
+
 def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
     flags = [f.format(scratch=scratch) for f in cell.flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cell.world_size}",
-            cell.script, *flags, "--model-size", cell.model_size,
+    return [*launcher_argv(args, cell.world_size), cell.script, *flags, "--model-size", cell.model_size,
             *(["--n-layer", str(cell.n_layer)] if cell.n_layer else []),
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
             "--global-batch-size", str(args.global_batch_size), "--results", str(results),
@@ -311,8 +321,8 @@ def run_cell(cell: Cell, args) -> list[dict]:
         cmd = cell_command(cell, args, scratch, cell_results)
         rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s, cell.placement.hide_gpus)
         records = read_records(cell_results) if cell_results.exists() else []
-    shown = shlex.join(cmd[1:]).replace(str(scratch), "$SCRATCH")
-    cell_info = {"command": "python " + shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
+    shown = shlex.join(["python" if a == sys.executable else a for a in cmd]).replace(str(scratch), "$SCRATCH")
+    cell_info = {"command": shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
                  "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
                  # what the runner asked for; the record's own "backend"/"device" say what ran
                  "placement": {"backend": cell.placement.backend, "device": cell.placement.device,
@@ -333,8 +343,7 @@ def run_bandwidth(world: int, args, results_file: Path, gpus: int) -> dict:
     if isinstance(where, str):
         return {"world_size": world, "ok": False, "error": f"skipped: {where}", "note": None, "seconds": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench_bw_") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
+        cmd = [*launcher_argv(args, world), "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
                "reduce_scatter", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
                "--plot", str(Path(tmp) / "bw.png"), "--backend", where.backend, "--device", where.device]
         rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s, where.hide_gpus)
@@ -352,7 +361,8 @@ def main(argv=None):
             if cell.placement.note:
                 print(f"# {cell.placement.note}")
             prefix = ["CUDA_VISIBLE_DEVICES="] if cell.placement.hide_gpus else []
-            print(shlex.join([*prefix, "python", *cell_command(cell, args, Path("$SCRATCH"), results_file)[1:]]))
+            cmd = cell_command(cell, args, Path("$SCRATCH"), results_file)
+            print(shlex.join([*prefix, *("python" if a == sys.executable else a for a in cmd)]))
         for entry in skipped:
             print(f"# skipped {entry['strategy']} at {entry['world_size']} ranks: {entry['error']}")
         return
