@@ -16,7 +16,8 @@
   checks and ``"auto"`` values, the CPU accelerator set-up, engine clean-up, ZeRO state counting).
 * :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
   output block, table and plot regenerated from them (``python -m distkit.records render``), with
-  the chapter notebooks re-executed by :mod:`distkit.notebooks`.
+  the chapter notebooks re-executed by :mod:`distkit.notebooks`; both stamp what they write with
+  :mod:`distkit.provenance` (machine, command, torch version, date).
 """
 from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,
                       choose_backend_and_device, distributed, init_distributed, run_main,

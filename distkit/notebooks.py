@@ -145,7 +145,7 @@ def _provenance(nb) -> dict[str, Any]:
     (no date: re-executing the same cells on the same machine writes the same metadata)."""
     import torch
 
-    from .records import machine, machine_label
+    from .provenance import machine, machine_label
 
     return {"source_sha256": source_hash(nb), "executed_on": machine_label(machine()),
             "torch": torch.__version__}
@@ -191,7 +191,7 @@ def write_executed(source: Path, timeout_s: float = TIMEOUT_S) -> Path:
     notebook's jobs never run while a recorded run measures."""
     import fcntl
 
-    from .records import LOCK_FILE
+    from .provenance import LOCK_FILE
 
     with open(LOCK_FILE, "w") as lock:
         try:

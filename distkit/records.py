@@ -58,44 +58,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-SCHEMA_VERSION = 1
+from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 # Folders never scanned for Markdown: scratch output, data, virtual environments.
 _SKIP_DIRS = {"runs", "data", "checkpoints", "build", "node_modules", "site-packages"}
 _MARK = re.compile(r"<!-- (output|render): (?P<args>[^\n]*?) -->\n(?P<body>.*?)<!-- /\1 -->", re.S)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-LOCK_FILE = Path(tempfile.gettempdir()) / "distkit-records.lock"
 
 
 class RecordError(Exception):
     """A mark that names a missing record, file or function; reported as one line."""
 
 
-# ---------------------------------------------------------------------------------------- provenance
-def machine() -> dict[str, Any]:
-    """The machine this process runs on, as records store it (GPU name and count when CUDA is here)."""
-    import torch
-
-    from .harness import machine_info
-
-    cuda = torch.cuda.is_available()
-    return machine_info(torch.device("cuda" if cuda else "cpu"))
-
-
-def machine_label(machine_dict: dict[str, Any], backend: str | None = None) -> str:
-    """Where a record ran, for captions: ``"2-core CPU, gloo"`` or ``"4x NVIDIA H100 80GB HBM3, nccl"``."""
-    name = machine_dict.get("device_name") or "unknown machine"
-    gpus = machine_dict.get("gpu_count")
-    label = f"{gpus}x {name}" if gpus else name
-    return f"{label}, {backend}" if backend else label
-
-
-def provenance(command: str) -> dict[str, Any]:
-    """The fields every record starts with: schema, command, machine, torch version, date."""
-    import torch
-
-    return {"schema": SCHEMA_VERSION, "command": command, "machine": machine(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+# provenance (LOCK_FILE, machine, machine_label, provenance) lives in distkit.provenance
 
 
 # ------------------------------------------------------------------------------------- record files
