@@ -271,6 +271,11 @@ def launcher_argv(args, nproc: int) -> list[str]:
     return [sys.executable if a == "python" else a for a in shlex.split(args.launcher.format(nproc=nproc))]
 
 
+def shown_command(cmd: list[str]) -> str:
+    """A launched command as records and --dry-run show it: this interpreter written as 'python'."""
+    return shlex.join(["python" if a == sys.executable else a for a in cmd])
+
+
 def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
     flags = [f.format(scratch=scratch) for f in cell.flags]
     return [*launcher_argv(args, cell.world_size), cell.script, *flags, "--model-size", cell.model_size,
@@ -321,7 +326,7 @@ def run_cell(cell: Cell, args) -> list[dict]:
         cmd = cell_command(cell, args, scratch, cell_results)
         rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s, cell.placement.hide_gpus)
         records = read_records(cell_results) if cell_results.exists() else []
-    shown = shlex.join(["python" if a == sys.executable else a for a in cmd]).replace(str(scratch), "$SCRATCH")
+    shown = shown_command(cmd).replace(str(scratch), "$SCRATCH")
     cell_info = {"command": shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
                  "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
                  # what the runner asked for; the record's own "backend"/"device" say what ran
@@ -361,8 +366,8 @@ def main(argv=None):
             if cell.placement.note:
                 print(f"# {cell.placement.note}")
             prefix = ["CUDA_VISIBLE_DEVICES="] if cell.placement.hide_gpus else []
-            cmd = cell_command(cell, args, Path("$SCRATCH"), results_file)
-            print(shlex.join([*prefix, *("python" if a == sys.executable else a for a in cmd)]))
+            print(shlex.join(prefix) + (" " if prefix else "")
+                  + shown_command(cell_command(cell, args, Path("$SCRATCH"), results_file)))
         for entry in skipped:
             print(f"# skipped {entry['strategy']} at {entry['world_size']} ranks: {entry['error']}")
         return

@@ -28,20 +28,14 @@ import importlib
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 
 import torch  # noqa: F401  (imported once here; every forked rank inherits it)
 import torch.distributed  # noqa: F401
+from launch import free_port  # tests/launch.py: this script's folder is sys.path[0]
 
 GRACE_S = 30  # torchrun's: SIGTERM, then SIGKILL after this long
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _preimport(script: str) -> None:
@@ -97,7 +91,7 @@ def main(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
     n = opts.nproc_per_node
     _preimport(opts.script)
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
               "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
               "ROLE_WORLD_SIZE": str(n), "ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0",
               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "fork_launcher"}
