@@ -4,7 +4,9 @@
 ``launch.job_env``, from every job it launches: the CPU-path tests then check the gloo/CPU path
 even on a GPU host. `pytest -m gpu` leaves the GPUs visible.
 
-It also holds the one launch two test files share (fixtures here need no import between tests).
+It starts the fork launcher's server for the session (``tests/fork_launcher.py``: fork-launched jobs
+fork from one process that imported torch once), and holds the one launch two test files share
+(fixtures here need no import between tests).
 """
 import os
 import sys
@@ -20,6 +22,14 @@ def pytest_configure(config):
     runs_gpu_tests = "gpu" in markexpr and "notgpu" not in markexpr
     if not runs_gpu_tests:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA in this process
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    from launch import fork_server
+
+    with fork_server(tmp_path_factory.mktemp("fork_server")) as socket_path:
+        yield socket_path
 
 
 @pytest.fixture(scope="session")

@@ -19,23 +19,49 @@ Importing is not what these tests test. What only the real launcher does is test
 
 Like torchrun: when a rank fails, the others are terminated (SIGTERM, SIGKILL after 30 s) and the
 launcher exits 1 after one summary line; when all succeed it exits 0. No restarts, one node.
+
+The fork server. ``python tests/fork_launcher.py --serve SOCKET`` imports torch, its distributed
+packages and ``distkit`` once and then waits on a Unix socket; the test session starts one
+(``tests/conftest.py``) and names it in ``$FORK_LAUNCHER_SERVER``. A launch then costs a bare
+interpreter start: this script, without importing torch, hands the job (argv, working directory,
+environment and its own stdin/stdout/stderr) to the server, which forks a launcher for it that runs
+exactly the steps above, and passes the job's exit code back. When this process is killed (a test's
+timeout), the server's launcher sees the socket close and kills the ranks. A job whose
+import-time environment (``TORCH_*``, ``CUDA_*``, ``OMP_*``, ``PYTHON*``, ...) differs from the
+server's, or a server that cannot be reached, is launched here as before.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import importlib
+import json
 import os
 import runpy
+import select
 import signal
+import socket
+import struct
 import sys
+import tempfile
 import time
 
-import torch  # noqa: F401  (imported once here; every forked rank inherits it)
-import torch.distributed  # noqa: F401
 from launch import free_port  # tests/launch.py: this script's folder is sys.path[0]
 
 GRACE_S = 30  # torchrun's: SIGTERM, then SIGKILL after this long
+SERVER_ENV = "FORK_LAUNCHER_SERVER"  # the fork server's socket, set by tests/conftest.py
+# What the server imports once: torch's distributed packages the chapters use, and distkit.
+SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
+                  "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                  "torch.distributed.checkpoint", "torch.distributed.pipelining",
+                  "torch.distributed.elastic.multiprocessing.errors", "distkit", "distkit.checkpoint",
+                  "distkit.comm_counter", "distkit.data", "distkit.errors", "distkit.flags",
+                  "distkit.harness", "distkit.logs", "distkit.models", "distkit.provenance",
+                  "distkit.records", "distkit.runtime", "distkit.theory")
+# Environment read while those import (threads, devices, paths, logging): a job that sets any of
+# these differently from the server imports them itself, so it sees exactly what it asked for.
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
+                        "LD_", "DS_", "DEEPSPEED")
 
 
 def _preimport(script: str) -> None:
@@ -82,27 +108,27 @@ def _rank(script: str, args: list[str], env: dict[str, str]) -> None:
         os._exit(code)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int, required=True)
-    parser.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
-    parser.add_argument("script")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
-    opts = parser.parse_args(argv)
-    n = opts.nproc_per_node
-    _preimport(opts.script)
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
-              "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
-              "ROLE_WORLD_SIZE": str(n), "ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0",
+def run_job(nproc: int, script: str, args: list[str], client: socket.socket | None = None) -> int:
+    """Fork ``nproc`` ranks of ``script args`` with torchrun's environment and wait for them;
+    returns the job's exit code (0, or 1 after one summary line). ``client``: the socket of the
+    process that asked the fork server for this job; if it closes, the ranks are killed."""
+    import torch.distributed  # noqa: F401  (imported once, here or by the server; every rank inherits it)
+
+    _preimport(script)
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
+              "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0",
               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "fork_launcher"}
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}
-    for rank in range(n):
+    for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _rank(opts.script, opts.args, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                           "ROLE_RANK": str(rank)})
+            if client is not None:
+                client.close()
+            _rank(script, args, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                 "ROLE_RANK": str(rank)})
         ranks[pid] = rank
 
     failed: tuple[int, int] | None = None
@@ -111,9 +137,13 @@ def main(argv: list[str]) -> int:
         if deadline is not None and time.monotonic() > deadline:
             for pid in ranks:
                 os.kill(pid, signal.SIGKILL)
-        pid, status = os.waitpid(-1, 0 if deadline is None else os.WNOHANG)
+        if client is not None and select.select([client], [], [], 0)[0] and not client.recv(1):
+            for pid in ranks:  # the launching process is gone (killed by a test's timeout)
+                os.kill(pid, signal.SIGKILL)
+            client = None
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            time.sleep(0.1)
+            select.select([client] if client is not None else [], [], [], 0.05)
             continue
         rank = ranks.pop(pid)
         code = os.waitstatus_to_exitcode(status)
@@ -128,6 +158,144 @@ def main(argv: list[str]) -> int:
         print(f"fork_launcher: rank {rank} failed ({how}); the job was stopped", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+# ------------------------------------------------------------------------------------ fork server
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+
+
+def _receive_all(conn: socket.socket, data: bytes, size: int) -> bytes:
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the client closed the connection")
+        data += chunk
+    return data
+
+
+def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In a child of the server: become the launcher of the client's job; never returns."""
+    code = 1
+    try:
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # computed from the server's TMPDIR while importing
+        conn.sendall(b"R")
+        code = run_job(request["nproc"], request["script"], request["args"], client=conn)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        try:
+            conn.sendall(struct.pack("!i", code))
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    """The fork server: listen on ``path``, import torch and distkit once, then fork one launcher
+    per request (see the module docstring). Runs until terminated."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)  # before importing: an early client waits in the backlog, not in vain
+    own_env = _import_time_env(dict(os.environ))  # as started (importing sets e.g. TORCHINDUCTOR_CACHE_DIR)
+    for name in SERVER_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a job then imports (and fails on) it itself
+            print(f"fork server: cannot import {name}: {exc}", file=sys.stderr, flush=True)
+    listener.settimeout(1.0)
+    children: set[int] = set()
+    while True:
+        for pid in list(children):  # reap finished launchers
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                children.discard(pid)
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        conn.settimeout(None)
+        fds: list[int] = []
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            data = _receive_all(conn, data, 4)
+            data = _receive_all(conn, data, 4 + struct.unpack("!I", data[:4])[0])
+            request = json.loads(data[4:])
+            if len(fds) != 3 or _import_time_env(request["env"]) != own_env:
+                conn.sendall(b"F")  # the client launches this job itself
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                _launch_for_client(conn, request, fds)
+            children.add(pid)
+        except (OSError, ValueError, ConnectionError):
+            pass
+        finally:
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def through_server(path: str, nproc: int, script: str, args: list[str]) -> int | None:
+    """Ask the fork server at ``path`` to run the job with this process's stdin/stdout/stderr,
+    working directory and environment; its exit code, or None if this process must launch it."""
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        payload = json.dumps({"nproc": nproc, "script": script, "args": args, "cwd": os.getcwd(),
+                              "env": dict(os.environ)}).encode()
+        streams = [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)]
+        socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], streams)
+        if conn.recv(1) != b"R":
+            return None
+    except OSError:
+        return None
+    try:
+        return struct.unpack("!i", _receive_all(conn, b"", 4))[0]
+    except ConnectionError:
+        print("fork_launcher: the fork server's launcher ended without an exit code", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", metavar="SOCKET", help="run the fork server on this Unix socket")
+    parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int)
+    parser.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
+    parser.add_argument("script", nargs="?")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args(argv)
+    if opts.serve:
+        serve(opts.serve)
+        return 0
+    if opts.nproc_per_node is None or opts.script is None:
+        parser.error("--nproc_per_node and a script are required")
+    if os.environ.get(SERVER_ENV):
+        code = through_server(os.environ[SERVER_ENV], opts.nproc_per_node, opts.script, opts.args)
+        if code is not None:
+            return code
+    return run_job(opts.nproc_per_node, opts.script, opts.args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ reader's first command, one-line errors as the reader sees them) use the real on
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -30,6 +31,29 @@ def launcher_argv(launcher: str) -> list[str]:
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run"]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+@contextlib.contextmanager
+def fork_server(folder: Path):
+    """Run the fork launcher's server (``tests/fork_launcher.py --serve``) while the block runs: it
+    imports torch and distkit once, and every fork-launched job of this process and its children
+    forks from it (``$FORK_LAUNCHER_SERVER`` names its socket) instead of importing them again."""
+    socket_path = str(Path(folder) / "fork.sock")
+    log = open(Path(folder) / "fork_server.log", "w")
+    server = subprocess.Popen([sys.executable, str(FORK_LAUNCHER), "--serve", socket_path], env=job_env(),
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ["FORK_LAUNCHER_SERVER"] = socket_path
+    try:
+        yield socket_path
+    finally:
+        os.environ.pop("FORK_LAUNCHER_SERVER", None)
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
 
 
 def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> dict[str, str]:
