@@ -62,6 +62,10 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
 # these differently from the server imports them itself, so it sees exactly what it asked for.
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
                         "LD_", "DS_", "DEEPSPEED")
+# ... except these, which nothing reads while importing: torch sets the inductor cache folder in
+# os.environ of any process that imported it (so a job started by such a process carries it), and
+# output buffering and .pyc writing change no imported state.
+IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
 
 
 def _preimport(script: str) -> None:
@@ -162,7 +166,8 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
 
 # ------------------------------------------------------------------------------------ fork server
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_PREFIXES) and k not in IMPORT_TIME_EXCEPTIONS}
 
 
 def _receive_all(conn: socket.socket, data: bytes, size: int) -> bytes:
@@ -231,9 +236,14 @@ def serve(path: str) -> None:
             data = _receive_all(conn, data, 4)
             data = _receive_all(conn, data, 4 + struct.unpack("!I", data[:4])[0])
             request = json.loads(data[4:])
-            if len(fds) != 3 or _import_time_env(request["env"]) != own_env:
-                conn.sendall(b"F")  # the client launches this job itself
+            theirs = _import_time_env(request["env"])
+            if len(fds) != 3 or theirs != own_env:
+                differ = sorted(k for k in set(theirs) | set(own_env) if theirs.get(k) != own_env.get(k))
+                print(f"fork server: not launching {request['script']}: its environment differs in "
+                      f"{differ or 'its streams'}; the client launches it itself", flush=True)
+                conn.sendall(b"F")
                 continue
+            print(f"fork server: launching {request['script']} on {request['nproc']} ranks", flush=True)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()

@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +43,11 @@ def fork_server(folder: Path):
     log = open(Path(folder) / "fork_server.log", "w")
     server = subprocess.Popen([sys.executable, str(FORK_LAUNCHER), "--serve", socket_path], env=job_env(),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(socket_path):  # it listens before importing torch: a second at most
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the fork server did not start: see {log.name}")
+        time.sleep(0.05)
     os.environ["FORK_LAUNCHER_SERVER"] = socket_path
     try:
         yield socket_path

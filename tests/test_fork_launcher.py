@@ -1,0 +1,101 @@
+"""The suite's own launcher (tests/fork_launcher.py) does what the tests rely on.
+
+Most tests start their jobs through it, and the suite's time depends on those jobs forking from the
+session's fork server rather than importing torch again. These tests prove, with real jobs:
+a job launched through the server gets torchrun's environment and its collectives work; a job whose
+import-time environment differs from the server's is launched by the client itself, with the same
+result; a failing rank ends the job with exit code 1; and when the launching process is killed (a
+test's timeout) the ranks the server forked for it die too, leaving nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import job_env, launcher_argv, torchrun
+
+JOB = """\
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+sys.stdout.write(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
+                 f"sum {total.item():g} args {sys.argv[1:]}\\n")  # one write: ranks share the pipe
+sys.stdout.flush()
+if "--fail" in sys.argv and dist.get_rank() == 1:
+    raise SystemExit(3)
+if "--hang" in sys.argv:
+    open(os.path.join(os.environ["OUT"], f"pid{dist.get_rank()}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    return script
+
+
+def _server_log(fork_server: str) -> str:
+    return (Path(fork_server).parent / "fork_server.log").read_text()
+
+
+def _ranks_say(out: str) -> list[str]:
+    return sorted(line for line in out.splitlines() if line.startswith("rank "))
+
+
+def test_a_job_forks_from_the_server_with_torchruns_environment(fork_server, job, tmp_path):
+    # A process that imported torch carries TORCHINDUCTOR_CACHE_DIR into its jobs' environment:
+    # that must not keep them off the server (it once kept every job off).
+    env = job_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = torchrun(job, "a", "b", nproc=3, env=env, timeout=120).stdout
+    expected = [f"rank {r}/3 local {r} sum 6 args ['a', 'b']" for r in range(3)]
+    assert _ranks_say(out) == expected, out
+    assert f"launching {job} on 3 ranks" in _server_log(fork_server)
+
+
+def test_a_job_with_another_import_time_environment_launches_itself(fork_server, job, tmp_path):
+    out = torchrun(job, nproc=2, env=job_env(tmp_path, TORCH_CPP_LOG_LEVEL="ERROR"), timeout=120).stdout
+    assert _ranks_say(out) == [f"rank {r}/2 local {r} sum 3 args []" for r in range(2)], out
+    assert f"not launching {job}: its environment differs in ['TORCH_CPP_LOG_LEVEL']" in _server_log(fork_server)
+
+
+def test_a_failed_rank_fails_the_job(job, tmp_path):
+    result = torchrun(job, "--fail", nproc=2, tmp_path=tmp_path, check=False, timeout=120)
+    assert result.returncode == 1, result.stdout
+    assert "fork_launcher: rank 1 failed (exit code 3); the job was stopped" in result.stdout
+
+
+def test_killing_the_launching_process_kills_the_ranks(fork_server, job, tmp_path):
+    argv = [*launcher_argv("fork"), "--nproc_per_node=2", str(job), "--hang"]
+    client = subprocess.Popen(argv, env=job_env(tmp_path, OUT=str(tmp_path)), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert client.poll() is None and time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in pid_files]
+    os.killpg(client.pid, signal.SIGKILL)  # what launch.run does to a test that times out
+    client.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], "ranks outlived the killed launcher"
+    assert f"launching {job} on 2 ranks" in _server_log(fork_server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie waiting to be reaped is dead
+    except FileNotFoundError:
+        return False
