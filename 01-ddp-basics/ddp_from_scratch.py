@@ -29,7 +29,7 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
                            non_negative_int, positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
@@ -37,7 +37,7 @@ def parse_args():
         description="Data-parallel training without DDP: broadcast the initial weights, then "
                     "all-reduce and average every gradient by hand. Launch with torchrun.",
         epilog="example: torchrun --standalone --nproc_per_node=4 01-ddp-basics/ddp_from_scratch.py")
-    add_gpt_args(parser)
+    add_model_args(parser)
     train = add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, helps={
         "global_batch_size": "sequences per step over all ranks; each rank takes 1/world size",
         "lr": "peak AdamW learning rate"})
@@ -95,11 +95,11 @@ def main():
     wall_start = time.perf_counter()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        gpt = gpt_config_from_args(args)
+        gpt = model_config_from_args(args)
         if args.global_batch_size % ctx.world_size:
             raise UsageError(f"--global-batch-size {args.global_batch_size} must divide by the world "
                              f"size {ctx.world_size}")
-        model = TinyGPT(gpt).to(ctx.device)
+        model = build_model(gpt).to(ctx.device)
         broadcast_parameters(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import add_training_args, positive_int
 from distkit.logs import setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
@@ -33,7 +33,7 @@ def parse_args():
                             epilog="example: python 01-ddp-basics/ddp_spawn.py --nproc 2 --steps 50")
     parser.add_argument("--nproc", type=positive_int, default=gpus or 4,
                         help=f"processes to spawn (default here: {gpus or 4}: one per GPU, else 4)")
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_training_args(parser, steps=100, global_batch_size=32, lr=3e-3, warmup_steps=None, results=None,
                       helps={"lr": "AdamW learning rate"})
     add_runtime_args(parser)
@@ -60,8 +60,8 @@ def worker(local_rank: int, args, port: int) -> None:
 def train(args) -> None:
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        cfg = gpt_config_from_args(args)
-        model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
+        cfg = model_config_from_args(args)
+        model = DDP(build_model(cfg).to(ctx.device), device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         task = TokenTask(cfg, seed=args.seed)
         log.info(f"spawned {ctx.world_size} processes | backend {ctx.backend} | {args.steps} steps")

@@ -34,7 +34,7 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
                            non_negative_float, non_negative_int, positive_int)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.runtime import launched_rank
 
 
@@ -45,7 +45,7 @@ def build_parser() -> ArgumentParser:
                                    "01-ddp-basics/ddp_training.py --config 01-ddp-basics/ddp_training.yaml")
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag values (keys: flag names, e.g. "
                         "global_batch_size); they replace the defaults, flags on the command line still win")
-    add_gpt_args(parser)
+    add_model_args(parser)
     train = add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, grad_accum_steps=1, helps={
         "global_batch_size": "sequences per optimizer step, summed over all ranks and micro-batches",
         "grad_accum_steps": "micro-batches per optimizer step; all but the last skip the all-reduce",
@@ -135,7 +135,7 @@ def world_size_error(args: argparse.Namespace, ctx) -> str | None:
         if wrong:
             return message
     try:
-        gpt_config_from_args(args)  # the width must split into the heads
+        model_config_from_args(args)  # the width must split into the heads
     except UsageError as exc:
         return str(exc)
     return None
@@ -280,13 +280,13 @@ def train(args: argparse.Namespace) -> None:
     with distributed(args) as ctx:
         args = share_args(args, ctx)
         log = setup_logging(ctx.rank, os.path.join(args.log_dir, "train.log"), per_rank_dir=args.log_dir)
-        gpt = gpt_config_from_args(args)
+        gpt = model_config_from_args(args)
         micro = args.global_batch_size // ctx.world_size // args.grad_accum_steps
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | device {ctx.device.type} | "
                  f"global batch {args.global_batch_size} = {ctx.world_size} ranks x {args.grad_accum_steps} "
                  f"micro-batches x {micro} | lr {scaled_lr(args):g} | {args.precision}")
 
-        model = TinyGPT(gpt).to(ctx.device)  # same seed on every rank; DDP broadcasts rank 0's anyway
+        model = build_model(gpt).to(ctx.device)  # same seed on every rank; DDP broadcasts rank 0's anyway
         model = DDP(model, device_ids=ctx.device_ids, bucket_cap_mb=args.bucket_cap_mb,
                     static_graph=args.static_graph, find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=args.gradient_as_bucket_view)

@@ -28,8 +28,8 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.theory import fsdp_prediction, gpt_param_shapes
-from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+from distkit.theory import fsdp_prediction, param_shapes
+from distkit.models import (TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 
 SHOWN = ["tok_emb.weight", "blocks.0.attn.q_proj.weight", "blocks.0.ln_1.weight", "lm_head.weight"]
@@ -44,10 +44,10 @@ def parse_args(argv=None):
                       results="runs/fsdp_basics.jsonl", helps={"lr": "AdamW learning rate"})
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
+    model_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
 
 
@@ -96,7 +96,7 @@ def gathered_bytes(shapes, world_size):
 
 def trace_one_step(model, optimizer, inputs, targets, ctx):
     """Run one step with hooks on block 0 and a collective trace; returns (trace lines, global loss)."""
-    shapes = gpt_param_shapes(model.cfg)
+    shapes = param_shapes(model.cfg)
     unit_names = {gathered_bytes({n: s for n, s in shapes.items() if n.startswith("blocks.0.")},
                                  ctx.world_size): "<- a block's unit",
                   gathered_bytes({n: s for n, s in shapes.items() if not n.startswith("blocks.")},
@@ -138,7 +138,7 @@ def shard_trace_and_train(args, ctx):
     if args.global_batch_size % ctx.world_size:
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"{ctx.world_size} ranks")
-    cfg = gpt_config_from_args(args)
+    cfg = model_config_from_args(args)
     model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
 

@@ -36,7 +36,7 @@ from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_us
                                 remove_stale_temporaries, safe_load)
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int
 from distkit.logs import progress, setup_logging
-from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -63,10 +63,10 @@ def parse_args(argv=None):
                                   "(default: both)")
     checkpoints.add_argument("--dump-loaded", default=None, metavar="PATH",
                              help="rank 0 saves the full model state right after loading (to check a resume)")
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
+    model_config_from_args(args)  # a width that does not split into the heads: one error line
     return args
 
 
@@ -248,7 +248,7 @@ def train_and_checkpoint(args, ctx):
     if args.global_batch_size % ctx.world_size:
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"{ctx.world_size} ranks")
-    cfg = gpt_config_from_args(args)
+    cfg = model_config_from_args(args)
     # Rank 0 decides what --resume names (on a cluster the other ranks may not see a full file) and
     # checks a DCP folder's trainer state, then tells everyone: a missing checkpoint, or one of
     # another model, is one error on every rank at the same moment, before any model is built.
@@ -274,7 +274,7 @@ def train_and_checkpoint(args, ctx):
         if removed:
             log.info(f"removed {len(removed)} temporary file(s) left by an interrupted save: "
                      f"{', '.join(p.name for p in removed[:3])}")
-    model = TinyGPT(cfg).to(ctx.device)
+    model = build_model(cfg).to(ctx.device)
     # An explicit mesh on this job's device type: fully_shard's default mesh would use the host's
     # accelerator whatever --device says (CUDA on any GPU host).
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))

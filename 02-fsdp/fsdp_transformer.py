@@ -30,9 +30,9 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
-from distkit.theory import fsdp_padded_numel, fsdp_prediction, gpt_param_shapes
+from distkit.theory import fsdp_padded_numel, fsdp_prediction, param_shapes
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
@@ -64,10 +64,10 @@ def parse_args(argv=None):
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
     add_checkpoint_args(parser, save="none")
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    gpt_config_from_args(args)  # a width that does not split into the heads: one error line
+    model_config_from_args(args)  # a width that does not split into the heads: one error line
     # Filled in for two made-up strategies before any training: an unknown {placeholder} is one
     # error line, and a path without {strategy} would be overwritten by each strategy in turn.
     one, other = save_file(args, "one"), save_file(args, "other")
@@ -141,7 +141,7 @@ def predicted_bytes(cfg, strategy, args, world_size):
         shards, replicas = 1, world_size
     else:
         shards, replicas = world_size, 1
-    shapes = gpt_param_shapes(cfg)
+    shapes = param_shapes(cfg)
     states, comm = fsdp_prediction(shapes, shards, replicas, strategy in ("full_shard", "hybrid_shard"),
                                    gather_bytes=2 if args.mixed_precision == "bf16" else 4, wrap=args.wrap)
     comm_bytes = {name: int(stat["bytes"]) for name, stat in comm.items()}
@@ -160,7 +160,7 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
     # peak RSS), before this configuration allocates anything.
     fresh_memory_peak(ctx.device)
     torch.manual_seed(args.seed)  # identical initial weights in every configuration and on every rank
-    model = TinyGPT(cfg).to(ctx.device)
+    model = build_model(cfg).to(ctx.device)
     if args.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -175,7 +175,7 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
     # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # The model's configuration and parameter count go into the record's own fields (the harness
-    # reads them from the TinyGPT), not into config.
+    # reads them from the model's cfg), not into config.
     config = {"script": "fsdp_transformer", "global_batch_size": args.global_batch_size,
               "precision": args.mixed_precision, "lr": args.lr, "wrap": args.wrap,
               "activation_checkpointing": args.activation_checkpointing,
@@ -218,7 +218,7 @@ def main(argv=None):
         if args.global_batch_size % ctx.world_size:
             raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                              f"{ctx.world_size} ranks")
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {args.model_size} GPT | "
                  f"global batch {args.global_batch_size} | {args.mixed_precision}")

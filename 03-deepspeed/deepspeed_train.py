@@ -25,7 +25,7 @@ from distkit.deepspeed import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepsp
 from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_float, non_negative_int,
                            positive_int, save_path)
 from distkit.logs import progress, setup_logging
-from distkit.models import (TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss,
+from distkit.models import (TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 
 
@@ -57,7 +57,7 @@ def parse_args():
                                   "(default: only at the end)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)  # the deepspeed launcher passes it; LOCAL_RANK is used
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -108,7 +108,7 @@ def main():
         resume_from = checkpoint_to_resume(args.resume, checkpoint_dir)
         deepspeed = import_deepspeed(ctx.device)
 
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
         torch.manual_seed(args.seed)
         model = TinyGPT(cfg)  # same seed on every rank -> same initial weights

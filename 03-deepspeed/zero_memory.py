@@ -34,7 +34,7 @@ from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_
                                resolve_auto, strategy_name, zero_harness, zero_stage)
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.logs import setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.records import provenance, upsert
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -64,7 +64,7 @@ def parse_args():
     add_checkpoint_args(parser, save="none", helps={  # --save: one file per config
         "save": "rank 0 writes each config's final full fp32 weights here, {strategy} filled in "
                 "(e.g. runs/ch03_params/{strategy}.pt); 'none' skips it"})
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     parser.set_defaults(model_size="small")
     return parser.parse_args()
@@ -91,7 +91,7 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
     ds_config = load_ds_config(path, args.global_batch_size)
     check_batch(ds_config, ctx.world_size, path)
     torch.manual_seed(args.seed)  # identical initial weights for every config
-    model = TinyGPT(cfg)
+    model = build_model(cfg)
     param_count = sum(p.numel() for p in model.parameters())
     resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)  # buckets sized Ψ / N, not 2 GB
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -125,7 +125,7 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     psi = records[0]["param_count"]
-    largest = largest_layer_params(TinyGPT(cfg))
+    largest = largest_layer_params(build_model(cfg))
     reference_name = records[0]["strategy"]
     reference = weights_by_strategy[reference_name]
     rows = []
@@ -290,7 +290,7 @@ def main():
         for path in paths:  # check every config before training anything
             load_ds_config(path, args.global_batch_size)
         deepspeed = import_deepspeed(ctx.device)
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
 
         records, weights_by_strategy, previous = [], {}, None

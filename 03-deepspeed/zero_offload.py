@@ -28,7 +28,7 @@ from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_
 from distkit.flags import add_training_args
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -44,7 +44,7 @@ def parse_args():
                         help="config with offload (default: configs/zero3_offload_config.json)")
     add_training_args(parser, steps=20, global_batch_size=32, lr=3e-3, results="runs/ch03_results.jsonl",
                       helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
-    add_gpt_args(parser)
+    add_model_args(parser)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -71,7 +71,7 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
     ds_config = load_ds_config(config_path, args.global_batch_size)
     check_batch(ds_config, ctx.world_size, config_path)
     torch.manual_seed(args.seed)
-    model = TinyGPT(cfg)
+    model = build_model(cfg)
     param_count = sum(p.numel() for p in model.parameters())
     resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)  # pin_memory, overlap_comm, buckets
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -119,7 +119,7 @@ def main():
             load_ds_config(path, args.global_batch_size)
         deepspeed = import_deepspeed(ctx.device)
         accelerator = deepspeed.get_accelerator().device_name()
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
         results, previous = [], None
         for path in (args.baseline_config, args.offload_config):

@@ -33,7 +33,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
@@ -41,7 +41,7 @@ def parse_args():
         description="Train the small GPT with DDP and gradient accumulation, with and without "
                     "no_sync(), and compare the communication per optimizer step.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/gradient_accumulation.py --grad-accum-steps 8")
-    add_gpt_args(parser)
+    add_model_args(parser)
     training = add_training_args(parser, steps=10, global_batch_size=None, grad_accum_steps=4,
                                  helps={"results": "one harness record per mode appended here"})
     training.add_argument("--micro-batch-size", type=positive_int, default=4,
@@ -62,7 +62,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
     k = args.grad_accum_steps
     effective_batch = args.micro_batch_size * k * ctx.world_size
     seed_everything(args.seed)  # both modes start from the same weights
-    model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
+    model = DDP(build_model(cfg).to(ctx.device), device_ids=ctx.device_ids)
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
     sync_name = "no_sync" if use_no_sync else "every_micro_batch"
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
@@ -93,7 +93,7 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         k = args.grad_accum_steps
         log.info(f"effective batch = micro-batch {args.micro_batch_size} x accumulation {k} x world size "
                  f"{ctx.world_size} = {args.micro_batch_size * k * ctx.world_size} sequences per optimizer step")

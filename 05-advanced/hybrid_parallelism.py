@@ -34,7 +34,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
@@ -43,7 +43,7 @@ def parse_args():
                     "or hybrid-sharded data parallel (--mode hsdp). The mesh axes must multiply to "
                     "the number of ranks.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode 2d --dp 2 --tp 2")
-    add_gpt_args(parser)
+    add_model_args(parser)
     parser.add_argument("--mode", choices=["2d", "hsdp"], default="2d",
                         help="2d = FSDP2 across --dp, TP across --tp; hsdp = FSDP2 within --shard, "
                              "replicas across --replicate (default: 2d)")
@@ -93,7 +93,7 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         shape, names = mesh_shape(args, ctx.world_size)
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
         strategy = "fsdp_tp_2d" if args.mode == "2d" else "hsdp"

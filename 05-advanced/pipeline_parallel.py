@@ -37,7 +37,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
+from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved_1f1b"}
@@ -49,7 +49,7 @@ def parse_args():
                     "per rank. Several schedules / micro-batch counts run one after another, each from "
                     "the same initial weights, so their bubbles can be compared.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe 1f1b")
-    add_gpt_args(parser)
+    add_model_args(parser)
     parser.add_argument("--schedule", nargs="+", choices=sorted(SCHEDULES), default=["1f1b"],
                         help="pipeline schedule(s) to run (default: 1f1b)")
     parser.add_argument("--microbatches", nargs="+", type=positive_int, default=[8],
@@ -217,7 +217,7 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         log.info(f"{ctx.world_size} pipeline ranks | {cfg.n_layer} blocks | global batch "
                  f"{args.global_batch_size} | backend {ctx.backend}")
         summary = []

@@ -34,7 +34,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss
+from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss
 
 
 def parse_args():
@@ -42,7 +42,7 @@ def parse_args():
         description="Train the small GPT with tensor parallelism over all ranks (every rank holds "
                     "1/world_size of each block's weights and sees the whole batch).",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel")
-    add_gpt_args(parser)
+    add_model_args(parser)
     training = add_training_args(parser, helps={
         "global_batch_size": "sequences per optimizer step; every TP rank sees all of them"})
     training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
@@ -109,7 +109,7 @@ def main():
     args = parse_args()
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        cfg = gpt_config_from_args(args)
+        cfg = model_config_from_args(args)
         tp = ctx.world_size
         check_divisible(cfg, tp, args.sequence_parallel)
         strategy = "tp_sp" if args.sequence_parallel else "tp"

@@ -1,7 +1,7 @@
 """Run every strategy through the shared harness, side by side: a matrix of strategies x world sizes
 x model sizes, each cell its own ``torchrun`` job running the chapter script that teaches it.
 
-Every chapter script takes the same model and training flags (``distkit.models.add_gpt_args``,
+Every chapter script takes the same model and training flags (``distkit.models.add_model_args``,
 ``distkit.flags.add_training_args``: ``--model-size``, ``--steps``, ``--global-batch-size``,
 ``--warmup-steps``, ``--results``), so a cell is "script + the flags that pick the strategy" (the
 table :data:`STRATEGY_COMMANDS`). The harness inside each script times the steps after the warm-up,

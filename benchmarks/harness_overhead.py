@@ -22,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
-from distkit.models import TinyGPT, TokenTask, add_gpt_args, gpt_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
     parser = ArgumentParser(description="Step time of one DDP training loop with and without the harness.",
                             epilog="example: python benchmarks/harness_overhead.py --model-size small")
-    add_gpt_args(parser)
+    add_model_args(parser)
     parser.set_defaults(model_size="tiny")
     parser.add_argument("--rounds", type=positive_int, default=6, help="alternating rounds (default: 6)")
     add_training_args(parser, steps=20, global_batch_size=16, lr=1e-3, warmup_steps=2, results=None,
@@ -40,8 +40,8 @@ def parse_args():
 def main():
     args = parse_args()
     with distributed(args) as ctx:
-        cfg = gpt_config_from_args(args)
-        model = TinyGPT(cfg).to(ctx.device)
+        cfg = model_config_from_args(args)
+        model = build_model(cfg).to(ctx.device)
         model = DDP(model, device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         task = TokenTask(cfg, seed=args.seed)

@@ -31,12 +31,16 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 * ``strategy``: what ran (``ddp``, ``fsdp_full_shard``, ``zero2``, ``tp_sp``, ``pp_1f1b``, ... or a
   measurement name such as ``bandwidth``);
 * ``model``: the model's configuration, one way everywhere: ``{"arch": "gpt", <GPTConfig fields>}``
-  for the small GPT, ``{"arch": "<name>", ...}`` for any other model, ``null`` when none;
+  for the small GPT, ``{"arch": "llama", <LlamaModelConfig fields>}`` for the Llama-architecture
+  model, ``{"arch": "<name>", ...}`` for any other model, ``null`` when none;
 * ``param_count``: the full model's parameters (not a shard's);
 * ``config``: the script's settings (global batch, precision, mesh, micro-batches, engine settings);
 * ``metrics``: the measurement (for training runs: ``step_time_s_median``, ``samples_per_step``,
   ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes``,
-  ``peak_rss_bytes``, ``model_state_bytes`` and ``comm_per_step``);
+  ``peak_rss_bytes``, ``model_state_bytes`` and ``comm_per_step``; for transformers also
+  throughput as practitioners report it: ``tokens_per_s_per_device``, ``model_flops_per_token``
+  (:func:`distkit.theory.training_flops_per_token`), ``peak_flops_per_s`` (measured on each rank's
+  device by :func:`measure_peak_flops` at the end of the run, the slowest rank's) and ``mfu``);
 * anything the script adds (``losses``, ``predicted`` ...).
 
 :func:`read_records` returns records in this schema whatever version wrote them
@@ -60,13 +64,14 @@ import torch
 import torch.distributed as dist
 
 from .comm_counter import CommCounter, bus_factor
-from .models import GPTConfig, gpt_config
+from .models import GPTConfig, LlamaModelConfig, config_from_dict, gpt_config
 from .runtime import DistContext
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
 __all__ = ["CommCounter", "Harness", "RECORD_SCHEMA", "RegionTimer", "StepTimer", "append_record", "bus_factor",
-           "describe_model", "fresh_memory_peak", "machine_info", "make_record", "model_state_bytes",
-           "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss", "upgrade_record"]
+           "describe_model", "fresh_memory_peak", "machine_info", "make_record", "measure_peak_flops",
+           "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss",
+           "throughput_metrics", "upgrade_record"]
 
 RECORD_SCHEMA = 2  # the harness record described above; read_records upgrades older ones
 
@@ -252,6 +257,42 @@ class StepTimer:
         self.seen += 1
 
 
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None,
+                       seconds: float = 0.2) -> float:
+    """The FLOP/s this device reaches on a square matmul in ``dtype`` (2 size^3 FLOPs each), the
+    best of repeated timed runs within about ``seconds``: the denominator of MFU, measured where the
+    job ran rather than quoted from a datasheet (on CPU, ranks that share cores measure their share).
+
+    ``size`` defaults to 4096 on CUDA (large enough to reach the tensor cores' rate) and 384 on CPU.
+    """
+    size = size or (4096 if device.type == "cuda" else 384)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    timer = RegionTimer(device)
+    best = float("inf")
+    torch.mm(a, b)  # warm-up: kernel selection, first-touch of the output
+    deadline = time.perf_counter() + seconds
+    runs = 0
+    while runs < 3 or time.perf_counter() < deadline:
+        timer.reset()
+        with timer.region():
+            torch.mm(a, b)
+        best = min(best, timer.total_s)
+        runs += 1
+    return 2 * size ** 3 / best
+
+
+def throughput_metrics(tokens_per_s: float | None, world_size: int, flops_per_token: float | None,
+                       peak_flops_per_s: float | None) -> dict[str, float | None]:
+    """Throughput as practitioners report it: tokens/s per device and MFU, the model FLOPs the job
+    achieved per device (tokens/s per device x FLOPs per token) over the device's peak FLOP/s."""
+    per_device = tokens_per_s / world_size if tokens_per_s else None
+    mfu = (per_device * flops_per_token / peak_flops_per_s
+           if per_device and flops_per_token and peak_flops_per_s else None)
+    return {"tokens_per_s_per_device": per_device, "model_flops_per_token": flops_per_token,
+            "peak_flops_per_s": peak_flops_per_s, "mfu": mfu}
+
+
 @dataclass
 class Harness:
     """Measures a training loop: ``with harness.step(samples=...): <one optimizer step>``.
@@ -268,7 +309,8 @@ class Harness:
     model's parameter count when the module cannot tell (a ZeRO-3 parameter's ``numel()`` is 0
     once partitioned; a pipeline rank holds only its stages); by default counted from ``model``.
     ``state_modules``: the modules whose parameters, gradients and optimizer state this rank holds
-    (a pipeline rank's stages); by default ``model``.
+    (a pipeline rank's stages); by default ``model``. ``compute_dtype``: the dtype the matmuls run
+    in (bfloat16 under mixed precision), which the peak FLOP/s behind MFU is measured in.
     """
 
     ctx: DistContext
@@ -281,6 +323,7 @@ class Harness:
     model_config: GPTConfig | dict[str, Any] | None = None
     param_count: int | None = None
     state_modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None
+    compute_dtype: torch.dtype = torch.float32
     _timer: StepTimer = field(init=False)
     _comm: CommCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
@@ -321,6 +364,15 @@ class Harness:
             self._timed_samples += samples
             self._timed_tokens += tokens
 
+    def _model_config(self) -> GPTConfig | LlamaModelConfig | None:
+        """The transformer's config (from ``model_config`` or the model's ``cfg``), else None."""
+        config = self.model_config
+        if config is None:
+            config = getattr(getattr(self.model, "module", self.model), "cfg", None)
+        if isinstance(config, dict) and config.get("arch") in ("gpt", "llama"):
+            config = config_from_dict(config)
+        return config if isinstance(config, (GPTConfig, LlamaModelConfig)) else None
+
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes on this rank now: the parameters and gradients of ``state_modules``
         (default ``model``) and the optimizer's state (override by subclassing for engines that keep
@@ -339,7 +391,11 @@ class Harness:
         """This rank's numbers (no communication)."""
         times = self._timer.times
         peak = peak_memory_bytes(self.ctx.device)
+        # Measured after the run on every rank at once (ranks sharing CPU cores measure their share);
+        # only for transformers, whose FLOPs per token are known.
+        flops = measure_peak_flops(self.ctx.device, self.compute_dtype) if self._model_config() else None
         return {
+            "peak_flops_per_s": flops,
             "timed_steps": len(times),
             "time_s": sum(times),
             "step_time_s_median": statistics.median(times) if times else None,
@@ -385,9 +441,17 @@ class Harness:
         }
         param_count = self.param_count if self.param_count is not None else _param_count(self.model)
         model_config = self.model_config
-        inner = getattr(self.model, "module", self.model)  # DDP wraps the model it trains
-        if model_config is None and isinstance(getattr(inner, "cfg", None), GPTConfig):
-            model_config = inner.cfg  # the small GPT says what it is
+        if model_config is None:
+            inner = getattr(self.model, "module", self.model)  # DDP wraps the model it trains
+            model_config = getattr(inner, "cfg", None)  # the small GPT and the Llama say what they are
+        transformer = self._model_config()
+        if transformer is not None:
+            from .theory import training_flops_per_token
+
+            peaks = [m["peak_flops_per_s"] for m in per_rank if m["peak_flops_per_s"]]
+            metrics.update(throughput_metrics(metrics["tokens_per_s"], self.ctx.world_size,
+                                              training_flops_per_token(transformer),
+                                              min(peaks) if peaks else None))
         record = make_record(self.ctx, self.strategy, model=model_config, param_count=param_count,
                              config=self.config, metrics=metrics, extra=extra)
         if results_file is not None:
@@ -395,13 +459,13 @@ class Harness:
         return record
 
 
-def describe_model(model_config: GPTConfig | dict[str, Any] | None) -> dict[str, Any] | None:
-    """The record's ``model`` field: ``{"arch": "gpt", <GPTConfig fields>}``, a dict that already
+def describe_model(model_config: GPTConfig | LlamaModelConfig | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record's ``model`` field: ``{"arch": "gpt"|"llama", <config fields>}``, a dict that already
     names its ``arch``, or None."""
     if model_config is None:
         return None
-    if isinstance(model_config, GPTConfig):
-        return {"arch": "gpt", **model_config.to_dict()}
+    if isinstance(model_config, (GPTConfig, LlamaModelConfig)):
+        return {"arch": model_config.arch, **model_config.to_dict()}
     if "arch" not in model_config:
         raise ValueError(f"a model description needs an 'arch' key, got {sorted(model_config)}")
     return dict(model_config)

@@ -1,5 +1,10 @@
-"""The two models the chapters train: a small MNIST CNN and a GPT-style transformer you can read in
-one sitting, plus a learnable synthetic token task for the transformer.
+"""The models the chapters train: a small MNIST CNN, a GPT-style transformer you can read in one
+sitting, and a Llama-architecture decoder (Hugging Face ``transformers``, built from a config with
+random weights: nothing is downloaded), plus a learnable synthetic token task for the transformers.
+
+Every transformer script takes the model as flags (:func:`add_model_args`): ``--arch gpt|llama``
+and a ``--model-size`` of that architecture (:data:`MODEL_PRESETS`), with optional overrides;
+:func:`build_model` builds either from its config.
 
 The transformer is written so every parallelism in the repository can cut it without rewriting it:
 separate ``q_proj``/``k_proj``/``v_proj`` (tensor parallel shards heads column-wise), the number of
@@ -10,6 +15,8 @@ and no weight tying (so stages and shards own disjoint parameters).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -48,6 +55,8 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
 
+    arch = "gpt"  # a class attribute, not a field: the record's ``model`` field names the architecture
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -59,24 +68,6 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "medium": GPTConfig(vocab_size=512, seq_len=128, n_layer=6, n_embd=256, n_head=8),
     "large": GPTConfig(vocab_size=1024, seq_len=256, n_layer=12, n_embd=512, n_head=8),
 }
-
-
-def gpt_config(preset: str = "small", **overrides) -> GPTConfig:
-    """A preset from :data:`GPT_PRESETS` with fields overridden (``None`` values are ignored).
-
-    Raises :class:`distkit.UsageError` (one line) when the width does not split into the heads.
-    """
-    from .runtime import UsageError
-
-    if preset not in GPT_PRESETS:
-        raise ValueError(f"unknown model size {preset!r}; choose from {sorted(GPT_PRESETS)}")
-    base = asdict(GPT_PRESETS[preset])
-    base.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = GPTConfig(**base)
-    if cfg.n_embd % cfg.n_head:
-        raise UsageError(f"the width {cfg.n_embd} (--n-embd) must be divisible by the head count "
-                         f"{cfg.n_head} (--n-head)")
-    return cfg
 
 
 class CausalSelfAttention(nn.Module):
@@ -137,6 +128,10 @@ class TinyGPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig):
+        if not isinstance(cfg, GPTConfig):
+            from .runtime import UsageError
+
+            raise UsageError(f"this script builds the small GPT only: --arch gpt, not --arch {cfg.arch}")
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -219,26 +214,185 @@ def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
-def add_gpt_args(parser) -> None:
-    """Model flags shared by the transformer chapters: a size preset plus optional overrides.
+# ------------------------------------------------------------------------------ Llama architecture
+@dataclass
+class LlamaModelConfig:
+    """Shape of a Llama-architecture decoder (Hugging Face ``transformers``' ``LlamaForCausalLM``):
+    RMSNorm, rotary position embeddings, grouped-query attention (``n_kv_head`` key/value heads
+    shared by ``n_head`` query heads), a SwiGLU MLP of width ``intermediate_size``, no biases.
+
+    Field names are the small GPT's where the concept is the same (``n_layer``, ``n_embd``,
+    ``n_head``, ``seq_len``, ``vocab_size``), so the same ``--n-layer`` ... flags override both.
+    The real Llama 3 shapes use RoPE scaling for long contexts; it changes no parameter or FLOP
+    count, so it is left out.
+    """
+
+    vocab_size: int = 64
+    seq_len: int = 32
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 8
+    n_kv_head: int = 4
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    arch = "llama"  # class attribute, not a field: what the record's ``model`` field calls it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def hf_config(self):
+        """The equivalent ``transformers.LlamaConfig`` (SDPA attention, no KV cache)."""
+        transformers = import_transformers()
+        return transformers.LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.n_embd, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
+            num_key_value_heads=self.n_kv_head, max_position_embeddings=self.seq_len,
+            rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_embeddings, attn_implementation="sdpa", use_cache=False)
+
+
+# "tiny"/"small" mirror the small GPT's sizes for tests and CPU benchmarks; the named shapes are the
+# published Llama 3 models (for GPUs, and for counting bytes and FLOPs on paper).
+LLAMA_PRESETS: dict[str, LlamaModelConfig] = {
+    "tiny": LlamaModelConfig(),
+    "small": LlamaModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_embd=128, n_head=8, n_kv_head=4,
+                              intermediate_size=384),
+    "llama-3.2-1b": LlamaModelConfig(vocab_size=128256, seq_len=2048, n_layer=16, n_embd=2048, n_head=32,
+                                     n_kv_head=8, intermediate_size=8192, rope_theta=500000.0,
+                                     tie_embeddings=True),
+    "llama-3.1-8b": LlamaModelConfig(vocab_size=128256, seq_len=2048, n_layer=32, n_embd=4096, n_head=32,
+                                     n_kv_head=8, intermediate_size=14336, rope_theta=500000.0),
+}
+
+
+def import_transformers():
+    """Import Hugging Face ``transformers`` (it imports torchvision, which needs
+    :func:`distkit.data.import_torchvision`'s workaround on a CPU torch)."""
+    from .data import import_torchvision
+
+    import_torchvision()
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # no advice about generation or hub files: none is used
+    return transformers
+
+
+@functools.lru_cache(maxsize=None)
+def _llama_class():
+    transformers = import_transformers()
+
+    class LlamaLM(transformers.LlamaForCausalLM):
+        """``transformers.LlamaForCausalLM`` as the chapters use a model: ``forward(tokens)`` returns
+        logits ``(batch, seq, vocab)`` (no KV cache), ``.cfg`` is its :class:`LlamaModelConfig` and
+        ``.blocks`` its decoder layers (what FSDP wraps one by one). Parameter names and the state
+        dict are Hugging Face's own, so ``save_pretrained``/``from_pretrained`` read them as they are.
+        """
+
+        def __init__(self, cfg: LlamaModelConfig):
+            super().__init__(cfg.hf_config())
+            self.cfg = cfg
+
+        @property
+        def blocks(self) -> nn.ModuleList:
+            return self.model.layers
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # noqa: D102 - see the class
+            return super().forward(input_ids=tokens, use_cache=False).logits
+
+    return LlamaLM
+
+
+def build_model(cfg: "GPTConfig | LlamaModelConfig") -> nn.Module:
+    """The transformer ``cfg`` describes, with random weights from the current seed:
+    :class:`TinyGPT` for a :class:`GPTConfig`, a Hugging Face Llama (``LlamaLM``) for a
+    :class:`LlamaModelConfig`. Both take tokens and return logits, and expose ``.cfg`` and ``.blocks``."""
+    if isinstance(cfg, LlamaModelConfig):
+        return _llama_class()(cfg)
+    return TinyGPT(cfg)
+
+
+# Sizes per architecture; "tiny" keeps 4-rank CPU tests to seconds.
+MODEL_PRESETS: dict[str, dict] = {"gpt": GPT_PRESETS, "llama": LLAMA_PRESETS}
+CONFIG_CLASSES = {"gpt": GPTConfig, "llama": LlamaModelConfig}
+
+
+def model_config(arch: str = "gpt", size: str = "small", **overrides) -> "GPTConfig | LlamaModelConfig":
+    """The ``size`` preset of architecture ``arch`` (:data:`MODEL_PRESETS`) with fields overridden
+    (``None`` values are ignored).
+
+    Raises :class:`distkit.UsageError` (one line) for a size the architecture does not have, or a
+    width that does not split into the heads (or heads into key/value groups).
+    """
+    from .runtime import UsageError
+
+    if arch not in MODEL_PRESETS:
+        raise UsageError(f"unknown --arch {arch!r}; choose from {sorted(MODEL_PRESETS)}")
+    if size not in MODEL_PRESETS[arch]:
+        raise UsageError(f"--arch {arch} has no --model-size {size!r}; choose from {list(MODEL_PRESETS[arch])}")
+    base = asdict(MODEL_PRESETS[arch][size])
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = CONFIG_CLASSES[arch](**base)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"the width {cfg.n_embd} (--n-embd) must be divisible by the head count "
+                         f"{cfg.n_head} (--n-head)")
+    if arch == "llama" and cfg.n_head % cfg.n_kv_head:
+        raise UsageError(f"the head count {cfg.n_head} (--n-head) must be divisible by the key/value "
+                         f"head count {cfg.n_kv_head} (--n-kv-head)")
+    return cfg
+
+
+def gpt_config(preset: str = "small", **overrides) -> GPTConfig:
+    """A preset of the small GPT (:data:`GPT_PRESETS`) with fields overridden: ``model_config("gpt", ...)``."""
+    return model_config("gpt", preset, **overrides)
+
+
+def config_from_dict(model: dict) -> "GPTConfig | LlamaModelConfig":
+    """The config a record's ``model`` field (``{"arch": ..., <fields>}``) describes."""
+    fields = dict(model)
+    arch = fields.pop("arch", "gpt")
+    if arch not in CONFIG_CLASSES:
+        raise ValueError(f"no model config for arch {arch!r}")
+    return CONFIG_CLASSES[arch](**fields)
+
+
+def add_model_args(parser, default_size: str = "small") -> None:
+    """Model flags shared by the transformer chapters: an architecture, a size preset of it, and
+    optional overrides.
 
     The overrides are range-checked where they are defined (``--n-head 0`` is argparse's one-line
-    error); :func:`gpt_config_from_args` checks what only the combination can tell.
+    error); :func:`model_config_from_args` checks what only the combination can tell.
     """
     from .flags import positive_int
 
+    sizes = ", ".join(f"{arch}: {'/'.join(presets)}" for arch, presets in MODEL_PRESETS.items())
     group = parser.add_argument_group("model")
-    group.add_argument("--model-size", choices=sorted(GPT_PRESETS), default="small",
-                       help="transformer size preset (default: small)")
+    group.add_argument("--arch", choices=sorted(MODEL_PRESETS), default="gpt",
+                       help="the repository's small GPT, or a Llama-architecture model built with "
+                            "Hugging Face transformers from a config, random weights (default: gpt)")
+    group.add_argument("--model-size", default=default_size, metavar="SIZE",
+                       help=f"size preset of --arch ({sizes}; default: {default_size})")
     group.add_argument("--n-layer", type=positive_int, default=None, help="override the preset's layer count")
     group.add_argument("--n-embd", type=positive_int, default=None, help="override the preset's width")
     group.add_argument("--n-head", type=positive_int, default=None, help="override the preset's head count")
+    group.add_argument("--n-kv-head", type=positive_int, default=None,
+                       help="override the preset's key/value head count (--arch llama)")
     group.add_argument("--seq-len", type=positive_int, default=None,
                        help="override the preset's sequence length")
     group.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary")
 
 
-def gpt_config_from_args(args) -> GPTConfig:
-    """The :class:`GPTConfig` that :func:`add_gpt_args` flags describe (checked by :func:`gpt_config`)."""
-    return gpt_config(args.model_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                      seq_len=args.seq_len, vocab_size=args.vocab_size)
+def model_config_from_args(args) -> "GPTConfig | LlamaModelConfig":
+    """The config that :func:`add_model_args` flags describe (checked by :func:`model_config`)."""
+    from .runtime import UsageError
+
+    arch = getattr(args, "arch", "gpt")
+    if arch != "llama" and getattr(args, "n_kv_head", None) is not None:
+        raise UsageError("--n-kv-head applies to --arch llama only")
+    overrides = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
+                     vocab_size=args.vocab_size)
+    if arch == "llama":
+        overrides["n_kv_head"] = getattr(args, "n_kv_head", None)
+    return model_config(arch, args.model_size, **overrides)

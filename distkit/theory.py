@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any
 
 import torch
 
 from .harness import bus_factor, upgrade_record
-from .models import GPTConfig, TinyGPT
+from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict
 
 # Every strategy the benchmark knows, in the order plots show them.
 STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard",
@@ -41,17 +42,41 @@ STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", 
 # Shared: parameter shapes, shard sizes, and how a prediction is written down
 # ----------------------------------------------------------------------------------------------
 
-def gpt_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every TinyGPT parameter (built on the meta device: no memory, exact)."""
-    return dict(_shapes(tuple(sorted(cfg.to_dict().items()))))
+def param_shapes(cfg: GPTConfig | LlamaModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the model ``cfg`` describes (the small GPT or the Llama),
+    built on the meta device: no memory, exact."""
+    return dict(_shapes(cfg.arch, tuple(sorted(cfg.to_dict().items()))))
 
 
 @functools.lru_cache(maxsize=64)
-def _shapes(cfg_items: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _shapes(arch: str, cfg_items: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
     # cached per configuration: a table of many records asks for the same few models again and again
     with torch.device("meta"):
-        model = TinyGPT(GPTConfig(**dict(cfg_items)))
+        model = build_model(config_from_dict({"arch": arch, **dict(cfg_items)}))
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute: model FLOPs per token, the numerator of MFU
+# ----------------------------------------------------------------------------------------------
+
+def training_flops_per_token(cfg: GPTConfig | LlamaModelConfig) -> float:
+    """Model FLOPs of one training step per token: ``6 N + 12 L d s``.
+
+    Source: Kaplan et al. 2020 (6N: a multiply-add per parameter per token, forward 2N and backward
+    4N) with the attention term of PaLM (Chowdhery et al. 2022, appendix B), as torchtitan and
+    nanoGPT count it. ``N`` is the parameters that multiply (every matrix and the LM head; not the
+    embedding tables, which are looked up); ``12 L d s`` is attention's scores and weighted sum
+    (2 matmuls of 2 s d FLOPs per token per layer, forward + backward = 3x), counted over the whole
+    sequence as the convention has it (a causal kernel skips about half). Hardware FLOPs that
+    activation recomputation adds are not model FLOPs, so checkpointing does not change this.
+    """
+    shapes = param_shapes(cfg)
+    embeddings = {"tok_emb.weight", "pos_emb.weight", "model.embed_tokens.weight"}
+    matmul_params = sum(_numel(shape) for name, shape in shapes.items() if name not in embeddings)
+    if getattr(cfg, "tie_embeddings", False):  # the LM head is the embedding matrix: it multiplies
+        matmul_params += cfg.vocab_size * cfg.n_embd
+    return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
@@ -210,12 +235,14 @@ def fsdp_padded_numel(shape: tuple[int, ...], shard_group: int) -> int:
 
 
 def _units(shapes: dict[str, tuple[int, ...]]) -> tuple[list[list[str]], list[str]]:
-    """FSDP units as the chapter scripts wrap them: one per transformer block, then the root."""
+    """FSDP units as the chapter scripts wrap them: one per transformer block (the small GPT's
+    ``blocks.N``, the Llama's ``model.layers.N``), then the root."""
     blocks: dict[int, list[str]] = {}
     root = []
     for name in shapes:
-        if name.startswith("blocks."):
-            blocks.setdefault(int(name.split(".")[1]), []).append(name)
+        block = re.match(r"(?:blocks|model\.layers)\.(\d+)\.", name)
+        if block:
+            blocks.setdefault(int(block.group(1)), []).append(name)
         else:
             root.append(name)
     return [blocks[i] for i in sorted(blocks)], root
@@ -473,7 +500,7 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
     """
     if strategy not in PREDICTORS:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    shapes = gpt_param_shapes(cfg)
+    shapes = param_shapes(cfg)
     states, comms = PREDICTORS[strategy](strategy, shapes, cfg, world_size, global_batch_size, knobs or {})
     return {"strategy": strategy, "param_count": sum(_numel(s) for s in shapes.values()),
             "state_per_rank": states, "comm_per_rank": comms}
@@ -530,13 +557,13 @@ def mixed_precision_state_per_gpu(strategy: str, psi: float, n: int, *, tp: int 
 # Records: the prediction for the cell a harness record measured, and the comparison
 # ----------------------------------------------------------------------------------------------
 
-def config_of_record(record: dict) -> GPTConfig:
-    """The GPTConfig a harness record was trained with (its ``model`` field; see
+def config_of_record(record: dict) -> GPTConfig | LlamaModelConfig:
+    """The model config a harness record was trained with (its ``model`` field; see
     :func:`distkit.harness.upgrade_record` for records written before that field existed)."""
-    model = dict(upgrade_record(record).get("model") or {})
-    if model.pop("arch", None) != "gpt":
-        raise ValueError(f"record of {record.get('strategy')!r} is not of the small GPT: {record.get('model')}")
-    return GPTConfig(**model)
+    model = upgrade_record(record).get("model") or {}
+    if model.get("arch") not in ("gpt", "llama"):
+        raise ValueError(f"record of {record.get('strategy')!r} is not of a transformer: {record.get('model')}")
+    return config_from_dict(model)
 
 
 def knobs_of_record(record: dict) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def test_zero_paper_example_and_napkin_formulas():
 
 def test_predictions_are_consistent_across_strategies():
     cfg = gpt_config("tiny", vocab_size=66, seq_len=30)  # shapes that do not divide by 4
-    psi = sum(math.prod(s) for s in theory.gpt_param_shapes(cfg).values())
+    psi = sum(math.prod(s) for s in theory.param_shapes(cfg).values())
     ddp = theory.predict("ddp", cfg, 4, 16)
     assert ddp["comm_per_rank"][0]["all_reduce"]["bytes"] == 4 * psi
     full = theory.predict("fsdp_full_shard", cfg, 4, 16)

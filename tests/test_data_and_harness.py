@@ -207,17 +207,17 @@ def test_region_timer_adds_up_regions_on_cpu():
 
 def test_gpt_flags_are_range_checked_where_defined(capsys):
     from distkit import ArgumentParser
-    from distkit.models import add_gpt_args, gpt_config_from_args
+    from distkit.models import add_model_args, model_config_from_args
 
     parser = ArgumentParser(prog="script.py")
-    add_gpt_args(parser)
+    add_model_args(parser)
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--n-head", "0"])
     assert exit_info.value.code == 2
     assert "error: argument --n-head: must be a positive integer, got 0" in capsys.readouterr().err
     args = parser.parse_args(["--model-size", "tiny", "--n-embd", "10", "--n-head", "3"])
     with pytest.raises(UsageError, match="width 10 .* must be divisible by the head count 3"):
-        gpt_config_from_args(args)
+        model_config_from_args(args)
 
 
 def test_harness_throughput_is_per_step_amount_over_the_median_step(tmp_path):
