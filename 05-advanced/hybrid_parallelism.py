@@ -34,12 +34,12 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss, rank_slice
 
 
 def parse_args():
     parser = ArgumentParser(
-        description="Train the small GPT on a 2-D device mesh: FSDP2 x tensor parallel (--mode 2d) "
+        description="Train the small GPT or the Llama on a 2-D device mesh: FSDP2 x tensor parallel (--mode 2d) "
                     "or hybrid-sharded data parallel (--mode hsdp). The mesh axes must multiply to "
                     "the number of ranks.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode 2d --dp 2 --tp 2")
@@ -76,15 +76,26 @@ def mesh_shape(args, world_size: int) -> tuple[tuple[int, int], tuple[str, str]]
     return (outer, inner), names
 
 
-def tensor_parallel_blocks(model: TinyGPT, tp_mesh) -> None:
+def tensor_parallel_blocks(model, tp_mesh) -> None:
     """Megatron TP of every block over the ``tp`` axis: tensor_parallel.py's plan without sequence
-    parallelism (that script explains it line by line). Column-parallel q/k/v and fc_in, row-parallel
-    out_proj and fc_out, one replicated input per attention and per MLP."""
-    plan = {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    parallelism (that script explains it line by line). Column-parallel q/k/v and the MLP's input
+    projections, row-parallel attention output and MLP output, one replicated input per attention
+    and per MLP. The Llama's names are Hugging Face's (its attention takes ``hidden_states=`` by
+    keyword; SwiGLU has two input projections, gate_proj and up_proj)."""
+    if model.cfg.arch == "llama":
+        plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+    else:
+        plan = {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+                "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+                "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
 
@@ -98,10 +109,13 @@ def main():
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
         strategy = "fsdp_tp_2d" if args.mode == "2d" else "hsdp"
 
-        model = TinyGPT(cfg).to(ctx.device)  # the same dense initial weights on every rank
+        model = build_model(cfg).to(ctx.device)  # the same dense initial weights on every rank
         param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         if args.mode == "2d":
-            for name, value in {"--n-head": cfg.n_head, "the MLP width": cfg.mlp_ratio * cfg.n_embd}.items():
+            splits = ({"--n-head": cfg.n_head, "--n-kv-head (the key/value heads)": cfg.n_kv_head,
+                       "the MLP width (intermediate_size)": cfg.intermediate_size} if cfg.arch == "llama"
+                      else {"--n-head": cfg.n_head, "the MLP width": cfg.mlp_ratio * cfg.n_embd})
+            for name, value in splits.items():
                 if value % args.tp:  # the heads and hidden units split evenly over the TP ranks
                     raise UsageError(f"{name} = {value} is not divisible by --tp {args.tp}")
             tensor_parallel_blocks(model, mesh["tp"])  # inner axis first
@@ -120,8 +134,9 @@ def main():
 
         coords = {name: mesh.get_local_rank(name) for name in names}
         log.info(f"{strategy}: mesh {names[0]} x {names[1]} = {shape[0]} x {shape[1]}\n{mesh.mesh}")
-        weight = model.blocks[0].mlp.fc_in.weight
-        log.info(f"rank 0 at {coords}: blocks.0.mlp.fc_in.weight full {tuple(weight.shape)} "
+        shown = "model.layers.0.mlp.up_proj.weight" if cfg.arch == "llama" else "blocks.0.mlp.fc_in.weight"
+        weight = model.get_parameter(shown)
+        log.info(f"rank 0 at {coords}: {shown} full {tuple(weight.shape)} "
                  f"placements {weight.placements} -> local {tuple(weight.to_local().shape)}")
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,

@@ -29,6 +29,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
@@ -37,7 +38,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss
+from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved_1f1b"}
@@ -45,7 +46,7 @@ STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_inte
 
 def parse_args():
     parser = ArgumentParser(
-        description="Train the small GPT split into pipeline stages, one (or, interleaved, several) "
+        description="Train the small GPT or the Llama split into pipeline stages, one (or, interleaved, several) "
                     "per rank. Several schedules / micro-batch counts run one after another, each from "
                     "the same initial weights, so their bubbles can be compared.",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe 1f1b")
@@ -90,16 +91,19 @@ class TimedStage(PipelineStage):
             return super().backward_one_chunk(*args, **kwargs)
 
 
-def make_stage_module(full: TinyGPT, stage: int, num_stages: int) -> TinyGPT:
-    """A copy of the model with everything outside stage ``stage`` set to None.
+def make_stage_module(full, stage: int, num_stages: int) -> nn.Module:
+    """The part of the model that pipeline stage ``stage`` runs.
 
     Blocks are spread as evenly as possible; stage 0 also keeps the embeddings and the last stage
     the final norm and LM head. Parameter names keep their full-model index, so the stages' state
-    dicts merge back into the full model's.
+    dicts merge back into the full model's. The small GPT: a copy with everything outside the stage
+    set to None (TinyGPT skips missing parts). The Llama: a :class:`LlamaStage`.
     """
-    module = copy.deepcopy(full)
     n_layer = len(full.blocks)
     first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
+    if full.cfg.arch == "llama":
+        return LlamaStage(full, range(first, last), stage == 0, stage == num_stages - 1)
+    module = copy.deepcopy(full)
     for index in range(n_layer):
         if not first <= index < last:
             module.blocks[index] = None
@@ -108,6 +112,40 @@ def make_stage_module(full: TinyGPT, stage: int, num_stages: int) -> TinyGPT:
     if stage != num_stages - 1:
         module.ln_f = module.lm_head = None
     return module
+
+
+class LlamaStage(nn.Module):
+    """A pipeline stage of the Hugging Face Llama: ``model.embed_tokens`` (first stage), decoder
+    layers ``model.layers.N`` for N in ``layers``, ``model.norm`` and ``lm_head`` (last stage), under
+    the full model's parameter names.
+
+    Its own forward, because ``LlamaModel.forward`` runs every layer: it does what that forward does
+    for this stage's layers. Every layer needs the rotary position embeddings (cos, sin) of
+    positions 0 .. seq-1, which the model computes once from ``model.rotary_emb`` (a module with no
+    parameters) and passes to each layer: each stage computes them again for its own layers rather
+    than sending them along with the activations. No attention mask: with none, the layers' SDPA
+    attention is causal, as in the full model.
+    """
+
+    def __init__(self, full, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = copy.deepcopy(full.model.embed_tokens) if first else None
+        self.model.layers = nn.ModuleDict({str(i): copy.deepcopy(full.model.layers[i]) for i in layers})
+        self.model.rotary_emb = copy.deepcopy(full.model.rotary_emb)
+        self.model.norm = copy.deepcopy(full.model.norm) if last else None
+        self.lm_head = copy.deepcopy(full.lm_head) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is not None:  # tokens in; later stages receive hidden states
+            x = self.model.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rotary = self.model.rotary_emb(x, positions)
+        for layer in self.model.layers.values():
+            x = layer(x, position_embeddings=rotary)
+        if self.lm_head is not None:
+            x = self.lm_head(self.model.norm(x))
+        return x
 
 
 def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
@@ -133,7 +171,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     # are unreachable now (gc collects their reference cycles, CUDA's cache is emptied).
     fresh_memory_peak(ctx.device)
     seed_everything(args.seed)  # every run starts from the same weights
-    full = TinyGPT(cfg)
+    full = build_model(cfg)
     param_count = sum(p.numel() for p in full.parameters())
     # Looped placement: rank r holds stages r, r + pp, r + 2 pp ... (what interleaving expects).
     my_stages = [index for index in range(num_stages) if index % pp == ctx.rank]

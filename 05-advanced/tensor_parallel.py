@@ -17,6 +17,11 @@ stop being computed redundantly: activations stay split along the sequence, and 
 becomes a reduce-scatter (leaving the block) plus an all-gather (entering the next matmul) -- the
 same bus bytes, but the replicated activations and norm work shrink by the TP degree.
 
+``--arch llama`` cuts the Hugging Face Llama the same way (:data:`NAMES`: ``self_attn.q/k/v_proj``
+and ``mlp.gate_proj/up_proj`` column-parallel, ``self_attn.o_proj`` and ``mlp.down_proj``
+row-parallel, the RMSNorms ``input_layernorm``/``post_attention_layernorm``/``model.norm`` sequence
+parallel); grouped-query attention needs the key/value heads to divide by the TP degree too.
+
     torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py
     torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel
 """
@@ -34,12 +39,12 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss
+from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
 
 
 def parse_args():
     parser = ArgumentParser(
-        description="Train the small GPT with tensor parallelism over all ranks (every rank holds "
+        description="Train the small GPT or the Llama with tensor parallelism over all ranks (every rank holds "
                     "1/world_size of each block's weights and sees the whole batch).",
         epilog="example: torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel")
     add_model_args(parser)
@@ -57,7 +62,11 @@ def parse_args():
 
 def check_divisible(cfg, tp: int, sequence_parallel: bool) -> None:
     """Every split dimension must divide by the TP degree, or ranks would hold unequal shards."""
-    needs = {"--n-head": cfg.n_head, "the MLP width (4 x --n-embd)": cfg.mlp_ratio * cfg.n_embd}
+    if cfg.arch == "llama":  # grouped-query attention: q heads AND key/value heads split over the ranks
+        needs = {"--n-head": cfg.n_head, "--n-kv-head (the key/value heads)": cfg.n_kv_head,
+                 "the MLP width (intermediate_size)": cfg.intermediate_size}
+    else:
+        needs = {"--n-head": cfg.n_head, "the MLP width (4 x --n-embd)": cfg.mlp_ratio * cfg.n_embd}
     if sequence_parallel:
         needs.update({"--seq-len": cfg.seq_len, "--vocab-size": cfg.vocab_size})
     for name, value in needs.items():
@@ -65,8 +74,25 @@ def check_divisible(cfg, tp: int, sequence_parallel: bool) -> None:
             raise UsageError(f"{name} = {value} is not divisible by the tensor-parallel degree {tp}")
 
 
-def apply_tensor_parallel(model: TinyGPT, tp_mesh, sequence_parallel: bool) -> None:
+# What tensor parallelism cuts, by name, in each architecture: (attention, its column-parallel
+# projections, its row-parallel output), (MLP, column-parallel, row-parallel), the block's two norms,
+# and outside the blocks the embedding, final norm and LM head. Hugging Face's Llama attention
+# reshapes with -1 heads like TinyGPT's, so a shard of q_proj (and, GQA, of k/v_proj: n_kv_head /
+# tp key/value heads) simply runs fewer heads; its MLP is SwiGLU: gate_proj and up_proj both
+# column-parallel, multiplied elementwise on the shard, down_proj row-parallel.
+NAMES = {"gpt": dict(attn="attn", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
+                     mlp_in=("fc_in",), mlp_out="fc_out", norms=("ln_1", "ln_2"),
+                     embed="tok_emb", final_norm="ln_f", head="lm_head"),
+         "llama": dict(attn="self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
+                       mlp_in=("gate_proj", "up_proj"), mlp_out="down_proj",
+                       norms=("input_layernorm", "post_attention_layernorm"),
+                       embed="model.embed_tokens", final_norm="model.norm", head="lm_head")}
+
+
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool) -> None:
     """Shard every block Megatron-style; with SP, also the norms, embeddings and LM head."""
+    arch = model.cfg.arch
+    n = NAMES[arch]
     # Inside a block: column-parallel in, row-parallel out. PrepareModuleInput turns the block's
     # input into ONE replicated DTensor that q/k/v all read, so backward sums their input gradients
     # locally and all-reduces once per attention (Megatron's "f" operator), not once per projection.
@@ -74,29 +100,38 @@ def apply_tensor_parallel(model: TinyGPT, tp_mesh, sequence_parallel: bool) -> N
     # PrepareModuleInput all-gathers it, and the row-parallel outputs are reduce-scattered back to
     # Shard(1) instead of all-reduced.
     seq_layout = Shard(1) if sequence_parallel else Replicate()
-    for block in model.blocks:
-        plan = {
-            "attn": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.out_proj": RowwiseParallel(output_layouts=seq_layout),
+    # The Llama passes the attention its input by keyword (hidden_states=...), the GPT positionally.
+    # With SP the Llama's residual stream stays a DTensor (use_local_output=False): its
+    # LlamaModel.forward computes the rotary position embeddings (and the causal mask) from
+    # inputs_embeds.shape[1], which a DTensor reports as the WHOLE sequence, while a local shard
+    # would say seq / tp and rotate every rank's tokens as if they started at position 0.
+    # (torchtitan hands its Llama the precomputed rotary table for the whole sequence instead.)
+    keep_dtensor = arch == "llama" and sequence_parallel
+    if arch == "llama":
+        attn_input = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq_layout},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    else:
+        attn_input = PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),))
+    plan = {n["attn"]: attn_input,
+            **{f"{n['attn']}.{name}": ColwiseParallel() for name in n["qkv"]},
+            f"{n['attn']}.{n['out']}": RowwiseParallel(output_layouts=seq_layout, use_local_output=not keep_dtensor),
             "mlp": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
-            "mlp.fc_in": ColwiseParallel(),
-            "mlp.fc_out": RowwiseParallel(output_layouts=seq_layout),
-        }
-        if sequence_parallel:  # the norms compute on their sequence shard only
-            plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+            **{f"mlp.{name}": ColwiseParallel() for name in n["mlp_in"]},
+            f"mlp.{n['mlp_out']}": RowwiseParallel(output_layouts=seq_layout, use_local_output=not keep_dtensor)}
+    if sequence_parallel:  # the norms (LayerNorm / RMSNorm) compute on their sequence shard only
+        plan.update({name: SequenceParallel() for name in n["norms"]})
+    for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:
-        # Embeddings leave already split along the sequence; ln_f works on the shard; the LM head
-        # gathers the sequence and returns full logits, so the loss is the usual one.
-        parallelize_module(model, tp_mesh, {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-            "ln_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        })
+        # Embeddings leave already split along the sequence; the final norm works on the shard; the
+        # LM head gathers the sequence and returns full logits, so the loss is the usual one.
+        outer = {n["embed"]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                             use_local_output=not keep_dtensor),
+                 n["final_norm"]: SequenceParallel(),
+                 n["head"]: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        if arch == "gpt":  # learned positions, added to the token embeddings (the Llama rotates q, k)
+            outer["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        parallelize_module(model, tp_mesh, outer)
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
@@ -116,18 +151,19 @@ def main():
 
         # A 1-D mesh named "tp": every rank is one tensor-parallel shard.
         tp_mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
-        model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank -> the same dense weights
+        model = build_model(cfg).to(ctx.device)  # same seed on every rank -> the same dense weights
         param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
         optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
 
+        first_block = {id(p) for p in model.blocks[0].parameters()}  # blocks.0. / model.layers.0.
         shapes = {name: (tuple(p.to_local().shape), tuple(p.shape)) for name, p in model.named_parameters()
-                  if name.startswith("blocks.0.") and isinstance(p, DTensor)}
+                  if id(p) in first_block and isinstance(p, DTensor)}
         all_shapes = [None] * ctx.world_size
         dist.all_gather_object(all_shapes, shapes)
         log.info(f"{strategy}: {tp} ranks | {param_count:,} parameters | global batch {args.global_batch_size}")
         for name, (local, full) in shapes.items():
-            log.info(f"  {name:<28} full {str(full):<12} local per rank: "
+            log.info(f"  {name:<{max(map(len, shapes))}} full {str(full):<12} local per rank: "
                      + ", ".join(f"r{r} {all_shapes[r][name][0]}" for r in range(ctx.world_size)))
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,

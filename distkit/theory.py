@@ -49,11 +49,18 @@ def param_shapes(cfg: GPTConfig | LlamaModelConfig) -> dict[str, tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=64)
-def _shapes(arch: str, cfg_items: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _shapes(arch: str, cfg_items: tuple, buffers: bool = False) -> tuple[tuple[str, tuple[int, ...]], ...]:
     # cached per configuration: a table of many records asks for the same few models again and again
     with torch.device("meta"):
         model = build_model(config_from_dict({"arch": arch, **dict(cfg_items)}))
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+    tensors = model.named_buffers() if buffers else model.named_parameters()
+    return tuple((name, tuple(t.shape)) for name, t in tensors)
+
+
+def buffer_bytes(cfg: GPTConfig | LlamaModelConfig) -> int:
+    """fp32 bytes of the model's buffers (the Llama's rotary frequencies; the GPT has none): what DDP
+    broadcasts from rank 0 before every forward (``broadcast_buffers=True``, its default)."""
+    return 4 * sum(_numel(shape) for _, shape in _shapes(cfg.arch, tuple(sorted(cfg.to_dict().items())), True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +135,10 @@ def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
     parameter tensor moves the same bytes."""
     psi = sum(_numel(s) for s in shapes.values())
     calls = len(shapes) if strategy == "ddp_from_scratch" else None
-    return _same_on_every_rank(n, _adamw_state(psi), {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)})
+    comm = {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)}
+    if strategy == "ddp" and buffer_bytes(cfg):  # DDP broadcasts buffers before each forward (one per step)
+        comm["broadcast"] = _stat(1, buffer_bytes(cfg), "broadcast", n)
+    return _same_on_every_rank(n, _adamw_state(psi), comm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,20 +347,28 @@ def megatron_tp_bytes(cfg: GPTConfig, batch: int, tp: int, sequence_parallel: bo
     return {name: {key: value * cfg.n_layer for key, value in stat.items()} for name, stat in per_layer.items()}
 
 
+# The chapter-05 TP plan by module name, the small GPT's and the Llama's (Hugging Face names; GQA's
+# narrower k/v_proj split the same way, n_kv_head / tp heads per rank).
+_TP_COLUMN = ("q_proj", "k_proj", "v_proj", "fc_in", "gate_proj", "up_proj")
+_TP_ROW = ("out_proj", "fc_out", "o_proj", "down_proj")
+_TP_EMBEDDINGS = ("tok_emb", "pos_emb", "embed_tokens")  # row-split tables under SP
+
+
 def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, sequence_parallel: bool) -> int:
     """Elements TP rank ``rank`` holds of one parameter under the chapter-05 plan.
 
-    Column-parallel (q/k/v_proj, fc_in; with SP also lm_head): weight and bias split on dim 0.
-    Row-parallel (out_proj, fc_out; with SP also tok_emb/pos_emb, whose tables split by rows):
-    weight split on dim 1 (embeddings: dim 0), bias replicated. Everything else is replicated.
+    Column-parallel (q/k/v_proj, fc_in, gate/up_proj; with SP also lm_head): weight and bias split
+    on dim 0. Row-parallel (out_proj, fc_out, o_proj, down_proj; with SP also the embedding tables,
+    which split by rows): weight split on dim 1 (embeddings: dim 0), bias replicated. Everything
+    else (norms) is replicated.
     """
     leaf = name.split(".")[-2] if "." in name else name
     kind = name.rsplit(".", 1)[-1]
-    if leaf in ("q_proj", "k_proj", "v_proj", "fc_in") or (sequence_parallel and leaf == "lm_head"):
+    if leaf in _TP_COLUMN or (sequence_parallel and leaf == "lm_head"):
         dim = 0
-    elif leaf in ("out_proj", "fc_out") and kind == "weight":
+    elif leaf in _TP_ROW and kind == "weight":
         dim = 1
-    elif sequence_parallel and leaf in ("tok_emb", "pos_emb"):
+    elif sequence_parallel and leaf in _TP_EMBEDDINGS:
         dim = 0
     else:
         return _numel(shape)
@@ -362,7 +380,7 @@ def _tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tu
     if numel == _numel(shape):
         return shape
     leaf = name.split(".")[-2]
-    if leaf in ("out_proj", "fc_out"):
+    if leaf in _TP_ROW:
         return (shape[0], numel // shape[0])
     return (numel // _numel(shape[1:]), *shape[1:])
 
@@ -370,20 +388,21 @@ def _tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tu
 def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int) -> None:
     """Sequence parallelism outside the blocks, and the replicated parameters' gradients.
 
-    tok_emb / pos_emb are row-parallel with a sequence-sharded output: a reduce-scatter forward
-    (of the batch's and of the position table's activations), an all-gather of their gradients
-    backward; the LM head gathers the sequence (all-gather forward, reduce-scatter backward) and
-    its column-parallel logits are all-gathered (``batch x seq x vocab``).
+    tok_emb / pos_emb (the Llama: embed_tokens alone; its positions are rotary, no table) are
+    row-parallel with a sequence-sharded output: a reduce-scatter forward (of the batch's and of the
+    position table's activations), an all-gather of their gradients backward; the LM head gathers
+    the sequence (all-gather forward, reduce-scatter backward) and its column-parallel logits are
+    all-gathered (``batch x seq x vocab``).
 
     Measured, and modelled as such: the norms' weight gradients come out of the sequence-sharded
     backward as ``Partial`` DTensors, yet no all-reduce for them is dispatched in the step (the
     chapter-05 test still finds every parameter equal to single-process training).
     """
     act = batch * cfg.seq_len * cfg.n_embd * 4
-    pos = cfg.seq_len * cfg.n_embd * 4
+    tables, pos = (1, 0) if cfg.arch == "llama" else (2, cfg.seq_len * cfg.n_embd * 4)
     logits = batch * cfg.seq_len * cfg.vocab_size * 4
-    _add(comm, "reduce_scatter", 2, act + pos, tp)
-    _add(comm, "all_gather", 2, act + pos, tp)
+    _add(comm, "reduce_scatter", tables, act + pos, tp)
+    _add(comm, "all_gather", tables, act + pos, tp)
     _add(comm, "all_gather", 2, act + logits, tp)
     _add(comm, "reduce_scatter", 1, act, tp)
 
@@ -394,7 +413,7 @@ def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
     arrive as full replicated tensors (measured: DTensor's embedding backward returns Replicate)."""
     sp = strategy == "tp_sp"
     states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
-                           sum(_numel(s) if sp and k.startswith(("tok_emb", "pos_emb"))
+                           sum(_numel(s) if sp and k.split(".")[-2] in _TP_EMBEDDINGS
                                else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
               for r in range(n)]
     comm = megatron_tp_bytes(cfg, batch, n, sp)
@@ -433,14 +452,17 @@ def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) ->
 
 
 def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> list[str]:
-    """Parameters of pipeline stage ``stage`` (blocks spread evenly; embeddings first, head last)."""
+    """Parameters of pipeline stage ``stage`` (blocks spread evenly; embeddings first, final norm
+    and head last): the GPT's ``blocks.N`` / ``tok_emb``, ``pos_emb``, the Llama's
+    ``model.layers.N`` / ``model.embed_tokens``."""
     first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
     names = []
     for name in shapes:
-        if name.startswith("blocks."):
-            if first <= int(name.split(".")[1]) < last:
+        block = re.match(r"(?:blocks|model\.layers)\.(\d+)\.", name)
+        if block:
+            if first <= int(block.group(1)) < last:
                 names.append(name)
-        elif name.startswith(("tok_emb", "pos_emb")):
+        elif name.startswith(("tok_emb", "pos_emb", "model.embed_tokens")):
             if stage == 0:
                 names.append(name)
         elif stage == num_stages - 1:

@@ -12,7 +12,7 @@ import shlex
 
 import torch
 
-from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+from distkit.models import TokenTask, build_model, lm_loss, model_config
 from distkit.runtime import seed_everything
 from launch import REPO, readme_command as find_command, torchrun
 from workers.reference import train_one_process
@@ -23,12 +23,13 @@ STEPS, LR, TOLERANCE = 3, 0.5, 1e-5
 QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
 
 
-def reference(global_batch: int, **overrides) -> tuple[dict, list[float]]:
+def reference(global_batch: int, arch: str = "gpt", **overrides) -> tuple[dict, list[float]]:
     """Single-process SGD on the whole global batch from the scripts' seed-0 initial weights
-    (``train_one_process``): the final state dict and the loss of every step."""
-    cfg = gpt_config("tiny", **overrides)
+    (``train_one_process``): the final state dict and the loss of every step. ``arch``: the tiny
+    GPT or the tiny Llama (``--arch llama --model-size tiny``), built by ``build_model``."""
+    cfg = model_config(arch, "tiny", **overrides)
     seed_everything(0)
-    model = TinyGPT(cfg)
+    model = build_model(cfg)
     # The loss of each step, read off the forward pass train_one_process runs on that step's batch
     # (the step's targets are TokenTask's, as the trainer uses them).
     task, losses = TokenTask(cfg, seed=0), []
