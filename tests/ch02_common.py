@@ -47,7 +47,8 @@ BF16 = ("--mixed-precision bf16",)
 SAVE = ("fsdp_checkpoint.py --steps 100",)
 RESUME_LATEST = ("fsdp_checkpoint.py", "--resume latest")
 RESUME_FULL = ("fsdp_checkpoint.py", "--resume checkpoints/fsdp/full.pt")
-LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL]
+LORA = ("fsdp_lora.py",)  # test_ch02_lora.py
+LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, LORA]
 
 
 def command(lookup) -> str:
