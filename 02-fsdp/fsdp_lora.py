@@ -16,6 +16,7 @@ one process and checks it reproduces the trained model's logits.
 """
 from __future__ import annotations
 
+import argparse
 import warnings
 
 import torch
@@ -177,8 +178,8 @@ def load_adapters(path, device="cpu"):
     if not isinstance(ckpt, dict) or not {"adapters", "model", "seed", "lora"} <= set(ckpt):
         raise UsageError(f"{path} is not an adapter checkpoint of fsdp_lora.py")
     lora = ckpt["lora"]
-    args = type("Args", (), {"seed": ckpt["seed"], "lora_r": lora["r"], "lora_alpha": lora["alpha"],
-                             "target_modules": lora["target_modules"]})
+    args = argparse.Namespace(seed=ckpt["seed"], lora_r=lora["r"], lora_alpha=lora["alpha"],
+                              target_modules=lora["target_modules"])
     model = build_lora_model(config_from_dict(ckpt["model"]), args).to(device)
     result = set_peft_model_state_dict(model, ckpt["adapters"])
     if result.unexpected_keys:
@@ -246,9 +247,10 @@ def report(record, predicted, trainable, total, world_size, log):
              f"optimizer {state['adapter_optimizer']:,} B (formula: r(d_in+d_out) x "
              f"{predicted['adapted_matrices']} matrices / {world_size} = {predicted['adapter_params']:,} B, "
              f"the same as grads, 2x as AdamW moments)")
-    comm = record["metrics"]["comm_per_step"]
-    log.info(f"per step: all-gather {int(comm['all_gather']['bytes']):,} B (base + adapters), reduce-scatter "
-             f"{int(comm['reduce_scatter']['bytes']):,} B (the adapters' gradients only)")
+    comm = record["metrics"]["comm_per_step"]  # empty when no step came after the warm-up
+    if comm:
+        log.info(f"per step: all-gather {int(comm['all_gather']['bytes']):,} B (base + adapters), "
+                 f"reduce-scatter {int(comm['reduce_scatter']['bytes']):,} B (the adapters' gradients only)")
     lora_state = sum(state[k] for k in ("params", "grads", "optimizer"))
     full_ft = 16 * total // world_size  # params + grads + two AdamW moments, fp32, all sharded
     log.info(f"model state per rank: {lora_state:,} B with LoRA vs {full_ft:,} B (16 B x {total:,} params "
