@@ -33,7 +33,7 @@
 # Each job is a real `torchrun` subprocess (CPU + gloo here, NCCL on GPUs).
 
 # %%
-import json, os, re, subprocess, sys, tempfile
+import json, os, re, shlex, subprocess, sys, tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -43,11 +43,14 @@ REPO = Path.cwd().parent          # the notebook runs from 01-ddp-basics/
 OUT = Path(tempfile.mkdtemp(prefix="ch01_nb_"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DISTKIT_NO_PROGRESS": "1"}
 STEPS = 30
+# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
+# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
+TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
 SMALL = ["--model-size", "tiny", "--steps", str(STEPS), "--global-batch-size", "16", "--log-every", "10"]
 
 def start(nproc, script, *args):
     """Start `torchrun --standalone --nproc_per_node=nproc script args` in the background."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
            f"01-ddp-basics/{script}", *map(str, args)]
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -56,7 +59,9 @@ def finish(job):
     they depend on the machine and its load; section 3 shows the committed records' timings.)"""
     out, _ = job.communicate(timeout=600)
     assert job.returncode == 0, out[-3000:]
-    print(f"{job.args[5]} ({job.args[4].split('=')[1]} ranks):",
+    script = next(a for a in job.args if a.startswith("01-ddp-basics/"))
+    nproc = next(a for a in job.args if a.startswith("--nproc_per_node=")).split("=")[1]
+    print(f"{script} ({nproc} ranks):",
           [line for line in out.splitlines() if re.search(r"step +\d+/\d+ \| loss", line)][-1])
 
 def torchrun(nproc, script, *args):

@@ -31,6 +31,7 @@
 # %%
 import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,11 @@ from distkit.harness import bus_factor, read_records
 from distkit.theory import config_of_record
 from distkit.models import GPTConfig, TinyGPT
 
+# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
+# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
+TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
 results = Path(tempfile.mkdtemp()) / "strategies.jsonl"
-cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=4",
        "fsdp_transformer.py", "--sharding", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp",
        "--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8", "--steps", "5",
        "--log-every", "4", "--results", str(results)]

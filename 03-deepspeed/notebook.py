@@ -28,6 +28,7 @@
 
 # %%
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,10 @@ from pathlib import Path
 
 REPO = Path.cwd().parent if Path.cwd().name == "03-deepspeed" else Path.cwd()
 OUT = Path(tempfile.mkdtemp(prefix="ch03_nb_"))
-cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
+# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
+TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=4",
        "03-deepspeed/zero_memory.py", "--model-size", "tiny", "--steps", "4", "--warmup-steps", "1",
        "--global-batch-size", "16", "--record", str(OUT / "zero_memory.jsonl"),
        "--results", str(OUT / "results.jsonl")]

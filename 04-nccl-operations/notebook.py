@@ -30,6 +30,7 @@
 # %%
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,11 +44,14 @@ from distkit.harness import read_records
 N = 4
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1")
+# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
+# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
+TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
 
 
 def torchrun(*args, timeout=240):
     """Run a chapter script on N ranks (a subprocess, as from a shell); its output, or an error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={N}", *args]
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={N}", *args]
     run = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return run.stdout

@@ -39,7 +39,7 @@ from distkit import ArgumentParser, run_main
 from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import RECORD_SCHEMA, append_record, describe_model, read_records
 from distkit.logs import progress
-from distkit.models import GPT_PRESETS, gpt_config
+from distkit.models import GPT_PRESETS, LLAMA_PRESETS, MODEL_PRESETS, model_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
@@ -115,6 +115,7 @@ class Cell:
     model_size: str
     n_layer: int | None = None  # the preset's block count when None
     placement: Placement = field(default_factory=lambda: Placement("auto", "auto"))
+    arch: str = "gpt"
 
 
 def parse_args(argv=None):
@@ -132,8 +133,11 @@ def parse_args(argv=None):
     parser.add_argument("--world-sizes", nargs="+", type=positive_int, default=None, metavar="N",
                         help="ranks per cell (default: 2 4; --quick: 2); strategies that need a 2-D mesh "
                              "skip N < 4 (--quick runs them at 4)")
-    parser.add_argument("--model-size", nargs="+", default=["tiny"], choices=sorted(GPT_PRESETS),
-                        help="transformer presets (default: tiny)")
+    parser.add_argument("--arch", nargs="+", default=["gpt"], choices=sorted(MODEL_PRESETS),
+                        help="model architectures: the small GPT, the Hugging Face Llama (default: gpt)")
+    parser.add_argument("--model-size", nargs="+", default=["tiny"], metavar="SIZE",
+                        help="size presets of every --arch (default: tiny; gpt: "
+                             f"{'/'.join(GPT_PRESETS)}; llama: {'/'.join(LLAMA_PRESETS)})")
     parser.add_argument("--n-layer", type=positive_int, default=None,
                         help="override the preset's block count in every cell (the pipeline needs at least "
                              "one block per stage, interleaved two per rank)")
@@ -170,6 +174,11 @@ def parse_args(argv=None):
     unknown = [s for s in args.strategies if s not in STRATEGY_COMMANDS]
     if unknown:
         parser.error(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGY_COMMANDS)}")
+    for arch in args.arch:
+        missing = [size for size in args.model_size if size not in MODEL_PRESETS[arch]]
+        if missing:
+            parser.error(f"--arch {arch} has no --model-size {' '.join(missing)}; choose from "
+                         f"{' '.join(MODEL_PRESETS[arch])}")
     if args.quick:
         args.model_size = [QUICK_MODEL_SIZE]
         args.n_layer = args.n_layer or QUICK_N_LAYER
@@ -221,8 +230,8 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
     cells, skipped = [], []
     if gpus is None:
         gpus = visible_gpus(args)
-    for model_size in args.model_size:
-        cfg = gpt_config(model_size, n_layer=args.n_layer)
+    for arch, model_size in [(arch, size) for arch in args.arch for size in args.model_size]:
+        cfg = model_config(arch, model_size, n_layer=args.n_layer)
         for world in args.world_sizes:
             placements = {}  # strategy -> (world size, placement) of every cell that runs
             for strategy in args.strategies:
@@ -240,7 +249,7 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
                     reason = where if isinstance(where, str) else None
                 if reason:
                     skipped.append(runner_record(strategy, world_here, "skipped", reason, cfg,
-                                                 {"model_size": model_size}))
+                                                 {"model_size": model_size, "arch": arch}))
                 else:
                     placements[strategy] = (world_here, where)
             if args.quick:
@@ -249,11 +258,12 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
                     if len(together) > 1:  # grouped strategies share one world size, so one placement
                         world_here, where = placements[together[0]]
                         cells.append(Cell(together, script, make_flags(together), world_here, model_size,
-                                          args.n_layer, where))
+                                          args.n_layer, where, arch))
                         placements = {s: v for s, v in placements.items() if s not in together}
             for strategy, (world_here, where) in placements.items():
                 script, flags, _ = STRATEGY_COMMANDS[strategy]
-                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, args.n_layer, where))
+                cells.append(Cell((strategy,), script, list(flags), world_here, model_size, args.n_layer, where,
+                                  arch))
     return cells, skipped
 
 
@@ -278,7 +288,8 @@ def shown_command(cmd: list[str]) -> str:
 
 def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
     flags = [f.format(scratch=scratch) for f in cell.flags]
-    return [*launcher_argv(args, cell.world_size), cell.script, *flags, "--model-size", cell.model_size,
+    return [*launcher_argv(args, cell.world_size), cell.script, *flags, "--arch", cell.arch,
+            "--model-size", cell.model_size,
             *(["--n-layer", str(cell.n_layer)] if cell.n_layer else []),
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
             "--global-batch-size", str(args.global_batch_size), "--results", str(results),
@@ -327,7 +338,7 @@ def run_cell(cell: Cell, args) -> list[dict]:
         rc, output, seconds = launch(cmd, scratch, args.cell_timeout_s, cell.placement.hide_gpus)
         records = read_records(cell_results) if cell_results.exists() else []
     shown = shown_command(cmd).replace(str(scratch), "$SCRATCH")
-    cell_info = {"command": shown, "launch_s": round(seconds, 2), "model_size": cell.model_size,
+    cell_info = {"command": shown, "launch_s": round(seconds, 2), "arch": cell.arch, "model_size": cell.model_size,
                  "grouped_with": list(cell.strategies) if len(cell.strategies) > 1 else None,
                  # what the runner asked for; the record's own "backend"/"device" say what ran
                  "placement": {"backend": cell.placement.backend, "device": cell.placement.device,
@@ -335,7 +346,7 @@ def run_cell(cell: Cell, args) -> list[dict]:
     for record in records:
         record.update(status="ok", benchmark=cell_info)
     found = {r["strategy"] for r in records}
-    cfg = gpt_config(cell.model_size, n_layer=cell.n_layer)
+    cfg = model_config(cell.arch, cell.model_size, n_layer=cell.n_layer)
     return records + [runner_record(strategy, cell.world_size, "failed",
                                     error_line(output) if rc else f"exit 0 but no {strategy} record was written",
                                     cfg, cell_info, exit_code=rc)

@@ -9,7 +9,7 @@ import torch
 
 from distkit import seed_everything
 from distkit.checkpoint import safe_load
-from distkit.models import TinyGPT, gpt_config
+from distkit.models import build_model, model_config
 from launch import REPO, WORKERS, command_argv, job_env, readme_command
 
 CHAPTER = REPO / "01-ddp-basics"
@@ -101,11 +101,12 @@ def final_params(folder: Path) -> dict[str, torch.Tensor]:
     return safe_load(folder / "ck" / f"step_{STEPS:06d}.pt")["model"]
 
 
-def single_process_params() -> dict[str, torch.Tensor]:
+def single_process_params(arch: str = "gpt") -> dict[str, torch.Tensor]:
     """The reference: one process, the whole global batch each step, ddp_training.py's optimizer step
-    (tests/workers/reference.py's trainer, the one every equivalence test uses)."""
+    (tests/workers/reference.py's trainer, the one every equivalence test uses), for the tiny model
+    of ``arch``."""
     from workers.reference import train_one_process
 
     seed_everything(0)  # the ranks' seed: the same initial weights
-    model = TinyGPT(gpt_config("tiny"))
+    model = build_model(model_config(arch, "tiny"))
     return train_one_process(model, ClippedScheduledAdamW(model), STEPS, GLOBAL_BATCH)[1]

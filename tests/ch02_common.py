@@ -21,7 +21,7 @@ import torch
 
 from launch import REPO, command_argv, job_env, readme_command, run
 
-from distkit.models import TinyGPT, gpt_config
+from distkit.models import TinyGPT, build_model, gpt_config, model_config
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "02-fsdp"
@@ -47,8 +47,9 @@ BF16 = ("--mixed-precision bf16",)
 SAVE = ("fsdp_checkpoint.py --steps 100",)
 RESUME_LATEST = ("fsdp_checkpoint.py", "--resume latest")
 RESUME_FULL = ("fsdp_checkpoint.py", "--resume checkpoints/fsdp/full.pt")
+HF_CHECKPOINT = ("fsdp_hf_checkpoint.py",)  # test_ch02_hf.py
 LORA = ("fsdp_lora.py",)  # test_ch02_lora.py
-LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, LORA]
+LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, HF_CHECKPOINT, LORA]
 
 
 def command(lookup) -> str:
@@ -90,11 +91,12 @@ def check_ok(result) -> str:
 
 
 @functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it
-def reference_state(steps: int, batch: int = 8, vocab: int = 65) -> tuple[dict, dict]:
-    """Single-process AdamW training on the same global batches: (initial, final) state dicts."""
-    cfg = gpt_config("tiny", vocab_size=vocab)
+def reference_state(steps: int, batch: int = 8, vocab: int = 65, arch: str = "gpt") -> tuple[dict, dict]:
+    """Single-process AdamW training on the same global batches: (initial, final) state dicts of the
+    tiny model of ``arch``."""
+    cfg = model_config(arch, "tiny", vocab_size=vocab)
     torch.manual_seed(0)
-    model = TinyGPT(cfg)
+    model = build_model(cfg)
     return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
 
 

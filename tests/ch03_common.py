@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from distkit import theory
-from distkit.models import TinyGPT, gpt_config
+from distkit.models import build_model, model_config
 from launch import REPO
 from workers.reference import train_one_process
 
@@ -23,11 +23,11 @@ SMALL = ["--model-size", "tiny", "--global-batch-size", "16"]
 STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
 
 
-def reference_weights(steps: int, batch: int, lr: float = LR) -> dict[str, torch.Tensor]:
+def reference_weights(steps: int, batch: int, lr: float = LR, arch: str = "gpt") -> dict[str, torch.Tensor]:
     """Single-process AdamW (tests/workers/reference.py) on the global batches the distributed jobs
-    trained on, from the seed-0 tiny GPT the scripts build: the final weights."""
+    trained on, from the seed-0 tiny model of ``arch`` the scripts build: the final weights."""
     torch.manual_seed(0)
-    model = TinyGPT(gpt_config("tiny"))
+    model = build_model(model_config(arch, "tiny"))
     _, final = train_one_process(model, torch.optim.AdamW(model.parameters(), lr=lr), steps, batch)
     return final
 

@@ -21,8 +21,8 @@ Like torchrun: when a rank fails, the others are terminated (SIGTERM, SIGKILL af
 launcher exits 1 after one summary line; when all succeed it exits 0. No restarts, one node.
 
 The fork server. ``python tests/fork_launcher.py --serve SOCKET`` imports torch, its distributed
-packages and ``distkit`` once and then waits on a Unix socket; the test session starts one
-(``tests/conftest.py``) and names it in ``$FORK_LAUNCHER_SERVER``. A launch then costs a bare
+packages, ``distkit`` and ``transformers`` once and then waits on a Unix socket; the test session
+starts one (``tests/conftest.py``) and names it in ``$FORK_LAUNCHER_SERVER``. A launch then costs a bare
 interpreter start: this script, without importing torch, hands the job (argv, working directory,
 environment and its own stdin/stdout/stderr) to the server, which forks a launcher for it that runs
 exactly the steps above, and passes the job's exit code back. When this process is killed (a test's
@@ -63,9 +63,11 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
                         "LD_", "DS_", "DEEPSPEED")
 # ... except these, which nothing reads while importing: torch sets the inductor cache folder in
-# os.environ of any process that imported it (so a job started by such a process carries it), and
-# output buffering and .pyc writing change no imported state.
-IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+# os.environ of any process that imported it (so a job started by such a process carries it),
+# DeepSpeed reads its extension folder when it builds an op, and output buffering and .pyc writing
+# change no imported state.
+IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED",
+                          "PYTHONDONTWRITEBYTECODE")
 
 
 def _preimport(script: str) -> None:
@@ -114,8 +116,10 @@ def _rank(script: str, args: list[str], env: dict[str, str]) -> None:
 
 def run_job(nproc: int, script: str, args: list[str], client: socket.socket | None = None) -> int:
     """Fork ``nproc`` ranks of ``script args`` with torchrun's environment and wait for them;
-    returns the job's exit code (0, or 1 after one summary line). ``client``: the socket of the
-    process that asked the fork server for this job; if it closes, the ranks are killed."""
+    returns the job's exit code (0, or 1 after one summary line). ``nproc`` 0: one process as
+    ``python script args`` would run (no launcher environment), returning its exit code. ``client``:
+    the socket of the process that asked the fork server for this job; if it closes, the ranks are
+    killed."""
     import torch.distributed  # noqa: F401  (imported once, here or by the server; every rank inherits it)
 
     _preimport(script)
@@ -126,13 +130,13 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}
-    for rank in range(nproc):
+    for rank in range(max(nproc, 1)):
         pid = os.fork()
         if pid == 0:
             if client is not None:
                 client.close()
-            _rank(script, args, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                 "ROLE_RANK": str(rank)})
+            _rank(script, args, {} if nproc == 0 else {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                        "ROLE_RANK": str(rank)})
         ranks[pid] = rank
 
     failed: tuple[int, int] | None = None
@@ -151,6 +155,8 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
             continue
         rank = ranks.pop(pid)
         code = os.waitstatus_to_exitcode(status)
+        if nproc == 0:  # a plain `python script`: its own exit code (a signal as the shell shows it)
+            return code if code >= 0 else 128 - code
         if code != 0 and failed is None:
             failed = (rank, code)
             for other in ranks:  # as torchrun: one failed rank ends the job
@@ -219,6 +225,10 @@ def serve(path: str) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a job then imports (and fails on) it itself
             print(f"fork server: cannot import {name}: {exc}", file=sys.stderr, flush=True)
+    try:  # Hugging Face transformers (the Llama), through distkit's torchvision workaround
+        importlib.import_module("distkit.models").import_transformers()
+    except Exception as exc:  # noqa: BLE001
+        print(f"fork server: cannot import transformers: {exc}", file=sys.stderr, flush=True)
     listener.settimeout(1.0)
     children: set[int] = set()
     while True:
@@ -243,7 +253,8 @@ def serve(path: str) -> None:
                       f"{differ or 'its streams'}; the client launches it itself", flush=True)
                 conn.sendall(b"F")
                 continue
-            print(f"fork server: launching {request['script']} on {request['nproc']} ranks", flush=True)
+            how = f"on {request['nproc']} ranks" if request["nproc"] else "as one python process"
+            print(f"fork server: launching {request['script']} {how}", flush=True)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -292,6 +303,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", metavar="SOCKET", help="run the fork server on this Unix socket")
     parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int)
+    parser.add_argument("--python", action="store_true",
+                        help="run the script as `python script args` would, in one forked process")
     parser.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
     parser.add_argument("script", nargs="?")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -299,8 +312,10 @@ def main(argv: list[str]) -> int:
     if opts.serve:
         serve(opts.serve)
         return 0
+    if opts.python:
+        opts.nproc_per_node = 0
     if opts.nproc_per_node is None or opts.script is None:
-        parser.error("--nproc_per_node and a script are required")
+        parser.error("--nproc_per_node (or --python) and a script are required")
     if os.environ.get(SERVER_ENV):
         code = through_server(os.environ[SERVER_ENV], opts.nproc_per_node, opts.script, opts.args)
         if code is not None:

@@ -137,10 +137,12 @@ def torchrun(script: str | Path, *args: str, nproc: int = 4, tmp_path: Path | No
 
 
 def python(script: str | Path, *args: str, tmp_path: Path | None = None, timeout: float = 300,
-           check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python script args`` (a world of one process, or a script that launches its own)."""
-    return run([sys.executable, str(script), *map(str, args)], timeout=timeout,
-               env=env or job_env(tmp_path), check=check)
+           check: bool = True, env: dict | None = None, launcher: str = "fork") -> subprocess.CompletedProcess:
+    """``python script args`` (a world of one process, or a script that launches its own): by default
+    forked by the fork launcher (``--python``: no launcher environment, the script's own exit code),
+    ``launcher="python"`` a fresh interpreter."""
+    prefix = [*launcher_argv("fork"), "--python"] if launcher == "fork" else [sys.executable]
+    return run([*prefix, str(script), *map(str, args)], timeout=timeout, env=env or job_env(tmp_path), check=check)
 
 
 def free_port() -> int:

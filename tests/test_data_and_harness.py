@@ -331,3 +331,89 @@ def test_shared_flags_have_one_name_and_meaning(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, value])
         assert f"error: argument {flag}: {message}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the Llama, FLOPs, MFU
+def test_llama_builds_offline_at_the_published_sizes_and_learns_the_task():
+    """The Llama shapes are Meta's published models: parameter counts of the Hugging Face model
+    cards (Llama-3.2-1B: 1,235,814,400 with tied embeddings; Llama-3.1-8B: 8,030,261,248), counted on
+    the meta device. The tiny one is Hugging Face's own LlamaForCausalLM (HF parameter names), built
+    from a config with random weights, and learns the token task like the GPT does."""
+    import math
+
+    from distkit.models import build_model, model_config
+    from distkit.theory import param_shapes
+
+    published = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}
+    for size, count in published.items():
+        assert sum(math.prod(s) for s in param_shapes(model_config("llama", size)).values()) == count
+
+    cfg = model_config("llama", "tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert type(model).__mro__[1].__name__ == "LlamaForCausalLM" and len(model.blocks) == cfg.n_layer
+    assert "model.layers.0.self_attn.k_proj.weight" in model.state_dict()
+    k_proj = model.blocks[0].self_attn.k_proj.weight  # grouped-query attention: 4 kv heads of 8
+    assert k_proj.shape == (cfg.n_embd * cfg.n_kv_head // cfg.n_head, cfg.n_embd)
+    task = TokenTask(cfg, num_sequences=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for step in range(60):
+        x, y = task.global_batch(step, 16)
+        loss = lm_loss(model(x), y)
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert first > 3.5 and loss.item() < 1.5, (first, loss.item())
+
+
+def test_model_flags_name_an_architecture_and_its_sizes():
+    import argparse
+
+    from distkit.models import LlamaModelConfig, add_model_args, model_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    cfg = model_config_from_args(parser.parse_args(["--arch", "llama", "--model-size", "tiny", "--n-kv-head", "2"]))
+    assert isinstance(cfg, LlamaModelConfig) and cfg.n_kv_head == 2 and cfg.n_head == 8
+    for argv, message in [(["--arch", "gpt", "--model-size", "llama-3.1-8b"], "--arch gpt has no --model-size"),
+                          (["--arch", "llama", "--model-size", "tiny", "--n-kv-head", "3"], "divisible by the key/value"),
+                          (["--model-size", "tiny", "--n-kv-head", "2"], "--n-kv-head applies to --arch llama")]:
+        with pytest.raises(UsageError, match=message):
+            model_config_from_args(parser.parse_args(argv))
+    with pytest.raises(UsageError, match="small GPT only"):
+        TinyGPT(cfg)
+
+
+def test_flops_per_token_and_mfu_in_the_record():
+    """FLOPs per token = 6 x (parameters that multiply) + 12 L d s, counted here by hand from the
+    shapes of the two tiny models (the embedding tables are lookups; the LM head multiplies); the
+    record's MFU is tokens/s per device x FLOPs per token / the measured peak FLOP/s."""
+    from distkit.harness import Harness, measure_peak_flops
+    from distkit.models import build_model, model_config
+    from distkit.theory import training_flops_per_token
+
+    gpt = gpt_config("tiny")  # V=64, s=32, L=2, d=64, MLP 4d, biases
+    d, L, V, s = 64, 2, 64, 32
+    per_block = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
+    gpt_matmul_params = L * per_block + 2 * d + V * d  # blocks, final LayerNorm, LM head
+    assert training_flops_per_token(gpt) == 6 * gpt_matmul_params + 12 * L * d * s
+    llama = model_config("llama", "tiny")  # 8 heads, 4 kv heads of 8, MLP 128, no biases
+    kv = 4 * 8
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * 128 + 2 * d
+    assert training_flops_per_token(llama) == 6 * (L * per_layer + d + V * d) + 12 * L * d * s
+
+    assert measure_peak_flops(torch.device("cpu"), size=64, seconds=0.01) > 1e6
+    torch.manual_seed(0)
+    model = build_model(llama)
+    harness = Harness(ONE_PROCESS, "probe", model=model, warmup_steps=0, comm_steps=0)
+    for step in range(2):
+        with harness.step(samples=4, tokens=4 * s):
+            lm_loss(model(torch.randint(V, (4, s))), torch.randint(V, (4, s))).backward()
+    metrics = harness.finish()["metrics"]
+    assert metrics["model_flops_per_token"] == training_flops_per_token(llama)
+    assert metrics["tokens_per_s_per_device"] == metrics["tokens_per_s"]  # one process
+    assert metrics["mfu"] == pytest.approx(metrics["tokens_per_s_per_device"] * metrics["model_flops_per_token"]
+                                           / metrics["peak_flops_per_s"])
+    assert 0 < metrics["mfu"] < 1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import job_env, launcher_argv, torchrun
+from launch import job_env, launcher_argv, python, torchrun
 
 JOB = """\
 import os, sys, time
@@ -99,3 +99,14 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie waiting to be reaped is dead
     except FileNotFoundError:
         return False
+
+
+def test_a_plain_python_script_runs_forked_with_its_own_exit_code(fork_server, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import os, sys\n"
+                      "print('rank' in {k.lower() for k in os.environ}, sys.argv[1:], __name__, flush=True)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    for code in (0, 3):
+        result = python(script, code, tmp_path=tmp_path, check=False, timeout=120)
+        assert result.returncode == code and result.stdout.strip() == f"False ['{code}'] __main__", result.stdout
+    assert f"launching {script} as one python process" in _server_log(fork_server)

@@ -8,13 +8,15 @@ Each chapter's notebook is written as ``notebook.py`` (jupytext percent format) 
 (b) every code cell of the committed ``.ipynb`` was executed, and the outputs were produced by the
     current cells: the executed notebook stores the hash of the cells it ran, and a cell edited
     afterwards (without re-executing) fails the check, as the negative controls below show;
-(c) the notebook executes top to bottom, headless, as a reader would run it, and shows the same
+(c) the notebook executes top to bottom, headless, as a reader would run it (its jobs started by
+    the suite's fork launcher, named in ``$DISTKIT_TORCHRUN``), and shows the same
     kinds of output (text, figures) in the same cells as the committed one. The notebooks assert
     the numbers they show (against their records or theory), so a wrong outcome fails here as an
     error.
 """
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import nbformat
 import pytest
 
 from distkit import notebooks
-from launch import REPO
+from launch import REPO, launcher_argv
 
 SOURCES = notebooks.sources([str(REPO)])
 IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
@@ -70,6 +72,9 @@ def _output_kinds(nb) -> list[tuple[int, list[str]]]:
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
+    # The notebooks' jobs start through the suite's fork launcher, as every other test's do (the
+    # committed outputs ran under torchrun: `python -m distkit.records render`)
+    monkeypatch.setenv("DISTKIT_TORCHRUN", shlex.join(launcher_argv("fork")))
     executed = notebooks.execute(source)         # raises NotebookError naming the failed cell
     committed = nbformat.read(source.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
     key = notebooks.METADATA_KEY

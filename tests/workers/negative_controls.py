@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
-from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from distkit.models import TinyGPT, TokenTask, build_model, lm_loss, model_config, rank_slice
 from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,9 +46,12 @@ def load(relative: str):
     return module
 
 
+ARCH = "gpt"  # --arch: the tiny GPT or the tiny Llama (every case that does not cut TinyGPT's modules)
+
+
 def new_model(n_layer: int = 2) -> TinyGPT:
     torch.manual_seed(0)  # the reference and every variant start from these weights
-    return TinyGPT(gpt_config("tiny", vocab_size=65, n_layer=n_layer))
+    return build_model(model_config(ARCH, "tiny", vocab_size=65, n_layer=n_layer))
 
 
 def reference(n_layer: int = 2, adamw: bool = False) -> tuple[dict, dict]:
@@ -279,8 +282,11 @@ def main():
     parser = ArgumentParser()
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
     add_runtime_args(parser)
     args = parser.parse_args()
+    global ARCH
+    ARCH = args.arch
     with distributed(args) as ctx:
         results = {}
         for name in args.cases:
