@@ -23,6 +23,7 @@
 # %%
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,13 +35,16 @@ from distkit.harness import read_records
 
 WORK = Path(tempfile.mkdtemp(prefix="ch05-"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1")
+# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
+# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
+TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
 
 
 def run(script, *args, nproc=4):
     """torchrun one chapter script; returns the records it appended."""
     results = WORK / f"{Path(script).stem}.jsonl"
     results.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
            script, *map(str, args), "--results", str(results)]
     out = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     if out.returncode:
