@@ -20,6 +20,21 @@ from workers.reference import train_one_process
 CHAPTER = REPO / "05-advanced"
 README = CHAPTER / "README.md"
 STEPS, LR, TOLERANCE = 3, 0.5, 1e-5
+
+# Every README command, as the lookup (needles, without) the test that runs it uses (the tests of
+# test_ch05_advanced.py find their command by its key; test_every_readme_command_is_run_by_a_test
+# proves together they cover the README).
+LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
+           "tp_sp": (("tensor_parallel.py", "--sequence-parallel"), "--arch llama"),
+           "tp_llama_sp": (("tensor_parallel.py", "--arch llama"), None),
+           "pipeline": (("pipeline_parallel.py", "nproc_per_node=4"), None),
+           "pipeline_2ranks": (("pipeline_parallel.py", "nproc_per_node=2"), None),
+           "2d": (("hybrid_parallelism.py", "--mode 2d", "nproc_per_node=4"), None),
+           "hsdp": (("hybrid_parallelism.py", "--mode hsdp", "nproc_per_node=4"), None),
+           "mesh_error": (("hybrid_parallelism.py", "nproc_per_node=2"), None),
+           "accumulation": (("gradient_accumulation.py",), None),
+           "overlap": (("communication_overlap.py",), None),
+           "plot": (("plot_results.py",), None)}
 QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
 
 

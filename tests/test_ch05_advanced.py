@@ -15,27 +15,17 @@ and that deleting gradient_accumulation.py's own ``/ k`` fails the accumulation 
 """
 from __future__ import annotations
 
+import re
 import shlex
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ch05_common import CHAPTER, QUICK, README, TOLERANCE, launch, reference
+from ch05_common import CHAPTER, LOOKUPS, QUICK, README, TOLERANCE, launch, reference
+from distkit import theory
 from distkit.harness import read_records
 from launch import load_script, parse_args_result, assert_one_line_error, assert_readme_covered, python, readme_command
-
-# Every README command, as the lookup (needles, without) the test that runs it uses.
-LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
-           "tp_sp": (("tensor_parallel.py", "--sequence-parallel"), None),
-           "pipeline": (("pipeline_parallel.py", "nproc_per_node=4"), None),
-           "pipeline_2ranks": (("pipeline_parallel.py", "nproc_per_node=2"), None),
-           "2d": (("hybrid_parallelism.py", "--mode 2d", "nproc_per_node=4"), None),
-           "hsdp": (("hybrid_parallelism.py", "--mode hsdp", "nproc_per_node=4"), None),
-           "mesh_error": (("hybrid_parallelism.py", "nproc_per_node=2"), None),
-           "accumulation": (("gradient_accumulation.py",), None),
-           "overlap": (("communication_overlap.py",), None),
-           "plot": (("plot_results.py",), None)}
 
 
 def run_readme(name: str, tmp_path, extra=(), check=True):
@@ -157,6 +147,125 @@ def test_hybrid_parallelism_matches_single_process(mode, tmp_path):
     assert max(held) < dense / (3 if mode == "2d" else 1.8), held
 
 
+# ------------------------------------------------------------------------------ the tiny Llama
+# The same strategies on the tiny Llama (--arch llama --model-size tiny: 2 layers, width 64, 8 query
+# heads of 8, 4 key/value heads (GQA), SwiGLU MLP 128, vocabulary 64, 32 tokens), against the same
+# single-process reference built by build_model, at the same tolerance (1e-5 after 3 SGD steps; the
+# module docstring says which bugs it catches). Observed: 6e-8 to 1.2e-7. test_ch05_negative.py runs
+# the Llama's own negative controls (o_proj's partial sums never reduced; a stage that skips a layer).
+# Each run appends --arch llama to a README command (argparse keeps the last value), except TP+SP,
+# which is the README's Llama command.
+LLAMA = ("--arch", "llama")
+ACT = 16 * 32 * 64 * 4  # one fp32 activation of the global batch: 16 sequences x 32 tokens x width 64
+# parameters of one Llama layer: q, o 64x64; k, v 32x64 (4 kv heads x 8); gate, up, down 128x64;
+# two RMSNorm weights of 64. Outside the layers: embed_tokens 64x64, model.norm 64, lm_head 64x64.
+LAYER_MATRICES, LAYER_NORMS, EMBED = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64, 2 * 64, 64 * 64
+
+
+def assert_predicted(record) -> None:
+    """The model state every rank measured (parameters and gradients; SGD keeps no optimizer state)
+    and its collectives per step, calls and bytes, equal what distkit.theory predicts for the cell
+    (the prediction the benchmarks and plots use), exactly."""
+    prediction = theory.predict_record(record)
+    metrics = record["metrics"]
+    for rank, (got, want) in enumerate(zip(metrics["model_state_bytes_per_rank"], prediction["state_per_rank"])):
+        assert (got["params"], got["grads"]) == (want["params"], want["grads"]), (rank, got, want)
+    calls_bytes = lambda comm: {k: (v["calls"], v["bytes"]) for k, v in comm.items() if k != "barrier"}  # noqa: E731
+    for rank, (got, want) in enumerate(zip(metrics["comm_per_step_per_rank"], prediction["comm_per_rank"])):
+        assert calls_bytes(got) == calls_bytes(want), (rank, got, want)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_tensor_parallel_llama_matches_single_process(sequence_parallel, tmp_path):
+    """TP of the Llama by its Hugging Face names (GQA: k/v_proj split into one kv head per rank);
+    with SP, the RMSNorms, embed_tokens and lm_head too, and the rotary positions of the whole
+    sequence (the bug this catches: positions computed from a sequence shard's length)."""
+    results = tmp_path / "r.jsonl"
+    name, extra = ("tp_llama_sp", ()) if sequence_parallel else ("tp", LLAMA)
+    out = run_readme(name, tmp_path, extra=(*QUICK, *extra, "--global-batch-size", 16, "--results", results,
+                                            "--save", tmp_path / "{strategy}.pt"))
+    assert re.search(r"k_proj\.weight +full \(32, 64\) +local per rank: r0 \(8, 64\)", out.stdout), out.stdout[-3000:]
+    expected, losses = reference(16, arch="llama")
+    (record,) = read_records(results)
+    assert record["strategy"] == ("tp_sp" if sequence_parallel else "tp")
+    assert_matches(tmp_path / f"{record['strategy']}.pt", expected)
+    assert record["losses"] == pytest.approx(losses, abs=1e-5)
+    assert record["model"]["arch"] == "llama" and record["model"]["n_kv_head"] == 4
+    total = 2 * (LAYER_MATRICES + LAYER_NORMS) + 2 * EMBED + 64
+    assert record["param_count"] == sum(t.numel() for t in expected.values()) == total
+    assert_predicted(record)
+    # Independently of distkit.theory: a layer's matrices split 4 ways, its norms replicated; with SP
+    # embed_tokens (rows) and lm_head (columns) are split too, but embed_tokens' gradient arrives whole.
+    outside = 2 * EMBED // 4 + 64 if sequence_parallel else 2 * EMBED + 64
+    held = 2 * (LAYER_MATRICES // 4 + LAYER_NORMS) + outside
+    grads = held + (EMBED - EMBED // 4 if sequence_parallel else 0)
+    held_per_rank = {(s["params"], s["grads"]) for s in record["metrics"]["model_state_bytes_per_rank"]}
+    assert held_per_rank == {(4 * held, 4 * grads)}
+    comm = record["metrics"]["comm_per_step"]
+    if not sequence_parallel:  # Megatron: 4 all-reduces per layer of the activations
+        assert (comm["all_reduce"]["calls"], comm["all_reduce"]["bytes"]) == (8, 8 * ACT)
+    else:  # each all-reduce -> reduce-scatter + all-gather; + the embedding (one table), the LM head
+        logits = 16 * 32 * 64 * 4
+        assert (comm["all_gather"]["calls"], comm["all_gather"]["bytes"]) == (11, 10 * ACT + logits)
+        assert (comm["reduce_scatter"]["calls"], comm["reduce_scatter"]["bytes"]) == (10, 10 * ACT)
+        assert "all_reduce" not in comm
+
+
+def test_pipeline_llama_matches_single_process(tmp_path):
+    """The README's 4-rank pipeline command with --arch llama, 1F1B: LlamaStage runs embed_tokens,
+    its two of 8 layers with the rotary embeddings each needs, norm + lm_head (the bugs this catches:
+    a stage that skips a layer or rotates by the wrong positions)."""
+    results = tmp_path / "r.jsonl"
+    run_readme("pipeline", tmp_path, extra=(*QUICK, *LLAMA, "--n-layer", 8, "--global-batch-size", 16,
+                                            "--schedule", "1f1b", "--microbatches", 4, "--results", results,
+                                            "--save", tmp_path / "{schedule}.pt"))
+    expected, losses = reference(16, arch="llama", n_layer=8)
+    (record,) = read_records(results)
+    assert record["strategy"] == "pp_1f1b" and record["model"]["arch"] == "llama"
+    assert_matches(tmp_path / "1f1b.pt", expected)
+    assert record["losses"] == pytest.approx(losses, abs=1e-5)
+    assert_predicted(record)
+    layer = LAYER_MATRICES + LAYER_NORMS  # two layers per stage; embeddings first, norm + head last
+    held = [s["params"] for s in record["metrics"]["model_state_bytes_per_rank"]]
+    assert held == [4 * (2 * layer + EMBED), 4 * 2 * layer, 4 * 2 * layer, 4 * (2 * layer + 64 + EMBED)]
+    # rank 0 sends each of 4 micro-batches' activations (4 sequences x 32 x 64) forward once
+    assert record["metrics"]["comm_per_step"]["send"] == pytest.approx(
+        {"calls": 4, "bytes": ACT, "bus_bytes": ACT})
+
+
+@pytest.mark.parametrize("mode", ["2d", "hsdp"])
+def test_hybrid_parallelism_llama_matches_single_process(mode, tmp_path):
+    """The README's 2-D and HSDP commands with --arch llama: the Llama's TP plan along tp, FSDP2 per
+    model.layers.N and the root (the bugs this catches as for the GPT, module docstring)."""
+    results = tmp_path / "r.jsonl"
+    run_readme(mode, tmp_path, extra=(*QUICK, *LLAMA, "--global-batch-size", 16, "--results", results,
+                                      "--save", tmp_path / "{mode}.pt"))
+    expected, losses = reference(16, arch="llama")
+    assert_matches(tmp_path / f"{mode}.pt", expected)
+    (record,) = read_records(results)
+    assert record["losses"] == pytest.approx(losses, abs=1e-5)
+    assert record["model"]["arch"] == "llama"
+    assert_predicted(record)
+    total = sum(t.numel() for t in expected.values())
+    # 2-D: matrices split 2 ways by TP then 2 ways by FSDP, the rest (norms, embeddings, head) 2
+    # ways by FSDP; HSDP: everything 2 ways (sharded over 2, replicated twice). Every shape divides.
+    held = 2 * LAYER_MATRICES // 4 + (total - 2 * LAYER_MATRICES) // 2 if mode == "2d" else total // 2
+    assert [s["params"] for s in record["metrics"]["model_state_bytes_per_rank"]] == [4 * held] * 4
+
+
+def test_llama_tensor_parallel_needs_kv_heads_divisible():
+    """GQA: the key/value heads split over the TP ranks too; one line says which number does not
+    (checked in-process with the script's own check)."""
+    from distkit import UsageError
+    from distkit.models import model_config
+
+    tp = load_script(CHAPTER / "tensor_parallel.py")
+    with pytest.raises(UsageError, match=r"^--n-kv-head \(the key/value heads\) = 2 is not divisible by the "
+                                         r"tensor-parallel degree 4$"):
+        tp.check_divisible(model_config("llama", "tiny", n_kv_head=2), 4, sequence_parallel=False)
+    tp.check_divisible(model_config("llama", "tiny"), 4, sequence_parallel=True)  # 8 q, 4 kv heads: fine
+
+
 def test_mesh_that_does_not_match_world_size_is_one_clear_error(tmp_path):
     result = run_readme("mesh_error", tmp_path, check=False)
     assert_one_line_error(result, "the mesh axes must multiply to the world size")
@@ -247,7 +356,7 @@ def test_bad_flags_are_one_argparse_line():
 
 
 def test_every_readme_command_is_run_by_a_test():
-    """Each lookup above is the one a test makes; together they must cover the README, each command
-    exactly once, so a command added to the README without a test (or a lookup that no longer finds
-    its command) fails here."""
+    """Each lookup in ch05_common.LOOKUPS is the one a test makes; together they must cover the
+    README, each command exactly once, so a command added to the README without a test (or a lookup
+    that no longer finds its command) fails here."""
     assert_readme_covered(README, list(LOOKUPS.values()))

@@ -64,3 +64,45 @@ def test_accumulation_without_1_over_k_fails_the_equivalence_test(tmp_path):
         diff = max((state[n] - expected[n]).abs().max().item() for n in expected)
         print(f"{sync} without 1/k: max |distributed - single| = {diff:.2e}")
         assert diff > WIDE * TOLERANCE, (sync, diff)
+
+
+# The Llama's bugs, made in the scripts themselves and run as test_ch05_advanced's Llama tests run
+# them (the README command, QUICK flags, --arch llama). Measured on 2-core CPU, gloo (max |distributed
+# - single|): the correct runs 6e-8 to 1.2e-7; o_proj unreduced 4.0e-2 (4,000x TOLERANCE), a stage
+# skipping a layer 8.6e-2 (8,600x).
+LLAMA_MUTANTS = {
+    # tensor_parallel.py's plan (one line for both architectures; run with --arch llama): the
+    # attention's row-parallel output o_proj asks for Partial() output, so each rank goes on with its
+    # own partial sum: Megatron's "g" all-reduce forgotten.
+    "o_proj_unreduced": (("tensor_parallel.py",), "--sequence-parallel",
+                         "f\"{n['attn']}.{n['out']}\": RowwiseParallel(output_layouts=seq_layout",
+                         "f\"{n['attn']}.{n['out']}\": RowwiseParallel("
+                         "output_layouts=__import__('torch').distributed.tensor.Partial()",
+                         ("--global-batch-size", 16), {}),
+    # pipeline_parallel.py's LlamaStage runs all but the first of its layers (their weights stay in
+    # the stage and its checkpoint, untrained: the key set still matches).
+    "stage_skips_a_layer": (("pipeline_parallel.py", "nproc_per_node=4"), None,
+                            "for layer in self.model.layers.values():",
+                            "for layer in list(self.model.layers.values())[1:]:",
+                            ("--n-layer", 8, "--global-batch-size", 16, "--schedule", "1f1b", "--microbatches", 4),
+                            {"n_layer": 8}),
+}
+
+
+def test_llama_bugs_fail_the_equivalence_tests(tmp_path):
+    """A TP plan that leaves o_proj's partial sums unreduced, and a pipeline stage that drops a layer,
+    both on the tiny Llama (tests/workers/ch05_mutant.py runs the mutated script): the saved weights
+    must miss the single-process reference by far more than TOLERANCE, with the key set intact (so
+    it is the tolerance, not a missing weight, that fails them)."""
+    for name, (needles, without, old, new, flags, overrides) in LLAMA_MUTANTS.items():
+        nproc, script, args = readme_command(*needles, without=without)
+        save = tmp_path / f"{name}.pt"
+        torchrun(WORKERS / "ch05_mutant.py", REPO / script, old, new, "--", *args, *QUICK, "--arch", "llama",
+                 *flags, "--results", tmp_path / "r.jsonl", "--save", save,
+                 nproc=nproc, tmp_path=tmp_path, timeout=400)
+        expected, _ = reference(16, arch="llama", **overrides)
+        state = torch.load(save, weights_only=True)["model"]
+        assert set(state) == set(expected), name
+        diff = max((state[n] - expected[n]).abs().max().item() for n in expected)
+        print(f"{name}: max |distributed - single| = {diff:.2e}")
+        assert diff > WIDE * TOLERANCE, (name, diff)
