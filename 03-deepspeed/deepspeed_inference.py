@@ -3,10 +3,11 @@
 
 ``deepspeed_train.py`` ends by stitching the ZeRO shards into one fp32 state dict (``zero_to_fp32``,
 ``--save``).
-That file is a plain PyTorch checkpoint: it loads into ``TinyGPT`` without DeepSpeed. Here DeepSpeed's
-inference engine wraps the model: on a GPU it can cast to fp16 and, for architectures it has kernel
-policies for (GPT-2, BERT, LLaMA ... from Hugging Face), swap in fused kernels
-(``replace_with_kernel_inject``). ``TinyGPT`` has no such policy, so ``--kernel-inject`` stops with
+That file is a plain PyTorch checkpoint (with the model's config): it loads into the small GPT or the
+Llama without DeepSpeed. Here DeepSpeed's inference engine wraps the model: on a GPU it can cast to
+fp16 and, for architectures it has kernel policies for (GPT-2, BERT, LLaMA ... from Hugging Face),
+swap in fused kernels (``replace_with_kernel_inject``). The small GPT has no such policy, so
+``--kernel-inject`` stops with
 one line saying so (DeepSpeed itself would end in ``AssertionError: No default policy found!`` or
 leave the model untouched); without it, the engine runs the plain module, in fp32 on CPU.
 
@@ -24,7 +25,7 @@ from distkit.checkpoint import load_model_state, safe_load
 from distkit.deepspeed import EVAL_BATCH, EVAL_STEP, import_deepspeed
 from distkit.flags import positive_int
 from distkit.logs import setup_logging
-from distkit.models import GPTConfig, TinyGPT, TokenTask, lm_loss
+from distkit.models import TokenTask, build_model, config_from_dict, lm_loss
 
 
 
@@ -41,7 +42,7 @@ def parse_args():
     parser.add_argument("--kernel-inject", action="store_true",
                         help="ask DeepSpeed for fused inference kernels (CUDA only). They replace "
                              "layers DeepSpeed has a policy for (Hugging Face BERT, GPT-2, OPT, LLaMA "
-                             "...); TinyGPT has none, so the script stops with one line saying so")
+                             "...); the small GPT has none, so the script stops with one line saying so")
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -89,11 +90,11 @@ def main():
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
         checkpoint = safe_load(args.load)
-        if not isinstance(checkpoint, dict) or "model" not in checkpoint or "gpt_config" not in checkpoint:
+        if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_config" not in checkpoint:
             raise UsageError(f"--load {args.load} is not a consolidated checkpoint from "
-                             "deepspeed_train.py --save (no 'model' / 'gpt_config')")
-        cfg = GPTConfig(**checkpoint["gpt_config"])
-        model = TinyGPT(cfg)
+                             "deepspeed_train.py --save (no 'model' / 'model_config')")
+        cfg = config_from_dict(checkpoint["model_config"])
+        model = build_model(cfg)
         load_model_state(model, checkpoint["model"], args.load)  # plain PyTorch: no DeepSpeed needed
         model.eval()
         task = TokenTask(cfg, seed=checkpoint.get("seed", 0))
@@ -121,7 +122,7 @@ def main():
         with torch.no_grad():
             eval_loss = lm_loss(engine(eval_inputs.to(device)).float(), eval_targets.to(device)).item()
         log.info(f"loaded {args.load} ({checkpoint['strategy']}, {checkpoint['steps']} steps) into "
-                 f"TinyGPT | inference engine on {device} in {dtype} | eval loss {eval_loss:.4f} "
+                 f"{type(model).__name__} | inference engine on {device} in {dtype} | eval loss {eval_loss:.4f} "
                  f"(training run measured {checkpoint['eval_loss']:.4f})")
 
         # Valid transitions of the Markov chain, read off the task's own sequences.

@@ -5,7 +5,7 @@ ZeRO-3 parameter shards as layers need them), ``engine.backward(loss)`` reduces 
 reduce-scatters (stage 2-3) the gradients, ``engine.step()`` updates this rank's partition and
 re-assembles the weights. Checkpoints are written per rank with ``save_checkpoint`` and read back
 with ``load_checkpoint``; at the end the ZeRO shards are consolidated into one fp32 state dict
-(``zero_to_fp32``) that loads into the plain ``TinyGPT`` (``--save``).
+(``zero_to_fp32``) that loads into the plain model, without DeepSpeed (``--save``).
 
     torchrun --nproc_per_node=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json
     deepspeed --num_gpus=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json --steps 300 --resume latest
@@ -24,8 +24,9 @@ from distkit.deepspeed import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepsp
                                release_engine, resolve_auto, strategy_name, zero_harness, zero_stage)
 from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_float, non_negative_int,
                            positive_int, save_path)
+from distkit.harness import describe_model
 from distkit.logs import progress, setup_logging
-from distkit.models import (TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss,
+from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 
 
@@ -111,7 +112,7 @@ def main():
         cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
         torch.manual_seed(args.seed)
-        model = TinyGPT(cfg)  # same seed on every rank -> same initial weights
+        model = build_model(cfg)  # same seed on every rank -> same initial weights
         param_count = sum(p.numel() for p in model.parameters())
         # "auto" buckets are sized from the model (Ψ / N elements, not DeepSpeed's 2 GB default);
         # "auto" overlap and pinning follow the device (on for CUDA, off for CPU).
@@ -179,7 +180,7 @@ def main():
         dist.barrier()  # every shard is on disk before rank 0 reads them all
         if ctx.is_main and fp32_out is not None:
             state_dict = consolidate_fp32(engine, checkpoint_dir, last_tag)
-            atomic_save({"model": state_dict, "gpt_config": cfg.to_dict(), "strategy": strategy,
+            atomic_save({"model": state_dict, "model_config": describe_model(cfg), "strategy": strategy,
                          "steps": args.steps, "eval_loss": eval_loss, "seed": args.seed}, fp32_out)
             log.info(f"consolidated fp32 state dict ({len(state_dict)} tensors) -> {fp32_out}")
         record = harness.finish(args.results, extra={"eval_loss": eval_loss, "final_loss": loss_value,

@@ -79,7 +79,9 @@ def model_size(record: dict) -> str:
     """The cell's model preset: what the runner asked for (``benchmark.model_size``; records of
     older runs that skipped a cell kept it at the top level, chapter records in their config)."""
     bench = record.get("benchmark") or {}
-    return bench.get("model_size") or record.get("model_size") or record.get("config", {}).get("model_size", "?")
+    size = bench.get("model_size") or record.get("model_size") or record.get("config", {}).get("model_size", "?")
+    arch = (record.get("model") or {}).get("arch", "gpt")
+    return size if arch == "gpt" else f"{arch} {size}"  # the small GPT's sizes keep their plain names
 
 
 def provenance(records: list[dict]) -> tuple[list[str], list[str], list[str]]:
@@ -307,21 +309,28 @@ def save(figure, records, path, source) -> None:
     save_figure(fig, path)
 
 
+def per_device_and_mfu(record: dict) -> str:
+    """``tokens/s per device | MFU %`` cells (``-`` for records written before the harness measured them)."""
+    metrics = record["metrics"]
+    per_device, mfu = metrics.get("tokens_per_s_per_device"), metrics.get("mfu")
+    return f"{per_device:,.0f} | {100 * mfu:.2f}" if per_device and mfu else "- | -"
+
+
 def summary_table(records: list[dict], problems: list[dict]) -> str:
     """Markdown: one row per cell, measured next to predicted, and the cells that failed."""
     split = mixed(records)  # then say where each cell ran: peak memory is GPU-allocated on one, RSS on the other
-    lines = [f"| strategy | ranks | model | {'ran on | ' if split else ''}step ms | tokens/s | "
-             "model state MiB/rank (theory) | bus MiB/step rank 0 (theory) | peak MiB/rank |",
-             f"|---|---:|---|{'---|' if split else ''}---:|---:|---:|---:|---:|"]
+    lines = [f"| strategy | ranks | model | {'ran on | ' if split else ''}step ms | tokens/s | tokens/s/device | "
+             "MFU % | model state MiB/rank (theory) | bus MiB/step rank 0 (theory) | peak MiB/rank |",
+             f"|---|---:|---|{'---|' if split else ''}---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         p = prediction(r)
         p_state, p_bus = (f"{predicted_state_mib(p):.3f}", f"{predicted_bus_mib(p):.3f}") if p else ("-", "-")
         lines.append(f"| {r['strategy']} | {r['world_size']} | {model_size(r)} | {where(r) + ' | ' if split else ''}"
-                     f"{step_s(r) * 1e3:.1f} | {tokens_per_s(r):,.0f} | {state_mib(r):.3f} ({p_state}) | "
-                     f"{bus_mib(r):.3f} ({p_bus}) | {peak_mib(r):,.0f} |")
+                     f"{step_s(r) * 1e3:.1f} | {tokens_per_s(r):,.0f} | {per_device_and_mfu(r)} | "
+                     f"{state_mib(r):.3f} ({p_state}) | {bus_mib(r):.3f} ({p_bus}) | {peak_mib(r):,.0f} |")
     for r in problems:
         lines.append(f"| {r['strategy']} | {r.get('world_size', '?')} | {model_size(r)} | {'| ' if split else ''}"
-                     f"{r.get('status', 'failed')}: {r.get('error', '')} | | | | |")
+                     f"{r.get('status', 'failed')}: {r.get('error', '')} | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

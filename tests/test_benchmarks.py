@@ -168,6 +168,13 @@ def _check_table(table: str, raw: list[dict]) -> None:
         m = record["metrics"]
         assert row["step ms"] == f"{m['step_time_s_median'] * 1e3:.1f}", row
         assert row["tokens/s"] == f"{_independent_tokens_per_s(record):,.0f}", row
+        if m.get("mfu"):  # measured since the harness reports MFU: per device, over the measured peak
+            per_device = _independent_tokens_per_s(record) / record["world_size"]
+            assert row["tokens/s/device"] == f"{per_device:,.0f}", row
+            mfu = per_device * m["model_flops_per_token"] / m["peak_flops_per_s"]
+            assert row["MFU %"] == f"{100 * mfu:.2f}", row
+        else:  # records from before: no number is made up
+            assert row["tokens/s/device"] == row["MFU %"] == "-", row
         state = max(sum(r.values()) for r in m["model_state_bytes_per_rank"]) / 2**20
         bus = sum(c["bus_bytes"] for c in m["comm_per_step"].values()) / 2**20
         assert row["model state MiB/rank (theory)"].startswith(f"{state:.3f} ("), row
