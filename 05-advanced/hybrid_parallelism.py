@@ -16,6 +16,9 @@ Large jobs combine strategies along mesh axes, each axis matched to the links it
 * **hsdp** (``hsdp``): plain data parallelism, but FSDP shards only within a row and the rows are
   replicas that all-reduce gradients: ZeRO-3 memory savings inside a node, DDP-like traffic between.
 
+Both train the small GPT or, with ``--arch llama``, Hugging Face's Llama (its TP plan by its own
+module names in :func:`tensor_parallel_blocks`; FSDP2 wraps each ``model.layers.N``, then the root).
+
     torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode 2d --dp 2 --tp 2
     torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode hsdp --replicate 2 --shard 2
 """

@@ -17,8 +17,9 @@ The price is the *bubble*: at the start and end of every step some stages wait f
 activations alive instead of m. Interleaved 1F1B gives each rank v smaller stages (rank r holds
 stages r, r+p, ...), which shrinks the bubble to (p-1) / (v*m + p-1) at the cost of v times more
 sends. This script builds each stage by hand (``PipelineStage`` around a TinyGPT with the other
-ranks' parts set to None); ``torch.distributed.pipelining.pipeline()`` can instead trace a model and
-split it at marked points, which is handy for models you cannot edit.
+ranks' parts set to None, or with ``--arch llama`` a :class:`LlamaStage` of Hugging Face's Llama);
+``torch.distributed.pipelining.pipeline()`` can instead trace a model and split it at marked points,
+which is handy for models you cannot edit.
 
     torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe 1f1b --microbatches 4 8
     torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule interleaved_1f1b --n-layer 8
