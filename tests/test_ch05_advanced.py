@@ -2,7 +2,10 @@
 same model as single-process training.
 
 Each README command is launched as written (real torchrun subprocesses) with small flags appended
-(argparse keeps the last value of a repeated flag): the tiny GPT, 3 steps, plain SGD.
+(argparse keeps the last value of a repeated flag): the tiny GPT, 3 steps, plain SGD. TP, TP+SP,
+1F1B pipeline, 2-D and HSDP also train the tiny Llama (--arch llama) at the same tolerance, and its
+measured model state and collectives must equal distkit.theory's predictions (section "the tiny
+Llama" below).
 
 Equivalence tolerance: 1e-5 absolute on every parameter after 3 SGD steps (lr 0.5, fp32), against
 one process training the same initial weights on the whole global batch. SGD, not AdamW, because

@@ -64,7 +64,7 @@ def test_tensor_parallel_on_one_gpu(sequence_parallel, tmp_path):
     require_gpus(1)
     results, ckpt = tmp_path / "r.jsonl", tmp_path / "tp.pt"
     gpu_launch(tmp_path, "tensor_parallel.py", *(["--sequence-parallel"] if sequence_parallel else []),
-               without=None if sequence_parallel else "--sequence-parallel", nproc=1,
+               without="--arch llama" if sequence_parallel else "--sequence-parallel", nproc=1,
                extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--save", ckpt))
     expected, losses = reference(16)
     assert_matches(ckpt, expected)
@@ -191,7 +191,7 @@ def test_readme_pipeline_on_four_gpus(tmp_path):
 def test_readme_commands_on_four_gpus(needles, tmp_path):
     require_gpus(4, "one GPU per rank; the meshes are 4 ranks")
     results, ckpt = tmp_path / "r.jsonl", tmp_path / "model_{strategy}.pt"  # both scripts fill {strategy}
-    without = "--sequence-parallel" if needles == ("tensor_parallel.py",) else None
+    without = "--sequence-parallel" if needles == ("tensor_parallel.py",) else "--arch llama"  # the GPT's
     gpu_launch(tmp_path, *needles, without=without,
                extra=(*QUICK, "--global-batch-size", 16, "--results", results, "--save", ckpt))
     expected, losses = reference(16)
