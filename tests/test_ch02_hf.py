@@ -1,0 +1,220 @@
+"""Chapter 02, fsdp_hf_checkpoint.py: a Hugging Face folder in, FSDP2 training, DCP and a Hugging Face
+folder out, checked against Hugging Face's own loader and single-process training.
+
+The test writes its own Hugging Face folder (``save_pretrained`` of a random tiny Llama, vocab 65 so
+dim 0 of the embedding and the LM head is padded on 4 ranks) and runs the README's command on it:
+
+(a) ``--steps 0`` exports the loaded weights unchanged: every tensor of the exported folder equals the
+    input's bit for bit, and ``transformers.LlamaForCausalLM.from_pretrained`` loads it in this process.
+(b) After 4 AdamW steps the exported weights equal single-process training of the same Hugging Face
+    model on the same global batches within FP32_ATOL (2e-4, ch02_common.py; what is left is summation
+    order through Adam: measured below). The bugs it must catch, shown by the negative controls (the
+    script's own source with one piece replaced, tests/workers/mutation.py through ch05_mutant.py):
+    rank 0 loads the folder but does not broadcast it (ranks != 0 keep the uninitialised memory
+    ``to_empty`` gave them), and the RoPE ``inv_freq`` buffers left uninitialised after ``to_empty``.
+(c) The sharded DCP checkpoint holds exactly the exported weights (read back in this process).
+(d) The exported folder's logits (``from_pretrained`` here) equal the trained FSDP model's logits on
+    the first global batch (``--dump-logits``) within LOGITS_ATOL = 1e-5: the same weights in another
+    process, only the batch split and summation order differ. Bug it must catch: a trained model whose
+    RoPE differs from what the exported config tells ``from_pretrained`` to build (the inv_freq mutant).
+Plus: ``--create-hf-in`` on 2 ranks writes a folder ``from_pretrained`` loads, and training from it on
+2 ranks equals single-process training too; bad inputs (a missing folder, a config that disagrees
+with the flags, a folder without safetensors, --arch gpt) are one ``error:`` line.
+
+All launches of this file run in one module fixture, two at a time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, check_ok, readme_argv, run_all
+from launch import WORKERS, assert_one_line_error, load_script, parse_args_result
+
+from distkit import UsageError
+from distkit.models import build_model, import_transformers, model_config
+from workers.reference import train_one_process
+
+SCRIPT = CHAPTER / "fsdp_hf_checkpoint.py"
+CFG = model_config("llama", "tiny", vocab_size=65)
+FLAGS = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
+STEPS = 4
+LOGITS_ATOL = 1e-5
+WIDE = 20  # a negative control must miss the tolerance by at least this factor
+# The negative controls: (piece of fsdp_hf_checkpoint.py, its broken replacement).
+BROADCAST = "set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
+MUTANTS = {
+    # rank 0's weights are broadcast, then every other rank overwrites its shards with a random init:
+    # what a job gets when ranks != 0 skip the load (each initialised the model itself)
+    "no_broadcast": (BROADCAST, BROADCAST + "\n    with torch.no_grad():\n        [p.to_local().normal_(std=0.02) "
+                                "for p in model.parameters() if not ctx.is_main]"),
+    # inv_freq not recomputed, and the memory to_empty gave it happens to be zeros: the kindest
+    # garbage (no rotation at all; garbage with a NaN in it fails by infinity)
+    "no_rope_reinit": ("    reinit_rope_buffers(model)\n", "    model.model.rotary_emb.inv_freq.zero_()\n"),
+}
+
+
+def write_hf_folder(folder, seed=1):
+    """A random tiny Llama saved as a Hugging Face folder (what a download would give)."""
+    transformers = import_transformers()
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(CFG.hf_config()).save_pretrained(folder)
+
+
+def read_folder(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def from_pretrained(folder):
+    return import_transformers().LlamaForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def reference(folder, steps: int) -> dict:
+    """Single-process AdamW training of the folder's model on the whole global batch of each step."""
+    model = build_model(CFG)
+    model.load_state_dict(read_folder(folder))
+    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, 8)[1]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """max |a - b| over every tensor; NaN anywhere (a model trained from garbage) counts as infinite."""
+    assert set(a) == set(b), set(a) ^ set(b)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return math.inf if math.isnan(worst) else worst
+
+
+def logits_diff(folder, dumped) -> float:
+    with torch.no_grad():
+        logits = from_pretrained(folder)(input_ids=dumped["inputs"]).logits
+    worst = (logits - dumped["logits"]).abs().max().item()
+    return math.inf if math.isnan(worst) else worst
+
+
+def dcp_weights(folder, like: dict) -> dict:
+    """The model part of a DCP checkpoint, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ch02_hf")
+    write_hf_folder(tmp / "hf_in")
+
+    def job(name, *extra, hf_in=tmp / "hf_in", nproc=4, steps=STEPS, mutant=None):
+        out = tmp / name
+        argv = readme_argv(HF_CHECKPOINT, *FLAGS, "--steps", steps, "--hf-in", hf_in, "--hf-out", out / "hf",
+                           "--checkpoint-dir", out / "ckpt", "--results", out / "records.jsonl",
+                           "--dump-logits", out / "logits.pt", "--log-every", 1, *extra, nproc=nproc)
+        if mutant:  # the launcher's script argument becomes the mutant worker, the script its argument
+            at = argv.index(str(SCRIPT)) if str(SCRIPT) in argv else argv.index("02-fsdp/fsdp_hf_checkpoint.py")
+            argv[at:at + 1] = [str(WORKERS / "ch05_mutant.py"), str(SCRIPT), *MUTANTS[mutant], "--"]
+        return argv
+
+    results = run_all({
+        "zero4": job("zero4", steps=0),
+        "train4": job("train4"),
+        "create2": job("create2", hf_in=tmp / "created", nproc=2),
+        "no_broadcast": job("no_broadcast", mutant="no_broadcast"),
+        "no_rope_reinit": job("no_rope_reinit", mutant="no_rope_reinit"),
+        "mismatch": job("mismatch", "--n-layer", 3, nproc=2),
+    }, tmp, parallel=2, timeout=600)
+    return tmp, results
+
+
+def test_steps_0_exports_the_input_bit_for_bit(jobs):
+    """(a) on 4 ranks: the loaded, resharded, gathered and re-saved weights are the input's."""
+    tmp, results = jobs
+    out = check_ok(results["zero4"])
+    assert "on rank 0 only" in out and "Hugging Face folder" in out, out[-3000:]
+    given, exported = read_folder(tmp / "hf_in"), read_folder(tmp / "zero4" / "hf")
+    assert set(given) == set(exported)
+    for name in given:
+        assert torch.equal(given[name], exported[name]), name
+    loaded = from_pretrained(tmp / "zero4" / "hf").state_dict()
+    for name in given:
+        assert torch.equal(loaded[name], given[name]), name
+
+
+def test_training_equals_single_process_and_every_output_agrees(jobs):
+    """(b) exported = single-process training (FP32_ATOL); (c) DCP = export exactly; (d) the export's
+    logits under from_pretrained = the trained FSDP model's (LOGITS_ATOL)."""
+    tmp, results = jobs
+    check_ok(results["train4"])
+    exported = read_folder(tmp / "train4" / "hf")
+    expected = reference(tmp / "hf_in", STEPS)
+    moved = max_diff(expected, read_folder(tmp / "hf_in"))
+    diff = max_diff(exported, expected)
+    print(f"train4: max |FSDP - single process| {diff:.2e} (training moved weights {moved:.2e})")
+    assert moved > WIDE * FP32_ATOL  # the comparison would mean nothing if training barely moved them
+    assert diff <= FP32_ATOL, diff
+
+    saved = dcp_weights(tmp / "train4" / "ckpt" / "dcp", exported)
+    for name in exported:
+        assert torch.equal(saved[name], exported[name]), name
+    trainer_state = json.loads((tmp / "train4" / "ckpt" / "dcp" / "trainer_state.json").read_text())
+    assert trainer_state == {"step": STEPS, "world_size": 4, "model": CFG.to_dict()}
+
+    logits = logits_diff(tmp / "train4" / "hf", torch.load(tmp / "train4" / "logits.pt"))
+    print(f"train4: max |from_pretrained logits - FSDP logits| {logits:.2e}")
+    assert logits <= LOGITS_ATOL, logits
+
+
+def test_create_hf_in_then_train_on_2_ranks(jobs):
+    """--create-hf-in writes a folder from_pretrained loads; 2-rank training from it = one process."""
+    tmp, results = jobs
+    out = check_ok(results["create2"])
+    assert "created a random-weights Hugging Face folder" in out, out[-3000:]
+    created = read_folder(tmp / "created")
+    loaded = from_pretrained(tmp / "created").state_dict()
+    assert all(torch.equal(loaded[k], created[k]) for k in created)
+    diff = max_diff(read_folder(tmp / "create2" / "hf"), reference(tmp / "created", STEPS))
+    print(f"create2: max |FSDP - single process| {diff:.2e}")
+    assert diff <= FP32_ATOL, diff
+    assert not [p.name for p in tmp.glob("created*") if p.name != "created"]  # no temporary left
+
+
+def test_negative_controls_fail_the_tolerances(jobs):
+    """A broadcast skipped, or inv_freq left uninitialised: (b) and (d) must fail, far outside."""
+    tmp, results = jobs
+    expected = reference(tmp / "hf_in", STEPS)
+    for name in MUTANTS:
+        check_ok(results[name])
+        diff = max_diff(read_folder(tmp / name / "hf"), expected)
+        logits = logits_diff(tmp / name / "hf", torch.load(tmp / name / "logits.pt"))
+        print(f"{name}: max |weights - single process| {diff:.2e}, |logits| {logits:.2e}")
+        assert diff > WIDE * FP32_ATOL, (name, diff)
+        if name == "no_rope_reinit":  # (d): from_pretrained builds the right RoPE, the job did not
+            assert logits > WIDE * LOGITS_ATOL, (name, logits)
+
+
+def test_bad_input_is_one_error_line(jobs, tmp_path):
+    """A folder of another model: one line on every rank of a 2-rank job (rank 0 finds it, the others
+    are told: nobody waits in a broadcast). The other bad folders take the same path; their messages
+    are checked on rank 0's reader in this process."""
+    tmp, results = jobs
+    assert_one_line_error(results["mismatch"], "another model than the flags say: num_hidden_layers 2 there, 3 here")
+    script = load_script(SCRIPT)
+    assert_one_line_error(parse_args_result(script, "--hf-in", "x", "--arch", "gpt"), "--arch llama only")
+    expected = {k: tuple(v.shape) for k, v in read_folder(tmp / "hf_in").items()}
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(tmp / "hf_in" / "config.json", tmp_path / "no_weights" / "config.json")
+    (tmp_path / "damaged").mkdir()
+    shutil.copy(tmp / "hf_in" / "config.json", tmp_path / "damaged" / "config.json")
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"\x00" * 100)
+    for folder, message in ((tmp_path / "nowhere", "no such folder"),
+                            (SCRIPT.parent, "no readable config.json"),
+                            (tmp_path / "no_weights", "not a folder of safetensors weights"),
+                            (tmp_path / "damaged", "not a folder of safetensors weights")):
+        with pytest.raises(UsageError, match=message):
+            script.read_hf_folder(str(folder), CFG, expected)
+    assert script.read_hf_folder(str(tmp / "hf_in"), CFG, expected).keys() == expected.keys()
