@@ -17,9 +17,18 @@ dim 0 of the embedding and the LM head is padded on 4 ranks) and runs the README
     the first global batch (``--dump-logits``) within LOGITS_ATOL = 1e-5: the same weights in another
     process, only the batch split and summation order differ. Bug it must catch: a trained model whose
     RoPE differs from what the exported config tells ``from_pretrained`` to build (the inv_freq mutant).
+(e) The DCP checkpoint resumes: fsdp_checkpoint.py --resume loads it into 2 ranks bit for bit and two
+    more steps equal six single-process steps (FP32_ATOL).
 Plus: ``--create-hf-in`` on 2 ranks writes a folder ``from_pretrained`` loads, and training from it on
 2 ranks equals single-process training too; bad inputs (a missing folder, a config that disagrees
 with the flags, a folder without safetensors, --arch gpt) are one ``error:`` line.
+
+Measured on 2-core CPU, gloo (tiny Llama, vocab 65, AdamW lr 3e-3, 4 steps, global batch 8; training
+moves the weights by up to 1.2e-2): max |FSDP - single process| 1.2e-5 on 4 ranks, 1.1e-6 on 2, so
+FP32_ATOL (2e-4) is 16x above the correct run; the mutants land at 1.06 (ranks != 0 from random init)
+and 2.4e-2 (inv_freq zeros), 5,000x and 100x above it. Logits: 0 for the correct run (the same
+weights and the same kernels: FSDP's forward on a slice of the batch gave bit-identical logits), 1.6e-2
+for the inv_freq mutant, 1,500x LOGITS_ATOL. (c) and (a) are exact equalities: no tolerance.
 
 All launches of this file run in one module fixture, two at a time.
 """
@@ -33,7 +42,7 @@ import pytest
 import torch
 
 from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, check_ok, readme_argv, run_all
-from launch import WORKERS, assert_one_line_error, load_script, parse_args_result
+from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
 
 from distkit import UsageError
 from distkit.models import build_model, import_transformers, model_config
@@ -128,6 +137,11 @@ def jobs(tmp_path_factory):
         "no_rope_reinit": job("no_rope_reinit", mutant="no_rope_reinit"),
         "mismatch": job("mismatch", "--n-layer", 3, nproc=2),
     }, tmp, parallel=2, timeout=600)
+    # The next run of the job: chapter 02's resume script continues from the DCP checkpoint, on 2 ranks.
+    results.update(run_all({"resume2": [
+        *command_argv("torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py"), "--arch", "llama", *FLAGS,
+        "--steps", STEPS + 2, "--resume", tmp / "train4" / "ckpt" / "dcp", "--checkpoint-dir", tmp / "resume2",
+        "--checkpoint-format", "full", "--dump-loaded", tmp / "resume2" / "loaded.pt"]}, tmp, timeout=600))
     return tmp, results
 
 
@@ -167,6 +181,23 @@ def test_training_equals_single_process_and_every_output_agrees(jobs):
     logits = logits_diff(tmp / "train4" / "hf", torch.load(tmp / "train4" / "logits.pt"))
     print(f"train4: max |from_pretrained logits - FSDP logits| {logits:.2e}")
     assert logits <= LOGITS_ATOL, logits
+
+
+def test_dcp_checkpoint_resumes_training_on_2_ranks(jobs):
+    """The DCP checkpoint is a real training checkpoint: fsdp_checkpoint.py --resume loads it into 2
+    ranks exactly (the exported weights, bit for bit) and 2 more steps equal 6 uninterrupted
+    single-process steps within FP32_ATOL, so the Adam state came back too (a resume without it
+    lands at 1.5e-2: test_ch02_negative.py's resume control, the same load_dcp)."""
+    tmp, results = jobs
+    out = check_ok(results["resume2"])
+    assert "resumed from dcp checkpoint" in out and "(saved by 4 ranks) into 2 ranks" in out, out[-3000:]
+    exported, loaded = read_folder(tmp / "train4" / "hf"), torch.load(tmp / "resume2" / "loaded.pt")
+    assert set(loaded) == set(exported)
+    assert all(torch.equal(loaded[k], exported[k]) for k in exported)
+    continued = torch.load(tmp / "resume2" / "full.pt")["model"]
+    diff = max_diff(continued, reference(tmp / "hf_in", STEPS + 2))
+    print(f"resume2: max |4 steps on 4 ranks + 2 on 2 - 6 single-process steps| {diff:.2e}")
+    assert diff <= FP32_ATOL, diff
 
 
 def test_create_hf_in_then_train_on_2_ranks(jobs):
