@@ -34,7 +34,8 @@ LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
            "mesh_error": (("hybrid_parallelism.py", "nproc_per_node=2"), None),
            "accumulation": (("gradient_accumulation.py",), None),
            "overlap": (("communication_overlap.py",), None),
-           "plot": (("plot_results.py",), None)}
+           "plot": (("plot_results.py",), None),
+           "activation_checkpointing": (("activation_checkpointing.py",), None)}  # test_ch05_ac.py
 QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
 
 
