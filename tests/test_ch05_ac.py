@@ -34,7 +34,7 @@ import torch
 
 from ch05_common import CHAPTER, LOOKUPS, LR, QUICK, STEPS, TOLERANCE, launch, reference
 from distkit.harness import read_records
-from distkit.models import TinyGPT, gpt_config
+from distkit.models import TinyGPT, TokenTask, build_model, gpt_config, lm_loss, model_config
 from launch import assert_one_line_error, load_script, parse_args_result
 from workers.mutation import mutated_source
 from workers.reference import train_one_process
@@ -160,3 +160,27 @@ def test_bad_flags_are_one_line():
         result = parse_args_result(script, *args)
         assert result.returncode == 2, result.stdout
         assert_one_line_error(result, expected)
+
+
+def test_llama_activation_memory_per_block_is_the_formula():
+    """The Llama's formula (activation_bytes_per_layer's docstring), worked out here for the tiny Llama
+    (s 32, b 4, h 64, a 8 query heads, g 4 key/value heads, MLP width I 128; fp32), per token:
+    none 8h + 2h·g/a + 4I + a + 2 floats, full h, selective 5h + 2h·g/a + 2I + a; against the
+    script's own MemTracker measurement of one step in this process (no process group needed),
+    within the same 2%."""
+    script = load_script(SCRIPT)
+    cfg = model_config("llama", "tiny")
+    s, b, h, a, kv, mlp = 32, 4, 64, 8, 2 * 64 * 4 // 8, 128
+    expected = {"none": 4 * s * b * (8 * h + kv + 4 * mlp + a + 2), "full": 4 * s * b * h,
+                "selective": 4 * s * b * (5 * h + kv + 2 * mlp + a)}
+    inputs, targets = TokenTask(cfg, seed=0).global_batch(0, b)
+    for ac, want in expected.items():
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        script.apply_ac_and_compile(model, ac, compiled=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        _, added = script.track_memory(model, optimizer, "ddp", list(model.blocks),
+                                       lambda: lm_loss(model(inputs), targets).backward())
+        assert len(added) == cfg.n_layer
+        assert sum(added) / len(added) == pytest.approx(want, rel=0.02), ac
+        assert script.activation_bytes_per_layer(cfg, b, ac) == want, ac
