@@ -43,7 +43,7 @@ from ch03_common import (CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, exp
 from distkit import UsageError, theory
 from distkit import deepspeed as dk
 from distkit.checkpoint import load_model_state, safe_load
-from distkit.harness import read_records
+from distkit.harness import describe_model, read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 from launch import (load_script, assert_one_line_error, assert_readme_covered, command_argv, free_port, job_env,
                     readme_command, run)
@@ -365,11 +365,11 @@ def test_model_state_is_counted_on_untimed_steps_only(monkeypatch):
 
 
 def test_kernel_inject_without_a_policy_is_one_line(tmp_path):
-    """TinyGPT has no DeepSpeed injection policy: one line saying so, not DeepSpeed's
+    """The small GPT has no DeepSpeed injection policy: one line saying so, not DeepSpeed's
     ``AssertionError: No default policy found!``; prompts longer than the task's sequences too."""
     cfg = gpt_config("tiny")
     checkpoint = tmp_path / "tiny_fp32.pt"
-    torch.save({"model": TinyGPT(cfg).state_dict(), "gpt_config": cfg.to_dict(), "strategy": "zero3",
+    torch.save({"model": TinyGPT(cfg).state_dict(), "model_config": describe_model(cfg), "strategy": "zero3",
                 "steps": 0, "eval_loss": 4.2, "seed": 0}, checkpoint)
     script = CHAPTER / "deepspeed_inference.py"
     for flags, message in ((["--kernel-inject"], "--kernel-inject: DeepSpeed"),
