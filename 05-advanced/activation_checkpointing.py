@@ -231,7 +231,10 @@ def train_one(ac, compiled, args, ctx, cfg, task, log, meshes):
                 memory = track_memory(model, optimizer, args.strategy, blocks, lambda: losses.append(one_step()))
             else:
                 losses.append(one_step())
-        first_step_s = first_step_s if step else time.perf_counter() - started  # where compile happens
+        if step == 0:  # where compile happens; on GPU wait for the step's kernels too
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            first_step_s = time.perf_counter() - started
     peak, measured = (memory[0], sum(memory[1]) / len(memory[1])) if memory else (None, None)  # blocks' mean
     # the formula counts dropout-free blocks: with dropout the masks (and attention's) come on top
     formula = None if getattr(cfg, "dropout", 0) else activation_bytes_per_layer(cfg, args.global_batch_size // ctx.world_size, ac)
