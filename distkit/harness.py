@@ -44,11 +44,11 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 * anything the script adds (``losses``, ``predicted`` ...).
 
 :func:`read_records` returns records in this schema whatever version wrote them
-(:func:`upgrade_record`).
+(:func:`upgrade_record`); both, and :func:`describe_model`, live in :mod:`distkit.record_format`
+(which the theory module reads records with) and are importable from here.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 from .comm_counter import CommCounter, bus_factor
-from .models import GPTConfig, LlamaModelConfig, config_from_dict, gpt_config
+from .models import GPTConfig, LlamaModelConfig, config_from_dict
+from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
 from .runtime import DistContext
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
@@ -73,7 +74,6 @@ __all__ = ["CommCounter", "Harness", "RECORD_SCHEMA", "RegionTimer", "StepTimer"
            "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss",
            "throughput_metrics", "upgrade_record"]
 
-RECORD_SCHEMA = 2  # the harness record described above; read_records upgrades older ones
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
@@ -459,18 +459,6 @@ class Harness:
         return record
 
 
-def describe_model(model_config: GPTConfig | LlamaModelConfig | dict[str, Any] | None) -> dict[str, Any] | None:
-    """The record's ``model`` field: ``{"arch": "gpt"|"llama", <config fields>}``, a dict that already
-    names its ``arch``, or None."""
-    if model_config is None:
-        return None
-    if isinstance(model_config, (GPTConfig, LlamaModelConfig)):
-        return {"arch": model_config.arch, **model_config.to_dict()}
-    if "arch" not in model_config:
-        raise ValueError(f"a model description needs an 'arch' key, got {sorted(model_config)}")
-    return dict(model_config)
-
-
 def make_record(ctx: DistContext, strategy: str, *, metrics: dict[str, Any],
                 model: GPTConfig | dict[str, Any] | None = None, param_count: int | None = None,
                 config: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -500,60 +488,3 @@ def _param_count(model: torch.nn.Module | None) -> int | None:
     if model is None:
         return None
     return sum(p.numel() for p in model.parameters())
-
-
-def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON record as a line to ``path`` (JSON Lines), creating folders as needed."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a results file (JSON Lines), oldest first, in the current schema."""
-    with open(path) as f:
-        return [upgrade_record(json.loads(line)) for line in f if line.strip()]
-
-
-def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A record written by an older schema, read with today's definitions.
-
-    * Before schema 1, throughput came from the *mean* step time (``step_time_s_mean``) while the
-      median was reported. What one step processed is their throughput x their mean step time, so
-      the median-based throughput of today follows from fields the record already holds.
-    * Before schema 2 the model's configuration sat in different places: ``benchmark.gpt`` (the
-      benchmark runner), ``config.gpt``, ``config.model_size`` plus overrides, or a name string in
-      ``config.model``. Schema 2 keeps it in one top-level ``model`` field (:func:`describe_model`).
-    """
-    metrics = record.get("metrics") or {}
-    mean = metrics.pop("step_time_s_mean", None)
-    median = metrics.get("step_time_s_median")
-    if mean:
-        for kind in ("samples", "tokens"):
-            rate = metrics.get(f"{kind}_per_s")
-            per_step = rate * mean if rate else 0.0
-            metrics[f"{kind}_per_step"] = per_step
-            metrics[f"{kind}_per_s"] = per_step / median if per_step and median else None
-    if (record.get("schema") or 0) < 2 and "model" not in record:
-        record["model"] = _model_of_old_record(record)
-    if "metrics" in record or "strategy" in record:
-        record["schema"] = max(record.get("schema") or 0, RECORD_SCHEMA)
-    return record
-
-
-def _model_of_old_record(record: dict[str, Any]) -> dict[str, Any] | None:
-    config = record.get("config") or {}
-    bench = record.get("benchmark") or {}
-    if isinstance(bench.get("gpt"), dict):  # the benchmark runner stored the exact config of its cell
-        return describe_model(GPTConfig(**bench["gpt"]))
-    if isinstance(config.get("gpt"), dict):
-        return describe_model(GPTConfig(**config["gpt"]))
-    if isinstance(config.get("model"), str):  # e.g. chapter 05's MLP: a name, no GPT
-        return {"arch": config["model"]}
-    if "model_size" in config:
-        fields = GPTConfig.__dataclass_fields__
-        overrides = {k: config[k] for k in fields if config.get(k) is not None}
-        overrides.update(config.get("gpt_overrides") or {})
-        return describe_model(gpt_config(config["model_size"], **overrides))
-    return None

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .harness import bus_factor, upgrade_record
+from .comm_counter import bus_factor
+from .record_format import upgrade_record
 from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict
 
 # Every strategy the benchmark knows, in the order plots show them.
