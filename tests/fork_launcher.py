@@ -62,12 +62,14 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
 # these differently from the server imports them itself, so it sees exactly what it asked for.
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
                         "LD_", "DS_", "DEEPSPEED")
-# ... except these, which nothing reads while importing: torch sets the inductor cache folder in
-# os.environ of any process that imported it (so a job started by such a process carries it),
-# DeepSpeed reads its extension folder when it builds an op, and output buffering and .pyc writing
-# change no imported state.
-IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED",
-                          "PYTHONDONTWRITEBYTECODE")
+# ... except these, which nothing reads while importing, and which libraries leave in the
+# environment of the process that starts a job: torch sets the inductor cache folder in any process
+# that imported it, accelerate (through peft) leaves PYTORCH_NVML_BASED_CUDA_CHECK behind after
+# asking whether CUDA is there (read by torch.cuda.is_available at call time), DeepSpeed reads its
+# extension folder when it builds an op, and output buffering and .pyc writing change no imported
+# state. tests/test_fork_launcher.py fails if jobs stop reaching the server.
+IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_EXTENSIONS_DIR",
+                          "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
 
 
 def _preimport(script: str) -> None:

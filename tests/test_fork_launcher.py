@@ -53,9 +53,10 @@ def _ranks_say(out: str) -> list[str]:
 
 
 def test_a_job_forks_from_the_server_with_torchruns_environment(fork_server, job, tmp_path):
-    # A process that imported torch carries TORCHINDUCTOR_CACHE_DIR into its jobs' environment:
-    # that must not keep them off the server (it once kept every job off).
-    env = job_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    # A process that imported torch carries TORCHINDUCTOR_CACHE_DIR into its jobs' environment, one
+    # that imported peft PYTORCH_NVML_BASED_CUDA_CHECK: neither may keep them off the server (each
+    # once kept every job of the suite off it).
+    env = job_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTORCH_NVML_BASED_CUDA_CHECK="1")
     out = torchrun(job, "a", "b", nproc=3, env=env, timeout=120).stdout
     expected = [f"rank {r}/3 local {r} sum 6 args ['a', 'b']" for r in range(3)]
     assert _ranks_say(out) == expected, out
