@@ -364,11 +364,16 @@ class Harness:
             self._timed_samples += samples
             self._timed_tokens += tokens
 
+    def _declared_config(self) -> GPTConfig | LlamaModelConfig | dict[str, Any] | None:
+        """``model_config``, else the model's own ``cfg`` (the small GPT and the Llama say what they
+        are; DDP wraps the model it trains)."""
+        if self.model_config is not None:
+            return self.model_config
+        return getattr(getattr(self.model, "module", self.model), "cfg", None)
+
     def _model_config(self) -> GPTConfig | LlamaModelConfig | None:
-        """The transformer's config (from ``model_config`` or the model's ``cfg``), else None."""
-        config = self.model_config
-        if config is None:
-            config = getattr(getattr(self.model, "module", self.model), "cfg", None)
+        """The transformer's config (:meth:`_declared_config` as a config object), else None."""
+        config = self._declared_config()
         if isinstance(config, dict) and config.get("arch") in ("gpt", "llama"):
             config = config_from_dict(config)
         return config if isinstance(config, (GPTConfig, LlamaModelConfig)) else None
@@ -440,10 +445,7 @@ class Harness:
             "comm_per_step": per_rank[0]["comm_per_step"],
         }
         param_count = self.param_count if self.param_count is not None else _param_count(self.model)
-        model_config = self.model_config
-        if model_config is None:
-            inner = getattr(self.model, "module", self.model)  # DDP wraps the model it trains
-            model_config = getattr(inner, "cfg", None)  # the small GPT and the Llama say what they are
+        model_config = self._declared_config()
         transformer = self._model_config()
         if transformer is not None:
             from .theory import training_flops_per_token
