@@ -22,6 +22,7 @@ COLLECTIVES = ["all_gather", "reduce_scatter", "all_reduce"]
 STATE = ["params", "grads", "optimizer"]
 # What the harness measured as "peak memory" (the record's peak_memory_kind) -> the column header.
 PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
+              "cpu_mem_tracker": "peak memory MiB (max rank, MemTracker)",
               "cuda_max_allocated": "peak GPU memory allocated MiB (max rank)"}
 # Config keys that differ between the strategies of one launch; every other key (and the model,
 # device, backend, world size) must match, or the table would set numbers of different runs side by

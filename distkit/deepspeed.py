@@ -299,6 +299,7 @@ class ZeroHarness(Harness):
 
     def attach(self, engine, client_optimizer: torch.optim.Optimizer) -> None:
         self._engine = engine
+        self._client_optimizer = client_optimizer
         self._snapshot: dict[str, int] = {}
         self._counting = False
         client_optimizer.register_step_post_hook(lambda opt, args, kwargs: self._take_snapshot(opt))
@@ -333,6 +334,14 @@ class ZeroHarness(Harness):
 
     def state_bytes(self) -> dict[str, int]:
         return dict(getattr(self, "_snapshot", {}) or {"params": 0, "grads": 0, "optimizer": 0})
+
+    def memory_externals(self) -> list:
+        """What the engine holds outside the module's parameters, for the memory tracker: the client
+        optimizer (its state; its parameters are ZeRO's fp32 partitions, which the tracker files
+        under temporaries, "Other") and, at stage 3, each parameter's partition (``ds_tensor``)."""
+        inner = [p for group in self._client_optimizer.param_groups for p in group["params"]]
+        partitions = [p.ds_tensor for p in self._engine.module.parameters() if hasattr(p, "ds_tensor")]
+        return [self._client_optimizer, *inner, *partitions]
 
 
 def engine_settings(engine) -> dict[str, object]:

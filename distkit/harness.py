@@ -5,14 +5,20 @@ Three measurements, one JSON record per run:
 * **time**: a step timer that skips warm-up steps; on GPU it synchronises the device so a step's
   time includes its kernels, on CPU it reads ``time.perf_counter``. A run's step time is the median timed step
   of its slowest rank; throughput is what one step processes / that step time (one definition).
-* **memory per rank**: on GPU ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS.
-  On both, the bytes of parameters, gradients and optimizer state this rank *holds* (sharded
-  tensors count only their local shard), which is what the ZeRO/FSDP formulas predict.
+* **memory per rank**: on GPU ``torch.cuda.max_memory_allocated``. On CPU the peak that
+  ``torch.distributed._tools.mem_tracker.MemTracker`` measures on the instrumented step: the bytes of
+  every tensor storage alive at the step's peak, by category (parameters, gradients, optimizer state,
+  activations, temporaries and communication buffers), exactly, where the process's peak RSS (kept
+  as a secondary figure) adds some 330 MiB of interpreter and libraries that hide every difference
+  between strategies. The categories are recorded on GPU too. On both, the bytes of parameters,
+  gradients and optimizer state this rank *holds* (sharded tensors count only their local shard),
+  which is what the ZeRO/FSDP formulas predict.
 * **communication per step by collective**, counted from the collectives that really ran: a
   ``TorchDispatchMode`` (:class:`~distkit.comm_counter.CommCounter`) sees every ``c10d`` operation (DDP's C++ bucket all-reduce, FSDP's
   all-gather and reduce-scatter, DTensor's functional collectives, DeepSpeed's calls) with its
   tensors and process group, and adds up their sizes. Counting runs on its own step(s) after the
-  warm-up and never on a timed step, so it adds nothing to the measured step time.
+  warm-up (the *instrumented* step, which also tracks memory) and never on a timed step, so it adds
+  nothing to the measured step time.
 
 For every collective the record keeps the payload (``bytes``: the tensor handed to the collective,
 the *total* buffer for gathers/scatters as nccl-tests counts it) and ``bus_bytes``: the bytes each
@@ -36,8 +42,11 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 * ``param_count``: the full model's parameters (not a shard's);
 * ``config``: the script's settings (global batch, precision, mesh, micro-batches, engine settings);
 * ``metrics``: the measurement (for training runs: ``step_time_s_median``, ``samples_per_step``,
-  ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes``,
-  ``peak_rss_bytes``, ``model_state_bytes`` and ``comm_per_step``; for transformers also
+  ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes`` (what
+  ``peak_memory_kind`` says: ``cuda_max_allocated``, ``cpu_mem_tracker``, or ``cpu_peak_rss`` where
+  MemTracker could not run, e.g. compiled code), ``peak_memory_by_category`` (MemTracker's peak
+  folded into :data:`MEMORY_CATEGORIES`, or None), ``peak_rss_bytes``, ``model_state_bytes`` and
+  ``comm_per_step``; for transformers also
   throughput as practitioners report it: ``tokens_per_s_per_device``, ``model_flops_per_token``
   (:func:`distkit.theory.training_flops_per_token`), ``peak_flops_per_s`` (measured on each rank's
   device by :func:`measure_peak_flops` at the end of the run, the slowest rank's) and ``mfu``);
@@ -49,6 +58,7 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
@@ -56,7 +66,8 @@ import shlex
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+import weakref
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -69,10 +80,11 @@ from .record_format import RECORD_SCHEMA, append_record, describe_model, read_re
 from .runtime import DistContext
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
-__all__ = ["CommCounter", "Harness", "RECORD_SCHEMA", "RegionTimer", "StepTimer", "append_record", "bus_factor",
-           "describe_model", "fresh_memory_peak", "machine_info", "make_record", "measure_peak_flops",
-           "model_state_bytes", "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss",
-           "throughput_metrics", "upgrade_record"]
+__all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "RECORD_SCHEMA", "RegionTimer", "StepTimer",
+           "append_record", "bus_factor", "describe_model", "fresh_memory_peak", "is_compiled", "machine_info",
+           "make_record", "measure_peak_flops", "memory_tracker", "model_state_bytes", "peak_by_category",
+           "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss", "throughput_metrics",
+           "upgrade_record"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +122,116 @@ def model_state_bytes(model: torch.nn.Module | None = None,
             states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
             "optimizer": _unique_bytes(states)}
+
+
+# MemTracker's categories (FSDPMemTracker's finer ones included), folded into the five the formulas
+# speak of: communication buffers (FSDP2's all-gather / reduce-scatter outputs, DDP's gradient
+# buckets), inputs and tensors registered from outside count as temporaries.
+MEMORY_CATEGORIES = {"params": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
+                     "grads": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+                     "optimizer": ("Optstate", "OptState"), "activations": ("Activation",),
+                     "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Other")}
+
+
+def is_compiled(modules: torch.nn.Module | Iterable[torch.nn.Module] | None) -> bool:
+    """Whether any of these modules (or their submodules) runs ``torch.compile``d code."""
+    if modules is None:
+        return False
+    for root in [modules] if isinstance(modules, torch.nn.Module) else modules:
+        for module in root.modules():
+            if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
+                return True
+    return False
+
+
+def _called_again_at_top(tracker, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a top-level module running its forward again within the tracked step."""
+    if module not in tracker.memory_tracking or tracker._mod_tracker.is_bw:
+        return False
+    return set(tracker._mod_tracker.parents) - {tracker._mod_tracker.get_known_fqn(module)} == {"Global"}
+
+
+def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
+                   externals: Iterable[Any] = ()):
+    """A ``MemTracker`` for one training step of ``model`` (enter it around the step), with the
+    model's parameters, buffers and gradients, the optimizer's state and ``externals`` (tensors,
+    modules, optimizers created before the step) registered. An FSDP2 root gets
+    ``FSDPMemTracker``, which also knows the sharded/unsharded parameters and the all-gather and
+    reduce-scatter buffers.
+
+    A step may run a model's forward several times (gradient accumulation, a pipeline stage per
+    micro-batch); torch's trackers refuse a top-level module's second forward (they keep per-module
+    statistics per iteration), so the module's statistics are forgotten first: only the step's peak
+    by category is read, and it does not depend on them. Tensors created before the step and never
+    registered are seen once an op writes them (in-place ops return them), e.g. DDP's gradient
+    buckets; tensors only read are not seen."""
+    from torch.distributed.fsdp import FSDPModule
+
+    step_tracker, step_fsdp_tracker = _step_trackers()
+    if isinstance(model, FSDPModule):
+        tracker = step_fsdp_tracker(model, optimizer)
+        rest = list(externals)
+    else:
+        tracker = step_tracker()
+        rest = [x for x in (model, optimizer, *externals) if x is not None]
+    if rest:
+        tracker.track_external(*rest)
+    return tracker
+
+
+@functools.cache
+def _step_trackers():
+    """torch's two trackers, letting a top-level module run forward again within the step (imported
+    on first use: ``torch.distributed._tools`` takes most of a second to import)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def forget_if_called_again(tracker, module: torch.nn.Module) -> None:
+        """Before a top-level forward: if this module already ran forward in the step, drop its
+        per-module statistics (the tracker would refuse the second forward)."""
+        if tracker._mod_tracker.is_bw:
+            return
+        if module in tracker._forwarded and module in tracker.memory_tracking:
+            del tracker.memory_tracking[module]
+        tracker._forwarded.add(module)
+
+    class StepMemTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._forwarded = weakref.WeakSet()
+
+        def _pre_fw_hook(self, module, inputs):
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                forget_if_called_again(self, module)
+            super()._pre_fw_hook(module, inputs)
+
+    class StepFSDPMemTracker(FSDPMemTracker):
+        def __init__(self, mod, optm=None):
+            super().__init__(mod, optm)
+            self._forwarded = weakref.WeakSet()
+
+        def __enter__(self):
+            # before FSDP's own pre-forward, which FSDPMemTracker wraps
+            self._forget_handle = self._root_mod.register_forward_pre_hook(
+                lambda module, args: forget_if_called_again(self, module), prepend=True)
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            self._forget_handle.remove()
+            return super().__exit__(*args)
+
+    return StepMemTracker, StepFSDPMemTracker
+
+
+def peak_by_category(tracker) -> dict[str, int]:
+    """A tracker's peak snapshot, summed over devices and folded into :data:`MEMORY_CATEGORIES`,
+    plus ``total`` (MemTracker's own total at the peak)."""
+    peak = {name: 0 for name in MEMORY_CATEGORIES} | {"total": 0}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for name, kinds in MEMORY_CATEGORIES.items():
+            peak[name] += sum(snapshot.get(kind, 0) for kind in kinds)
+        peak["total"] += snapshot["Total"]
+    return peak
 
 
 def peak_rss_bytes() -> int:
@@ -297,8 +419,13 @@ def throughput_metrics(tokens_per_s: float | None, world_size: int, flops_per_to
 class Harness:
     """Measures a training loop: ``with harness.step(samples=...): <one optimizer step>``.
 
-    Step order: ``warmup_steps`` untimed steps, then ``comm_steps`` steps with communication counted
-    (untimed: counting intercepts every op), then timed steps. ``samples`` / ``tokens`` are the
+    Step order: ``warmup_steps`` untimed steps, then ``comm_steps`` *instrumented* steps (untimed:
+    instruments intercept every op): communication counted on each, memory tracked by category
+    (:func:`memory_tracker`) on the first, unless ``track_memory`` is False or the model runs
+    compiled code (instrumented steps of a compiled model run eager: a dispatch mode would make
+    Dynamo fall back to eager for good; eager memory is not the compiled model's, so such runs report
+    the CPU peak RSS), then timed steps. During the memory-tracked step :attr:`memory_tracker` is the
+    running tracker (scripts may read it from hooks), else None. ``samples`` / ``tokens`` are the
     number processed by the whole job in that step (the global batch), the same value on every rank.
     Call :meth:`finish` on every rank at the end; it gathers all ranks' numbers and, on rank 0,
     appends the record to ``results_file``.
@@ -324,6 +451,9 @@ class Harness:
     param_count: int | None = None
     state_modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None
     compute_dtype: torch.dtype = torch.float32
+    track_memory: bool = True
+    memory_tracker: Any = field(init=False, default=None)
+    _memory_peak: dict[str, int] | None = field(init=False, default=None)
     _timer: StepTimer = field(init=False)
     _comm: CommCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
@@ -350,8 +480,22 @@ class Harness:
             if index < self.warmup_steps:
                 yield
             else:
-                with self._comm:
+                with ExitStack() as instruments:
+                    if is_compiled(self._tracked_module()):
+                        # Dynamo runs code under a dispatch mode eagerly and keeps it eager for the
+                        # rest of the process; under the force_eager stance it is not consulted at all,
+                        # so the compiled code is used again on the timed steps. The collectives
+                        # (module hooks, the DDP reducer, DTensor) are the same in eager.
+                        instruments.enter_context(torch.compiler.set_stance("force_eager"))
+                    instruments.enter_context(self._comm)
+                    if index == self.warmup_steps and self._may_track_memory():
+                        self.memory_tracker = memory_tracker(self._tracked_module(), self.optimizer,
+                                                             self.memory_externals())
+                        instruments.enter_context(self.memory_tracker)
                     yield
+                if self.memory_tracker is not None:
+                    self._memory_peak = peak_by_category(self.memory_tracker)
+                    self.memory_tracker = None
                 self._comm_done += 1
             # Gradients and optimizer state exist after a step; keep the largest sample. Only on
             # untimed steps: walking every tensor must not add to a measured step.
@@ -363,6 +507,19 @@ class Harness:
                 yield
             self._timed_samples += samples
             self._timed_tokens += tokens
+
+    def _tracked_module(self) -> torch.nn.Module | None:
+        if self.state_modules is None or isinstance(self.state_modules, torch.nn.Module):
+            return self.model if self.state_modules is None else self.state_modules
+        return torch.nn.ModuleList(list(self.state_modules))
+
+    def _may_track_memory(self) -> bool:
+        return self.track_memory and not is_compiled(self._tracked_module())
+
+    def memory_externals(self) -> list[Any]:
+        """Tensors, modules or optimizers held before the step that the memory tracker must count
+        besides the model and the optimizer (override for engines with their own copies)."""
+        return []
 
     def _declared_config(self) -> GPTConfig | LlamaModelConfig | dict[str, Any] | None:
         """``model_config``, else the model's own ``cfg`` (the small GPT and the Llama say what they
@@ -395,7 +552,11 @@ class Harness:
     def local_metrics(self) -> dict[str, Any]:
         """This rank's numbers (no communication)."""
         times = self._timer.times
-        peak = peak_memory_bytes(self.ctx.device)
+        peak, kind = peak_memory_bytes(self.ctx.device), "cpu_peak_rss"
+        if self.ctx.device.type == "cuda":
+            kind = "cuda_max_allocated"
+        elif self._memory_peak is not None:
+            peak, kind = self._memory_peak["total"], "cpu_mem_tracker"
         # Measured after the run on every rank at once (ranks sharing CPU cores measure their share);
         # only for transformers, whose FLOPs per token are known.
         flops = measure_peak_flops(self.ctx.device, self.compute_dtype) if self._model_config() else None
@@ -405,7 +566,8 @@ class Harness:
             "time_s": sum(times),
             "step_time_s_median": statistics.median(times) if times else None,
             "peak_memory_bytes": peak,
-            "peak_memory_kind": "cuda_max_allocated" if self.ctx.device.type == "cuda" else "cpu_peak_rss",
+            "peak_memory_kind": kind,
+            "peak_memory_by_category": self._memory_peak,
             "peak_rss_bytes": peak_rss_bytes(),
             "model_state_bytes": self._state_bytes or self.state_bytes(),
             "comm_per_step": self._comm.summary(max(self._comm_done, 1)) if self._comm_done else {},
@@ -439,6 +601,7 @@ class Harness:
             "tokens_per_s": tokens_per_step / step_s if step_s and tokens_per_step else None,
             "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
             "peak_memory_kind": per_rank[0]["peak_memory_kind"],
+            "peak_memory_by_category_per_rank": [m["peak_memory_by_category"] for m in per_rank],
             "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
             "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
             "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],

@@ -577,6 +577,46 @@ def mixed_precision_state_per_gpu(strategy: str, psi: float, n: int, *, tp: int 
 
 
 # ----------------------------------------------------------------------------------------------
+# Activations: what one block keeps from forward for backward
+# ----------------------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(cfg, micro_batch: int, ac: str) -> int:
+    """Bytes one block keeps from its forward for its backward, fp32, dropout 0.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198, section 4.1): s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit training
+    (s sequence, b micro-batch, h width, a heads). Their 34*sbh: LayerNorm inputs 4, QKV input 2,
+    Q and K 4, V 2, output-projection input 2, MLP input 2, GELU input 8 (4h wide), GELU output 8,
+    two 1-byte dropout masks 2. Their 5*a*s^2*b: softmax output 2, its dropout mask 1, dropout output 2.
+
+    This model in fp32 with dropout 0: every 2-byte tensor takes 4 and the masks vanish, so the
+    sbh terms are 2 * 32 = 64*sbh. PyTorch's attention (SDPA, flash-style on CPU and GPU) keeps no
+    s x s matrix: it saves Q, K, V, its output O and one log-sum-exp per row and head (4*a*s*b
+    bytes), and recomputes the scores in backward. O is the output projection's input, already
+    counted (the kernel returns it in (b, s, heads, head_dim) layout, so no copy is made). Add
+    LayerNorm's mean and 1/std (2 floats per token, 2 norms): 16*s*b. So none = 64*sbh + 4*asb + 16*sb.
+
+    Full AC keeps the block's input only: 4*sbh (Korthikanti's 2sbh in 16-bit). Selective AC
+    (``SAVE_OPS`` of ``05-advanced/activation_checkpointing.py``) keeps the input (1), the outputs of the matmuls (Q, K, V: 3, output projection
+    1, MLP up 4 and down 1) and attention's output O (1) and log-sum-exp: 4*11*sbh + 4*asb, and
+    recomputes the norms, GELU and residual adds in backward.
+
+    The Llama (``--arch llama``, per token, 4 bytes each): each RMSNorm keeps its normalized input
+    and its output (2h, plus 1/rms: 1 float), Q h, K and V h*g/a each (g key/value heads), O h, the
+    residual sum h, the block output h, SwiGLU's gate, SiLU, up and product 4*I (I the MLP width), the
+    log-sum-exp a: none = 4sb*(8h + 2hg/a + 4I + a + 2). Selective keeps the input, the q/k/v/o
+    projections' and the MLP's three matmul outputs, and O: 4sb*(5h + 2hg/a + 2I + a).
+    """
+    s, b, h, a = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_head
+    if isinstance(cfg, LlamaModelConfig):
+        kv, mlp = 2 * h * cfg.n_kv_head // a, cfg.intermediate_size
+        per_token = {"none": 8 * h + kv + 4 * mlp + a + 2, "full": h, "selective": 5 * h + kv + 2 * mlp + a}
+    else:
+        per_token = {"none": 16 * h + a + 4, "full": h, "selective": 11 * h + a}
+    return 4 * s * b * per_token[ac]
+
+
+# ----------------------------------------------------------------------------------------------
 # Records: the prediction for the cell a harness record measured, and the comparison
 # ----------------------------------------------------------------------------------------------
 

@@ -281,7 +281,7 @@ def test_cpu_jobs_on_a_gpu_host_stay_on_the_cpu(tmp_path):
             "--results", results, nproc=2, backend=None)
     record = read_records(results)[0]
     assert (record["backend"], record["device"], record["metrics"]["peak_memory_kind"]) == (
-        "gloo", "cpu", "cpu_peak_rss")
+        "gloo", "cpu", "cpu_mem_tracker")
     gpus = gpu_count()
     if gpus >= 4:
         pytest.skip(f"{gpus} GPUs: more ranks than GPUs would mean {gpus + 1} CPU ranks; checked --device cpu only")

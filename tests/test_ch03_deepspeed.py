@@ -133,7 +133,7 @@ def test_zero_memory_record_renders_the_readme_section(zero_memory):
     assert record["command"].startswith("torchrun --nproc_per_node=4 03-deepspeed/zero_memory.py")
     table = record["table"]
     assert [row["strategy"] for row in table["rows"]] == STRATEGIES
-    assert all(row["peak_memory_kind"] == "cpu_peak_rss" and row["peak_memory_bytes_max"] > 0
+    assert all(row["peak_memory_kind"] == "cpu_mem_tracker" and row["peak_memory_bytes_max"] > 0
                for row in table["rows"])
     psi, n = table["param_count"], table["world_size"]
     for row in table["rows"]:  # the formula columns come from distkit.theory
