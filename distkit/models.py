@@ -382,6 +382,9 @@ def add_model_args(parser, default_size: str = "small") -> None:
     group.add_argument("--seq-len", type=positive_int, default=None,
                        help="override the preset's sequence length")
     group.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary")
+    group.add_argument("--tie-embeddings", choices=["on", "off"], default=None,
+                       help="override whether the output layer shares the embedding's weight (--arch llama; "
+                            "llama-3.2-1b ties them)")
 
 
 def model_config_from_args(args) -> "GPTConfig | LlamaModelConfig":
@@ -389,10 +392,13 @@ def model_config_from_args(args) -> "GPTConfig | LlamaModelConfig":
     from .runtime import UsageError
 
     arch = getattr(args, "arch", "gpt")
-    if arch != "llama" and getattr(args, "n_kv_head", None) is not None:
-        raise UsageError("--n-kv-head applies to --arch llama only")
+    for flag in ("n_kv_head", "tie_embeddings"):
+        if arch != "llama" and getattr(args, flag, None) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --arch llama only")
     overrides = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
                      vocab_size=args.vocab_size)
     if arch == "llama":
         overrides["n_kv_head"] = getattr(args, "n_kv_head", None)
+        tie = getattr(args, "tie_embeddings", None)
+        overrides["tie_embeddings"] = None if tie is None else tie == "on"
     return model_config(arch, args.model_size, **overrides)
