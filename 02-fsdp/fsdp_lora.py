@@ -113,20 +113,19 @@ def local_bytes(tensors):
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
 
-class LoraHarness(Harness):
-    """The chapter's harness, with the model state it measures split into the frozen base and the
-    trainable adapters (``base_*`` / ``adapter_*``); ``params``/``grads``/``optimizer`` stay the totals."""
-
-    def state_bytes(self):
-        split = {}
-        for part, wanted in (("base", False), ("adapter", True)):
-            params = [p for p in self.model.parameters() if p.requires_grad == wanted]
-            moments = [v for p in params for v in self.optimizer.state.get(p, {}).values() if v.dim() > 0]
-            split.update({f"{part}_params": local_bytes(params),
-                          f"{part}_grads": local_bytes(p.grad for p in params if p.grad is not None),
-                          f"{part}_optimizer": local_bytes(moments)})
-        totals = {kind: split[f"base_{kind}"] + split[f"adapter_{kind}"] for kind in ("params", "grads", "optimizer")}
-        return {**totals, **split}
+def lora_state_bytes(model, optimizer):
+    """This rank's model-state bytes split into the frozen base and the trainable adapters
+    (``base_*`` / ``adapter_*``: params, grads, optimizer). The harness records the totals
+    (``model_state_bytes_per_rank``); this split goes into a record field of its own
+    (``lora_state_bytes_per_rank``), so summing either one never counts a byte twice."""
+    split = {}
+    for part, wanted in (("base", False), ("adapter", True)):
+        params = [p for p in model.parameters() if p.requires_grad == wanted]
+        moments = [v for p in params for v in optimizer.state.get(p, {}).values() if v.dim() > 0]
+        split.update({f"{part}_params": local_bytes(params),
+                      f"{part}_grads": local_bytes(p.grad for p in params if p.grad is not None),
+                      f"{part}_optimizer": local_bytes(moments)})
+    return split
 
 
 def predicted_bytes(cfg, args, world_size):
@@ -206,8 +205,8 @@ def main(argv=None):
         config = {"script": "fsdp_lora", "global_batch_size": args.global_batch_size, "lr": args.lr,
                   "lora_r": args.lora_r, "lora_alpha": args.lora_alpha, "target_modules": list(args.target_modules),
                   "trainable_params": trainable, "sharding": "full_shard"}
-        harness = LoraHarness(ctx, "fsdp_lora", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                              config=config, param_count=total)
+        harness = Harness(ctx, "fsdp_lora", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                          config=config, param_count=total)
         task, losses = TokenTask(cfg, seed=args.seed), []
         for step in progress(range(args.steps), ctx.rank, total=args.steps, desc="lora"):
             inputs, targets = rank_batch(task, step, args, ctx)
@@ -217,8 +216,13 @@ def main(argv=None):
                 dist.all_reduce(loss := loss.detach().clone())  # outside harness.step: not counted
                 losses.append((step, loss.item() / ctx.world_size))
                 log.info(f"step {step:4d} | loss {losses[-1][1]:.4f}")
+        # After the last step every rank holds its gradients and AdamW moments: split its bytes into
+        # base and adapters, and gather the split for the record (a collective: every rank calls it).
+        split = [None] * ctx.world_size
+        dist.all_gather_object(split, lora_state_bytes(model, optimizer))
         predicted = predicted_bytes(cfg, args, ctx.world_size)
-        record = harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
+        record = harness.finish(args.results, extra={"lora_state_bytes_per_rank": split,
+                                                     "predicted": predicted, "losses": losses})
         if ctx.is_main:
             report(record, predicted, trainable, total, ctx.world_size, log)
 
@@ -239,7 +243,7 @@ def main(argv=None):
 
 def report(record, predicted, trainable, total, world_size, log):
     """Rank 0's measured bytes next to the formulas, and what full fine-tuning would hold."""
-    state = record["metrics"]["model_state_bytes_per_rank"][0]
+    state = record["lora_state_bytes_per_rank"][0]
     log.info(f"rank-0 frozen base: params {state['base_params']:,} B, grads {state['base_grads']:,} B, "
              f"optimizer {state['base_optimizer']:,} B (formula: params / {world_size} = "
              f"{predicted['base_params']:,} B, no grads, no optimizer state)")
@@ -251,10 +255,16 @@ def report(record, predicted, trainable, total, world_size, log):
     if comm:
         log.info(f"per step: all-gather {int(comm['all_gather']['bytes']):,} B (base + adapters), "
                  f"reduce-scatter {int(comm['reduce_scatter']['bytes']):,} B (the adapters' gradients only)")
-    lora_state = sum(state[k] for k in ("params", "grads", "optimizer"))
+    lora_state = sum(record["metrics"]["model_state_bytes_per_rank"][0].values())  # params + grads + optimizer
     full_ft = 16 * total // world_size  # params + grads + two AdamW moments, fp32, all sharded
     log.info(f"model state per rank: {lora_state:,} B with LoRA vs {full_ft:,} B (16 B x {total:,} params "
              f"/ {world_size}) for full fine-tuning under FSDP: {full_ft / lora_state:.1f}x less")
+    peak = record["metrics"]["peak_memory_by_category_per_rank"][0]  # MemTracker's, on the instrumented step
+    if peak:
+        log.info(f"rank-0 peak memory of one step: {peak['total']:,} B = activations {peak['activations']:,} + "
+                 f"params {peak['params']:,} (shards + gathered layers) + temporaries {peak['temporaries']:,} + "
+                 f"optimizer {peak['optimizer']:,} + grads {peak['grads']:,} at that moment: LoRA shrank the "
+                 f"model state, not the activations")
 
 
 if __name__ == "__main__":

@@ -164,11 +164,14 @@ def test_adapter_checkpoint_is_small_and_reloads(launches, reference):
 
 
 def test_per_rank_bytes_match_the_formula(launches, reference):
-    """Every rank's bytes as the harness measured them: the frozen base holds its parameters / N and
-    no gradient or optimizer state; the adapters r (d_in + d_out) per adapted matrix / N, the same as
-    gradients, twice that as AdamW moments. Exact (the tiny model's dims divide by 4: no padding).
-    The reduce-scatter carries the adapters' gradients only."""
-    tmp, _, _ = launches
+    """Every rank's bytes as the script measured them (the record's ``lora_state_bytes_per_rank``):
+    the frozen base holds its parameters / N and no gradient or optimizer state; the adapters r (d_in
+    + d_out) per adapted matrix / N, the same as gradients, twice that as AdamW moments. Exact (the
+    tiny model's dims divide by 4: no padding). The harness's ``model_state_bytes_per_rank`` holds the
+    three totals only (what benchmarks/plot.py and distkit.theory sum: a base/adapter split inside it
+    was counted twice). The reduce-scatter carries the adapters' gradients only. MemTracker's peak
+    holds at least the shards and the AdamW moments, and its categories add up to its total."""
+    tmp, _, output = launches
     (record,) = read_records(tmp / "records.jsonl")
     n = record["world_size"]
     model = reference[2]
@@ -183,12 +186,18 @@ def test_per_rank_bytes_match_the_formula(launches, reference):
     expected = {"base_params": 4 * base // n, "base_grads": 0, "base_optimizer": 0,
                 "adapter_params": 4 * adapter // n, "adapter_grads": 4 * adapter // n,
                 "adapter_optimizer": 8 * adapter // n}
-    for rank, state in enumerate(record["metrics"]["model_state_bytes_per_rank"]):
-        assert {k: state[k] for k in expected} == expected, rank
-        assert state["params"] == state["base_params"] + state["adapter_params"], rank
+    assert record["lora_state_bytes_per_rank"] == [expected] * n
+    totals = {"params": 4 * total // n, "grads": 4 * adapter // n, "optimizer": 8 * adapter // n}
+    assert record["metrics"]["model_state_bytes_per_rank"] == [totals] * n
     comm = record["metrics"]["comm_per_step"]
     assert comm["reduce_scatter"]["bytes"] == 4 * adapter
-    assert math.isclose(record["metrics"]["model_state_bytes_per_rank"][0]["params"], 4 * total / n)
+    assert record["metrics"]["peak_memory_kind"] == "cpu_mem_tracker"
+    for peak in record["metrics"]["peak_memory_by_category_per_rank"]:
+        assert sum(v for k, v in peak.items() if k != "total") == peak["total"]
+        assert peak["params"] >= totals["params"] and peak["optimizer"] >= totals["optimizer"]
+    # the printout shows the record's numbers
+    assert f"rank-0 adapters: params {4 * adapter // n:,} B, grads {4 * adapter // n:,} B" in output
+    assert f"rank-0 peak memory of one step: {record['metrics']['peak_memory_by_category_per_rank'][0]['total']:,} B" in output
 
 
 def test_bad_input_gives_one_error_line():
