@@ -699,3 +699,69 @@ def compare_record(record: dict) -> dict[str, Any]:
                            for r in comm_rows] or [0.0]),
         "comm_bytes_rank0": {"measured": total(comm_rows, "measured"), "predicted": total(comm_rows, "predicted")},
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning at scale (``distkit.planner``): the busiest rank's share without listing every rank
+# ----------------------------------------------------------------------------------------------
+
+def fsdp_rank_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool, rank: int = 0,
+                         local_shapes: dict | None = None, gather_bytes: int = 4) -> tuple[dict, dict]:
+    """:func:`fsdp_prediction` for the one rank ``rank`` of the shard group: the same state and the
+    same collectives, in time linear in the parameters. ``fsdp_prediction`` lists every rank's
+    share (parameters x shard group squared: two minutes for the Llama-3.1-8B shape over 512 ranks),
+    which a planner asking "does rank 0 fit?" for 1 to 512 GPUs cannot wait for. Rank 0 holds the
+    most: ``torch.chunk`` gives the first ranks ``ceil(rows / n)`` rows and the last ones the rest.
+    ``tests/test_planner.py`` checks it equals ``fsdp_prediction`` rank by rank."""
+    shapes = local_shapes or shapes
+    blocks, root = _units(shapes)
+    padded = {name: fsdp_padded_numel(shape, shard) for name, shape in shapes.items()}
+
+    def rows(length: int) -> int:  # chunk_sizes(length, shard)[rank], without the list
+        size = math.ceil(length / shard)
+        return max(0, min(size, length - rank * size))
+
+    held = sum(rows(shape[0]) * _numel(shape[1:]) if shape else 1 for shape in shapes.values())
+    comm: dict = {}
+    if shard > 1:
+        gathers = 2 if reshard_blocks else 1
+        for unit in blocks:
+            _add(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
+        _add(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
+        for unit in [*blocks, root]:
+            _add(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
+    if replicas > 1:
+        for unit in [*blocks, root]:
+            _add(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
+    return _adamw_state(held), comm
+
+
+def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, world_size: int,
+                            global_batch_size: int, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`predict` for the rank holding the most model state (the one that decides whether a
+    configuration fits): ``{"rank", "state": {"params", "grads", "optimizer"}, "comm": {...},
+    "param_count"}``. The FSDP family (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HSDP,
+    FSDP x TP) goes through :func:`fsdp_rank_prediction` for rank 0, which holds the most of every
+    parameter; every other strategy through :func:`predict` itself (linear in the ranks)."""
+    knobs = knobs or {}
+    shapes = param_shapes(cfg)
+    n = world_size
+    psi = sum(_numel(s) for s in shapes.values())
+    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_hybrid_shard", "hsdp"):
+        shard = {"fsdp_full_shard": n, "fsdp_shard_grad_op": n, "fsdp_no_shard": 1}.get(strategy)
+        shard = shard or int(knobs.get("shard", 2))
+        state, comm = fsdp_rank_prediction(shapes, shard, n // shard,
+                                           reshard_blocks=strategy not in ("fsdp_shard_grad_op", "fsdp_no_shard"))
+        return {"rank": 0, "state": state, "comm": comm, "param_count": psi}
+    if strategy == "fsdp_tp_2d":
+        tp = int(knobs.get("tp", 2))
+        dp = n // tp
+        local = {k: _tp_local_shape(k, s, tp, 0) for k, s in shapes.items()}
+        state, comm = fsdp_rank_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
+        tp_comm = megatron_tp_bytes(cfg, global_batch_size // dp, tp)
+        _add(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)
+        return {"rank": 0, "state": state, "comm": comm, "param_count": psi}
+    pred = predict(strategy, cfg, n, global_batch_size, knobs)
+    rank = max(range(n), key=lambda r: sum(pred["state_per_rank"][r].values()))
+    return {"rank": rank, "state": pred["state_per_rank"][rank], "comm": pred["comm_per_rank"][rank],
+            "param_count": psi}

@@ -1,0 +1,150 @@
+"""Does it fit, which strategy, how fast: the planner's answer for a model on a cluster.
+
+    python benchmarks/plan.py --model llama-3.1-8b --seq-len 8192 --global-batch 128 --gpus 8 --gpu h100
+    python benchmarks/plan.py --model llama-3.2-1b --gpus 4 --gpu l4 --activation-checkpointing full --json
+
+Every strategy gets memory per GPU in five parts, whether it fits, a step time and tokens/s per
+GPU; the last lines name the fastest configuration that fits and why each other one lost. The
+numbers come from ``distkit.planner`` (its docstring says how), whose every byte count is
+``distkit.theory``'s, the formulas the chapters measure against. GPU figures are datasheet peaks
+and stated link assumptions (``--help`` lists the overrides); ``--gpu cpu --calibrate FILE`` uses
+this machine's measured records instead.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from distkit import ArgumentParser, UsageError, run_main
+from distkit import planner
+from distkit.flags import positive_float, positive_int
+from distkit.models import MODEL_PRESETS, model_config
+
+MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
+          for arch, presets in MODEL_PRESETS.items() for size in presets}
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(
+        description="Plan a training job: per strategy the memory per GPU (parameters, gradients, optimizer "
+                    "state, activations, temporaries), whether it fits, the predicted step time and tokens/s "
+                    "per GPU, and the fastest configuration that fits.",
+        epilog="example: python benchmarks/plan.py --model llama-3.1-8b --seq-len 8192 --global-batch 128 "
+               "--gpus 64 --gpu h100 --activation-checkpointing full")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b",
+                       help="a named shape of distkit.models (default: llama-3.1-8b)")
+    model.add_argument("--seq-len", type=positive_int, help="sequence length (default: the preset's)")
+    model.add_argument("--n-layer", type=positive_int, help="override: transformer blocks")
+    model.add_argument("--hidden", type=positive_int, help="override: model width (n_embd)")
+    model.add_argument("--heads", type=positive_int, help="override: attention heads")
+    model.add_argument("--kv-heads", type=positive_int, help="override: key/value heads (Llama)")
+    model.add_argument("--intermediate-size", type=positive_int, help="override: MLP width (Llama)")
+    model.add_argument("--vocab-size", type=positive_int, help="override: vocabulary")
+    model.add_argument("--params", type=positive_float,
+                       help="parameters wanted (e.g. 7e9): the shape keeps its width and gets as many blocks "
+                            "as come closest")
+    job = parser.add_argument_group("job")
+    job.add_argument("--global-batch", type=positive_int, default=None,
+                     help="sequences per optimizer step (default: 1M tokens' worth)")
+    job.add_argument("--global-batch-tokens", type=positive_int, help="tokens per optimizer step instead")
+    job.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward (default: 1)")
+    job.add_argument("--precision", choices=planner.PRECISIONS, default="bf16",
+                     help="bf16 mixed precision (fp32 master weights) or fp32 (default: bf16)")
+    job.add_argument("--optimizer", choices=planner.OPTIMIZERS, default="adamw", help="(default: adamw)")
+    job.add_argument("--activation-checkpointing", choices=planner.AC_MODES, default="none",
+                     help="what each block keeps for backward (default: none)")
+    job.add_argument("--offload", action="store_true",
+                     help="allow CPU offload of the optimizer state (ZeRO-3 offload) to be recommended")
+    job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
+    hw = parser.add_argument_group("cluster")
+    hw.add_argument("--gpus", type=positive_int, default=8, help="GPUs in the job (default: 8)")
+    hw.add_argument("--gpus-per-node", type=positive_int, help="(default: the GPU type's usual node, 8; L4: 4)")
+    hw.add_argument("--gpu", choices=[*planner.GPUS, "cpu"], default="h100",
+                    help="GPU type from the table in distkit/planner.py, or cpu (needs --calibrate) (default: h100)")
+    hw.add_argument("--gpu-memory-gib", type=positive_float, help="override: memory per GPU")
+    hw.add_argument("--peak-tflops", type=positive_float, help="override: peak dense TFLOP/s in --precision")
+    hw.add_argument("--efficiency", type=positive_float, help="achievable fraction of the peak (default: 0.4)")
+    hw.add_argument("--usable-memory", type=positive_float,
+                    help="fraction of GPU memory a job can fill (default: 0.9)")
+    hw.add_argument("--intra-bw-gbps", type=positive_float, help="override: bus GB/s inside a node")
+    hw.add_argument("--intra-latency-us", type=positive_float, help="override: latency per collective step inside a node")
+    hw.add_argument("--inter-bw-gbps", type=positive_float, help="override: bus GB/s per GPU between nodes")
+    hw.add_argument("--inter-latency-us", type=positive_float, help="override: latency per step between nodes")
+    hw.add_argument("--bandwidth-records", metavar="FILE",
+                    help="alpha-beta per collective from 04-nccl-operations/bandwidth_test.py records of your machine")
+    hw.add_argument("--calibrate", metavar="FILE",
+                    help="with --gpu cpu: a benchmark results file (with bandwidth sweeps) of this machine")
+    out = parser.add_argument_group("output")
+    out.add_argument("--strategies", nargs="+", choices=planner.STRATEGIES, help="(default: all)")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
+    args = parser.parse_args(argv)
+    if args.usable_memory is not None and args.usable_memory > 1:
+        parser.error(f"argument --usable-memory: must be at most 1, got {args.usable_memory:g}")
+    if args.efficiency is not None and args.efficiency > 1:
+        parser.error(f"argument --efficiency: must be at most 1, got {args.efficiency:g}")
+    if args.gpu == "cpu" and not args.calibrate:
+        parser.error("--gpu cpu needs --calibrate FILE (a results file of this machine with bandwidth sweeps)")
+    return args
+
+
+def build_plan(args) -> planner.Plan:
+    arch, size = MODELS[args.model]
+    overrides = {key: value for key, value in (
+        ("seq_len", args.seq_len), ("n_layer", args.n_layer), ("n_embd", args.hidden), ("n_head", args.heads),
+        ("vocab_size", args.vocab_size)) if value}
+    if arch == "llama":
+        overrides.update({k: v for k, v in (("n_kv_head", args.kv_heads),
+                                            ("intermediate_size", args.intermediate_size)) if v})
+    elif args.kv_heads or args.intermediate_size:
+        raise UsageError("--kv-heads and --intermediate-size describe a Llama; pick a llama --model")
+    cfg = model_config(arch, size, **overrides)
+    if args.params:
+        cfg = planner.with_params(cfg, args.params)
+    if args.global_batch and args.global_batch_tokens:
+        raise UsageError("give --global-batch (sequences) or --global-batch-tokens, not both")
+    tokens = args.global_batch_tokens or (None if args.global_batch else 2 ** 20)
+    batch = args.global_batch or max(1, round(tokens / cfg.seq_len))
+    return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
+                        optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
+                        lora_rank=args.lora_rank)
+
+
+def build_cluster(args) -> planner.Cluster:
+    if args.gpu == "cpu":
+        base = planner.cpu_cluster(planner.read_matrix(args.calibrate), args.gpus)
+        return planner.override_cluster(base, gpus_per_node=args.gpus_per_node)
+    cl = planner.cluster(args.gpu, args.gpus, args.gpus_per_node)
+    collectives = None
+    if args.bandwidth_records:
+        collectives = planner.fit_collectives(planner.read_matrix(args.bandwidth_records))
+    return planner.override_cluster(
+        cl, memory_gib=args.gpu_memory_gib, peak_tflops=args.peak_tflops, precision=args.precision,
+        efficiency=args.efficiency, usable_memory=args.usable_memory, intra_bw_gbps=args.intra_bw_gbps,
+        intra_latency_us=args.intra_latency_us, inter_bw_gbps=args.inter_bw_gbps,
+        inter_latency_us=args.inter_latency_us, collectives=collectives)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    plan, cluster = build_plan(args), build_cluster(args)
+    estimates = planner.estimate_all(plan, cluster, args.strategies or planner.STRATEGIES)
+    rec = planner.recommend(estimates, cluster, allow_offload=args.offload)
+    if args.json:
+        print(json.dumps(planner.report_json(plan, cluster, estimates, rec), indent=1, default=_finite))
+    else:
+        print(planner.format_report(plan, cluster, estimates, rec))
+    if args.plot:
+        planner.plot_estimates(estimates, cluster, args.plot, title=planner.describe(plan, cluster))
+        if not args.json:
+            print(f"plot: {args.plot}")
+
+
+def _finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,966 @@
+"""Does it fit, which strategy, how fast: the chapters' formulas turned into a planner.
+
+For a model (a :mod:`distkit.models` config), a batch, a precision and a cluster of GPUs, every
+strategy of the repository gets an :class:`Estimate`: memory per GPU in five parts (parameters,
+gradients, optimizer state, activations, temporaries), whether it fits, a step time (compute +
+exposed communication + pipeline bubble + optimizer step) and tokens/s per GPU. :func:`recommend`
+picks the fastest configuration that fits and says in one line why each other one lost.
+
+Every byte count comes from :mod:`distkit.theory`, the module the chapters print their predictions
+from and the benchmarks measure against: model state from
+:func:`~distkit.theory.busiest_rank_prediction` (the fp32 AdamW bytes the CPU matrix measures to
+the byte, converted to the plan's precision and optimizer the ZeRO paper's way), collectives from
+the same call, activations from :func:`~distkit.theory.activation_bytes_per_layer`, FLOPs from
+:func:`~distkit.theory.training_flops_per_token`, the bubble from
+:func:`~distkit.theory.pipeline_bubble`. What the planner adds is *time* and *placement*:
+
+* compute = training FLOPs per GPU x the recompute of activation checkpointing / (achievable
+  fraction x peak FLOP/s of the precision);
+* communication = per collective call ``alpha + bus_bytes / beta`` (alpha-beta, Hockney), beta
+  the intra-node link when the collective's group fits in a node, else the inter-node one, minus
+  what the strategy can hide behind compute (DDP and ZeRO-1/2 overlap their gradient reduction with
+  backward, FSDP and ZeRO-3 prefetch their gathers under forward and backward, tensor parallelism
+  and the pipeline's sends sit on the critical path, ZeRO-1/2's weight gather follows the step);
+* the pipeline stretches compute by 1 / (1 - bubble).
+
+GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity) and stated assumptions for
+links and efficiency, labelled as such; :func:`cpu_cluster` calibrates a CPU "cluster" from the
+records this repository measures (collective alpha/beta from the bandwidth sweep, matmul FLOP/s and
+a compute efficiency from the benchmark matrix), and :func:`validate` puts every prediction next to
+the measurement of every matrix cell.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable
+
+from . import theory
+from .errors import UsageError
+from .models import LlamaModelConfig, model_config
+
+GiB = 2 ** 30
+
+# ----------------------------------------------------------------------------------------------
+# Hardware: GPU types and links
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as the alpha-beta model sees it: ``bandwidth`` bus bytes/s one rank reaches on it
+    (what nccl-tests calls busbw) and ``latency`` seconds per collective step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator type. ``memory_bytes``: what the framework can allocate (before the usable
+    fraction of :class:`Cluster`); ``peak_flops``: dense FLOP/s per precision (``bf16``: tensor
+    cores; ``fp32``: plain FP32, which is what PyTorch matmuls use unless TF32 is allowed);
+    ``hbm_bandwidth``: bytes/s of device memory (the optimizer step is bound by it);
+    ``intra``/``inter``: default links inside a node and between nodes (per GPU);
+    ``host_link``: bytes/s to CPU memory (offload); ``source``: where the numbers come from."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: dict
+    hbm_bandwidth: float
+    intra: Link
+    inter: Link
+    host_link: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+
+# Datasheet figures (NVIDIA product briefs; dense, i.e. without the 2:4-sparsity doubling), the
+# memory as torch.cuda reports it, and ASSUMED achievable link speeds: 80% of one direction of the
+# NVLink / PCIe link inside a node, and of one 400 (H100, H200) / 200 (A100) / 100 Gb/s (L4, for the
+# whole node) network port per GPU between nodes. Override any of them from the CLI.
+_NV4 = Link(0.8 * 450e9, 10e-6)   # NVLink 4: 900 GB/s both directions
+_NV3 = Link(0.8 * 300e9, 10e-6)   # NVLink 3: 600 GB/s both directions
+GPUS: dict[str, GPU] = {
+    "h100": GPU("H100 SXM 80GB", 79.2 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, _NV4,
+                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H100 SXM5, 989 TFLOP/s bf16 dense, 67 fp32"),
+    "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
+                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
+    "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+    "a100-40gb": GPU("A100 SXM 40GB", 39.4 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.56e12, _NV3,
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+    "l4": GPU("L4 24GB", 22.5 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 0.3e12, Link(0.8 * 32e9, 15e-6),
+              Link(0.8 * 12.5e9 / 4, 30e-6), 0.8 * 32e9, 4,
+              "datasheet: L4, 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 fp32; PCIe Gen4, no NVLink"),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
+
+    ``efficiency``: the achievable fraction of the peak FLOP/s (0.4 is what well-tuned FSDP runs of
+    Llama models report as MFU on H100s; an assumption); ``usable_memory``: the fraction of the GPU's
+    memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
+    ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
+    share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
+    (collective, group size) (:func:`cpu_cluster`), which replace the links when given;
+    ``cores``: CPU cores the ranks of a node share (compute then runs at cores / ranks of a core
+    each), None for GPUs."""
+
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    efficiency: float = 0.4
+    usable_memory: float = 0.9
+    overlap: bool = True
+    collectives: dict | None = None
+    cores: int | None = None
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.gpu.memory_bytes * self.usable_memory
+
+
+def cluster(gpu: str | GPU, gpus: int, gpus_per_node: int | None = None, **overrides) -> Cluster:
+    """A :class:`Cluster` of a :data:`GPUS` type (or a :class:`GPU`), fields overridden by keyword."""
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+        gpu = GPUS[gpu]
+    per_node = gpus_per_node or min(gpu.gpus_per_node, gpus)
+    if gpus < 1 or per_node < 1:
+        raise UsageError(f"need at least one GPU, got --gpus {gpus} --gpus-per-node {per_node}")
+    return Cluster(gpu=gpu, gpus=gpus, gpus_per_node=min(per_node, gpus), **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# The job: model, batch, precision
+# ----------------------------------------------------------------------------------------------
+
+PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to train: ``model`` (a GPT or Llama config of :mod:`distkit.models`; its ``seq_len`` is
+    the sequence length), ``global_batch`` sequences per optimizer step, ``micro_batch`` sequences
+    per GPU per forward (the rest is gradient accumulation), ``precision`` fp32 or bf16 (mixed:
+    bf16 weights, gradients and activations, fp32 master weights in the optimizer),
+    ``optimizer`` adamw (two moments) or sgd (with momentum: one), ``ac`` activation
+    checkpointing, ``offload`` whether CPU-offload configurations may be chosen, ``lora_rank`` and
+    ``lora_targets`` the adapters of the LoRA row, ``microbatches`` for the pipeline (None: as many
+    micro-batches of ``micro_batch`` as one replica's share of the batch holds)."""
+
+    model: Any
+    global_batch: int
+    micro_batch: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    ac: str = "none"
+    offload: bool = False
+    lora_rank: int = 16
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    microbatches: int | None = None
+
+    def __post_init__(self):
+        for name, value, allowed in (("precision", self.precision, PRECISIONS),
+                                     ("optimizer", self.optimizer, OPTIMIZERS), ("ac", self.ac, AC_MODES)):
+            if value not in allowed:
+                raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise UsageError(f"global batch and micro-batch must be >= 1, got {self.global_batch}, {self.micro_batch}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: the five parts
+# ----------------------------------------------------------------------------------------------
+
+PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+def state_bytes(fp32_state: dict, plan: Plan, zero: bool = False) -> dict[str, float]:
+    """Convert :mod:`distkit.theory`'s fp32 AdamW state of one rank to the plan's precision and
+    optimizer. fp32 AdamW is theory's own count (4 + 4 + 8 bytes per element held; DeepSpeed's
+    ZeRO keeps a separate fp32 master partition even in fp32: 12). bf16 mixed precision counts the
+    ZeRO paper's way: 2 bytes of weights and 2 of gradients per element held, and K bytes of
+    optimizer state per partition element: 12 for AdamW (fp32 master, two moments), 8 for SGD
+    (master, momentum). fp32 SGD keeps one momentum (4; ZeRO: plus the master copy, 8)."""
+    k_theory = 12 if zero else 8
+    elems = fp32_state["optimizer"] / k_theory
+    if plan.precision == "fp32":
+        k = {"adamw": 8, "sgd": 4}[plan.optimizer] + (4 if zero else 0)
+        return {"params": fp32_state["params"], "grads": fp32_state["grads"], "optimizer": elems * k}
+    k = {"adamw": 12, "sgd": 8}[plan.optimizer]
+    return {"params": fp32_state["params"] / 2, "grads": fp32_state["grads"] / 2, "optimizer": elems * k}
+
+
+def _act_dtype_bytes(plan: Plan) -> float:
+    return 2.0 if plan.precision == "bf16" else 4.0
+
+
+def _replicated_per_token(cfg, ac: str) -> int:
+    """Floats per token of a block's saved activations that tensor parallelism (without sequence
+    parallelism) does NOT split: the norms' inputs and outputs (the column-parallel layers' inputs
+    are full on every TP rank) and their statistics; the rest (Q, K, V, attention output, the MLP's
+    wide tensors) is split over the TP ranks. Full AC keeps the block input only, replicated."""
+    h = cfg.n_embd
+    if ac in ("full", "selective"):
+        return h
+    return 6 * h + 2 if isinstance(cfg, LlamaModelConfig) else 4 * h + 4
+
+
+def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, sp: bool = False,
+                     in_flight: float = 1.0, with_head: bool = True) -> float:
+    """Activations one GPU keeps alive at the top of backward: ``layers`` blocks of ``micro_batch``
+    sequences (:func:`distkit.theory.activation_bytes_per_layer`, fp32; bf16 halves it), split over
+    ``tp`` ranks as :func:`_replicated_per_token` says (all of it with sequence parallelism), times
+    the ``in_flight`` micro-batches a pipeline stage holds; plus, ``with_head``, the loss's fp32
+    log-probabilities ``b x s x vocab`` and the final norm's input (the LM head's input is saved too)."""
+    cfg = plan.model
+    per_layer = theory.activation_bytes_per_layer(cfg, micro_batch, plan.ac)
+    if tp > 1:
+        replicated = min(per_layer, 4 * cfg.seq_len * micro_batch * _replicated_per_token(cfg, plan.ac))
+        per_layer = per_layer / tp if sp else replicated + (per_layer - replicated) / tp
+    total = layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4
+    if with_head:
+        tokens = cfg.seq_len * micro_batch
+        total += tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Time: alpha-beta communication, compute, overlap
+# ----------------------------------------------------------------------------------------------
+
+def collective_time(cluster: Cluster, collective: str, group: int, calls: float, bus_bytes: float,
+                    spans_nodes: bool) -> float:
+    """Seconds for ``calls`` calls of ``collective`` moving ``bus_bytes`` bus bytes in all over a
+    ``group`` of ranks: ``calls x alpha + bus_bytes / beta``. Measured fits (``cluster.collectives``,
+    the nearest group size) when the cluster has them; else the link (intra-node, or inter-node when
+    the group spans nodes) with alpha = latency x ceil(log2 group) (a tree's depth: NCCL's small
+    messages) and beta = the link's bus bandwidth."""
+    if group <= 1 or (calls == 0 and bus_bytes == 0):
+        return 0.0
+    if cluster.collectives:
+        name = "all_reduce" if collective in ("send", "recv", "broadcast") else collective
+        fits = {g: v for (c, g), v in cluster.collectives.items() if c == name} or \
+               {g: v for (c, g), v in cluster.collectives.items() if c == "all_reduce"}
+        alpha, beta = fits[min(fits, key=lambda g: (abs(g - group), -g))]
+    else:
+        link = cluster.gpu.inter if spans_nodes else cluster.gpu.intra
+        alpha, beta = link.latency * math.ceil(math.log2(group)), link.bandwidth
+    return calls * alpha + bus_bytes / beta
+
+
+def _comm_seconds(cluster: Cluster, comm: dict, group: int, spans_nodes: bool, scale: float = 1.0,
+                  calls_scale: float = 1.0, only: Iterable[str] | None = None) -> float:
+    """Alpha-beta seconds of a theory ``comm`` dict ({collective: {calls, bytes, bus_bytes}}) over one
+    group; ``scale`` multiplies the bytes (precision), ``calls_scale`` the calls (micro-batches).
+    Calls theory leaves open (None: DDP's buckets, DeepSpeed's flat buffers) count as one per 25 MiB
+    bucket."""
+    total = 0.0
+    for name, stat in comm.items():
+        if name == "barrier" or (only is not None and name not in only):
+            continue
+        calls = stat["calls"] if stat["calls"] is not None else max(1, math.ceil(stat["bytes"] / (25 * 2 ** 20)))
+        total += collective_time(cluster, name, group, calls * calls_scale, stat["bus_bytes"] * scale, spans_nodes)
+    return total
+
+
+def compute_rate(cluster: Cluster, plan: Plan) -> float:
+    """Achieved FLOP/s of one GPU (one rank): efficiency x peak of the precision; CPU ranks sharing
+    ``cores`` run at cores / ranks-per-node of a core each when they oversubscribe them."""
+    peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
+    share = min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
+    return cluster.efficiency * peak * share
+
+
+def _flops_per_token(plan: Plan, lora: bool = False) -> float:
+    """theory's ``6N + 12Lsd`` (model FLOPs), plus the forward that full AC recomputes (2N + 4Lsd:
+    hardware FLOPs that the step takes time for), and for LoRA minus the frozen weights' gradient
+    matmuls (2N: backward computes input gradients only)."""
+    cfg = plan.model
+    full = theory.training_flops_per_token(cfg)
+    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    matmul = full - attention
+    flops = full
+    if plan.ac == "full":
+        flops += (matmul + attention) / 3
+    if lora:
+        flops -= matmul / 3
+    return flops
+
+
+# ----------------------------------------------------------------------------------------------
+# One estimate per configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    """One configuration: ``name`` (the strategy), ``layout`` (dp/tp/pp/shard sizes, micro-batches),
+    ``memory_bytes`` per GPU by :data:`PARTS` (+ ``total``), ``fits``, ``step_time_s`` and its parts
+    (``compute_s``, ``comm_s`` (all communication), ``exposed_comm_s`` (what compute does not hide),
+    ``bubble_s``, ``optimizer_s``), ``tokens_per_s_per_gpu``, ``note`` (why it cannot run, when it
+    cannot: ``valid`` is then False)."""
+
+    name: str
+    layout: dict
+    memory_bytes: dict
+    fits: bool
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    times: dict = field(default_factory=dict)
+    valid: bool = True
+    note: str = ""
+    offload: bool = False
+    lora: bool = False
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "valid": self.valid, "fits": self.fits, "layout": self.layout,
+                "memory_bytes": self.memory_bytes, "step_time_s": self.step_time_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "times_s": self.times, "note": self.note}
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp_shard_grad_op", "fsdp_full_shard",
+              "fsdp_hybrid_shard", "fsdp_tp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "lora_fsdp")
+
+
+def _invalid(name: str, layout: dict, note: str) -> Estimate:
+    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total")}, False, math.inf, 0.0, valid=False,
+                    note=note)
+
+
+def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed_s, bubble_s=0.0,
+            optimizer_s=None, **flags) -> Estimate:
+    memory = {**state, "activations": act, "temporaries": temp}
+    memory["total"] = sum(memory[p] for p in PARTS)
+    if optimizer_s is None:  # read and write every state byte once: memory-bound
+        optimizer_s = 2 * sum(state.values()) / cluster.gpu.hbm_bandwidth
+    step = compute_s + bubble_s + exposed_s + optimizer_s
+    times = {"compute_s": compute_s, "bubble_s": bubble_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
+             "optimizer_s": optimizer_s}
+    return Estimate(name, layout, memory, memory["total"] <= cluster.capacity_bytes, step,
+                    plan.tokens_per_step / cluster.gpus / step, times, **flags)
+
+
+def _data_parallel_layout(plan: Plan, dp: int, name: str) -> tuple[dict, str | None]:
+    per_replica = plan.global_batch / dp
+    if per_replica < 1 or per_replica != int(per_replica):
+        return {}, f"the global batch {plan.global_batch} does not split over {dp} data-parallel ranks"
+    micro = min(plan.micro_batch, int(per_replica))
+    if per_replica % micro:
+        return {}, f"{int(per_replica)} sequences per rank do not split into micro-batches of {micro}"
+    return {"dp": dp, "micro_batch": micro, "accumulation": int(per_replica) // micro}, None
+
+
+def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
+    """DDP, ZeRO-1/2/3 (+ offload), FSDP SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD, LoRA with FSDP:
+    every GPU a data-parallel rank, accumulation over micro-batches of ``plan.micro_batch``."""
+    n, cfg = cluster.gpus, plan.model
+    layout, problem = _data_parallel_layout(plan, n, name)
+    if problem:
+        return _invalid(name, {"dp": n}, problem)
+    theory_name = {"lora_fsdp": "fsdp_full_shard"}.get(name, name)
+    knobs = {}
+    if name == "fsdp_hybrid_shard":
+        knobs["shard"] = cluster.gpus_per_node if n % cluster.gpus_per_node == 0 else n
+        layout["shard"] = knobs["shard"]
+    if name.startswith("zero3"):
+        knobs["stage3_max_live_parameters"] = 1e9  # DeepSpeed's default window
+    pred = theory.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
+    psi = pred["param_count"]
+    zero = name.startswith("zero") and name != "zero0"
+    state = state_bytes(pred["state"], plan, zero=zero)
+    if name == "zero1":  # theory counts at the optimizer step; through backward ZeRO-1 holds every gradient
+        state["grads"] = psi * (2 if plan.precision == "bf16" else 4)
+    lora = name == "lora_fsdp"
+    if lora:  # frozen base, sharded; adapters (r x (d_in + d_out) per adapted matrix) replicated-ish
+        shapes = theory.param_shapes(cfg)
+        adapters = sum(plan.lora_rank * (s[0] + s[1]) for k, s in shapes.items()
+                       if len(s) == 2 and k.split(".")[-2] in plan.lora_targets)
+        w = _act_dtype_bytes(plan)
+        state = {"params": pred["state"]["params"] / 4 * w + adapters / n * 4,
+                 "grads": adapters / n * 4,
+                 "optimizer": adapters / n * {"adamw": 8, "sgd": 4}[plan.optimizer]}
+        layout["adapter_params"] = adapters
+    offload = name.endswith("_offload")
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    # fp32 gathers/reductions of theory; bf16 gathers move half, gradient reductions in bf16 too
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    shard_group = knobs.get("shard", n)
+    spans = n > cluster.gpus_per_node
+    comm = pred["comm"]
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan, lora) / compute_rate(cluster, plan)
+    backward_s = compute_s * 2 / 3
+    w = _act_dtype_bytes(plan)
+    act = activation_bytes(plan, cfg.n_layer, micro)
+    unit = _block_params(cfg)
+    if name == "ddp":
+        # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False)
+        temp = state["grads"]
+        t_grad = _comm_seconds(cluster, comm, n, spans, scale)
+        exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
+        comm_s = t_grad
+    elif name in ("zero1", "zero2"):
+        temp = min(psi, 5e8) * w  # DeepSpeed's reduce bucket (reduce_bucket_size 5e8 elements)
+        t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
+        t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
+        if name == "zero2":
+            t_grad *= accum
+        exposed = (max(0.0, t_grad - backward_s) if cluster.overlap else t_grad) + t_gather
+        comm_s = t_grad + t_gather
+    else:  # FSDP / ZeRO-3 / LoRA: gathers and reduce-scatters per micro-batch, prefetched under compute
+        gathered = 2 * unit * w  # the running unit and the prefetched one, unsharded
+        if name.startswith("zero3"):
+            gathered = min(psi, 1e9) * w  # stage3_max_live_parameters stay gathered
+        # + the reduce-scatter input of a unit (fp32 gradients); LoRA's base has no gradients
+        temp = gathered + (0 if lora else 2 * unit * 4)
+        t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
+                                only=("all_gather", "reduce_scatter"))
+        if lora:  # frozen base: gathers only (reduce-scatters carry the adapters' few gradients)
+            t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
+                                    only=("all_gather",))
+        t_rep = _comm_seconds(cluster, comm, n // shard_group, True, 1.0, only=("all_reduce",))
+        t_total = (t_shard + t_rep) * accum
+        first = t_shard * accum / max(2 * cfg.n_layer + 1, 1)  # the first gather is never hidden
+        exposed = (max(first, t_total - compute_s) if cluster.overlap else t_total)
+        comm_s = t_total
+    optimizer_s = None
+    if offload:  # gradients down, weights up over the host link; the optimizer runs on the CPU
+        moved = (state["grads"] + state["params"])
+        optimizer_s = moved / cluster.gpu.host_link + state["optimizer"] / 12 * 16 / 10e9
+        state = {**state, "optimizer": 0.0}
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed,
+                   optimizer_s=optimizer_s, offload=offload, lora=lora)
+
+
+def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimate:
+    """Megatron TP over ``tp`` GPUs of a node (per block: 2 all-reduces of ``b x s x h`` forward, 2
+    backward, on the critical path), FSDP FULL_SHARD of each TP shard over the ``gpus / tp``
+    data-parallel ranks (theory's ``fsdp_tp_2d``; pure ``tp`` when they are 1)."""
+    n, cfg = cluster.gpus, plan.model
+    name = "fsdp_tp"
+    dp = n // tp
+    layout, problem = _data_parallel_layout(plan, dp, name)
+    if problem:
+        return _invalid(name, {"tp": tp, "dp": dp}, problem)
+    layout["tp"] = tp
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    if dp == 1:
+        pred = theory.busiest_rank_prediction("tp_sp" if sp else "tp", cfg, tp, plan.global_batch)
+    else:
+        pred = theory.busiest_rank_prediction("fsdp_tp_2d", cfg, n, plan.global_batch, {"tp": tp})
+    state = state_bytes(pred["state"], plan)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    tp_comm = pred["comm"] if dp == 1 else theory.megatron_tp_bytes(cfg, plan.global_batch // dp, tp)
+    t_tp = _comm_seconds(cluster, tp_comm, tp, tp > cluster.gpus_per_node, scale, calls_scale=accum)
+    fsdp_comm = {k: v for k, v in pred["comm"].items() if k != "all_reduce"} if dp > 1 else {}
+    t_fsdp = _comm_seconds(cluster, fsdp_comm, dp, n > cluster.gpus_per_node, scale, calls_scale=accum) * accum
+    if dp == 1:  # pure TP: the replicated parameters' gradients are not reduced (theory: none)
+        t_fsdp = 0.0
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    exposed = t_tp + (max(0.0, t_fsdp - compute_s) if cluster.overlap else t_fsdp)
+    w = _act_dtype_bytes(plan)
+    act = activation_bytes(plan, cfg.n_layer, micro, tp=tp, sp=sp)
+    unit = _block_params(cfg) / tp
+    temp = 2 * unit * w + 2 * micro * cfg.seq_len * cfg.n_embd * w  # gathered units + TP's all-reduce buffers
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_tp + t_fsdp, exposed)
+
+
+def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_rank: int = 2) -> Estimate:
+    """``pp`` pipeline stages (one per GPU; interleaved: 2 per GPU) x ``gpus / pp`` data-parallel
+    replicas that all-reduce their stage's gradients (DDP). Micro-batches of ``plan.micro_batch``;
+    compute stretched by theory's bubble; in flight: GPipe all m micro-batches, 1F1B p, interleaved
+    p x (1 + (p - 1) / (v p)) (Narayanan et al. 2021)."""
+    n, cfg = cluster.gpus, plan.model
+    name = f"pp_{schedule}"
+    dp = n // pp
+    v = stages_per_rank if schedule == "interleaved_1f1b" else 1
+    if pp * v > cfg.n_layer:
+        return _invalid(name, {"pp": pp}, f"{pp * v} stages need at least as many blocks ({cfg.n_layer})")
+    per_replica = plan.global_batch / dp
+    if per_replica != int(per_replica) or per_replica < 1:
+        return _invalid(name, {"pp": pp, "dp": dp}, f"the global batch does not split over {dp} replicas")
+    micro = min(plan.micro_batch, int(per_replica))
+    m = plan.microbatches or int(per_replica) // micro
+    micro = int(per_replica) // m
+    if m * micro != per_replica:
+        return _invalid(name, {"pp": pp, "dp": dp}, f"{int(per_replica)} sequences do not split into {m} micro-batches")
+    knobs = {"microbatches": m, "stages_per_rank": v}
+    pred = theory.busiest_rank_prediction(name, cfg, pp, int(per_replica), knobs)
+    state = state_bytes(pred["state"], plan)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    layout = {"pp": pp, "dp": dp, "microbatches": m, "micro_batch": micro, "stages_per_rank": v}
+    layers = cfg.n_layer / pp
+    in_flight = {"gpipe": m, "1f1b": min(pp, m), "interleaved_1f1b": min(pp, m) * (1 + (pp - 1) / (v * pp))}[schedule]
+    act = activation_bytes(plan, layers, micro, in_flight=in_flight)
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    bubble = theory.pipeline_bubble(pp, m, v)
+    bubble_s = compute_s * bubble / (1 - bubble)
+    t_p2p = _comm_seconds(cluster, pred["comm"], 2, pp > cluster.gpus_per_node, scale)
+    grads = theory.ddp_bytes(state["params"] / (2 if plan.precision == "bf16" else 4), dp,
+                             2 if plan.precision == "bf16" else 4)
+    t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
+    exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
+    w = _act_dtype_bytes(plan)
+    temp = state["grads"] + 2 * micro * cfg.seq_len * cfg.n_embd * w  # DDP buckets + send/recv buffers
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed, bubble_s)
+
+
+def _block_params(cfg) -> int:
+    """Parameters of one transformer block (an FSDP unit as the chapters wrap it)."""
+    return sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
+               if k.startswith(("blocks.0.", "model.layers.0.")))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2 ** i for i in range(1, int(math.log2(limit)) + 1)] if limit >= 2 else []
+
+
+def _best(candidates: list[Estimate]) -> Estimate:
+    """The fastest that fits, else the one that needs the least memory (so the reason says by how much)."""
+    valid = [c for c in candidates if c.valid]
+    if not valid:
+        return candidates[0]
+    fitting = [c for c in valid if c.fits]
+    if fitting:
+        return min(fitting, key=lambda c: c.step_time_s)
+    return min(valid, key=lambda c: c.memory_bytes["total"])
+
+
+def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
+    """The :class:`Estimate` of one of :data:`STRATEGIES`. ``fsdp_tp`` tries every TP size that is a
+    power of two within a node (and splits the heads), the pipelines every power-of-two stage count,
+    and keep the fastest that fits (else the smallest)."""
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    cfg, n = plan.model, cluster.gpus
+    if strategy == "fsdp_tp":
+        heads = [cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head)]
+        sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n)) if n % t == 0 and all(h % t == 0 for h in heads)]
+        if not sizes:
+            return _invalid(strategy, {}, "no TP size: needs 2+ GPUs in a node that split the heads")
+        return _best([_tp_fsdp(plan, cluster, t) for t in sizes])
+    if strategy.startswith("pp_"):
+        sizes = [p for p in _powers_of_two(n) if n % p == 0]
+        if not sizes:
+            return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs")
+        return _best([_pipeline(plan, cluster, strategy[3:], p) for p in sizes])
+    return _dp_family(strategy, plan, cluster)
+
+
+def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = STRATEGIES) -> list[Estimate]:
+    """:func:`estimate` for every strategy, in :data:`STRATEGIES` order."""
+    return [estimate(plan, cluster, s) for s in strategies]
+
+
+# ----------------------------------------------------------------------------------------------
+# The recommendation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recommendation:
+    """``best``: the fastest estimate that fits (None when nothing does); ``reasons``: strategy ->
+    one line on why it was not chosen."""
+
+    best: Estimate | None
+    reasons: dict
+
+
+def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool = False) -> Recommendation:
+    """The top README's decision guide applied to numbers: among the configurations that run, fit
+    and train the whole model (LoRA trains adapters only: another job, never picked for full
+    training), the fastest; CPU offload only with ``allow_offload`` or when nothing else fits."""
+    cap = cluster.capacity_bytes
+    eligible = [e for e in estimates if e.valid and e.fits and not e.lora]
+    on_gpu = [e for e in eligible if not e.offload]
+    pool = eligible if allow_offload else on_gpu
+    best = min(pool, key=lambda e: e.step_time_s) if pool else None
+    reasons = {}
+    for e in estimates:
+        if e is best:
+            continue
+        if not e.valid:
+            reasons[e.name] = f"cannot run: {e.note}"
+        elif not e.fits:
+            reasons[e.name] = (f"does not fit: {e.memory_bytes['total'] / GiB:.1f} GiB per GPU > "
+                               f"{cap / GiB:.1f} GiB usable")
+        elif e.lora:
+            reasons[e.name] = "trains LoRA adapters only (fine-tuning a frozen base): a different job"
+        elif e.offload and not allow_offload:
+            reasons[e.name] = "fits, but CPU offload was not allowed (--offload)"
+        elif best is not None:
+            reasons[e.name] = (f"fits, {e.step_time_s / best.step_time_s:.2f}x slower "
+                               f"({_why_slower(e, best)})")
+    return Recommendation(best, reasons)
+
+
+def _why_slower(e: Estimate, best: Estimate) -> str:
+    """The part of the step that grew the most against the recommendation."""
+    parts = {"exposed communication": "exposed_comm_s", "pipeline bubble": "bubble_s", "optimizer step": "optimizer_s",
+             "compute": "compute_s"}
+    label, _ = max(parts.items(), key=lambda kv: e.times.get(kv[1], 0) - best.times.get(kv[1], 0))
+    return f"more {label}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs made from other inputs: a parameter count, overridden hardware
+# ----------------------------------------------------------------------------------------------
+
+
+def with_params(cfg, params: float):
+    """``cfg`` with as many blocks as bring its parameter count closest to ``params`` (width, heads
+    and vocabulary kept): the way to ask about "a 7B model" of a known family."""
+    fixed = sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
+                if not k.startswith(("blocks.", "model.layers.")))
+    per_block = _block_params(cfg)
+    layers = max(1, round((params - fixed) / per_block))
+    return replace(cfg, n_layer=layers)
+
+
+def override_cluster(cl: Cluster, *, memory_gib=None, peak_tflops=None, precision="bf16", efficiency=None,
+                     usable_memory=None, intra_bw_gbps=None, intra_latency_us=None, inter_bw_gbps=None,
+                     inter_latency_us=None, collectives=None, gpus_per_node=None) -> Cluster:
+    """``cl`` with the values the reader gave instead of the table's (None keeps the table's)."""
+    gpu = cl.gpu
+    if memory_gib:
+        gpu = replace(gpu, memory_bytes=memory_gib * GiB)
+    if peak_tflops:
+        gpu = replace(gpu, peak_flops={**gpu.peak_flops, precision: peak_tflops * 1e12})
+    if intra_bw_gbps or intra_latency_us:
+        gpu = replace(gpu, intra=Link((intra_bw_gbps or gpu.intra.bandwidth / 1e9) * 1e9,
+                                      (intra_latency_us or gpu.intra.latency * 1e6) / 1e6))
+    if inter_bw_gbps or inter_latency_us:
+        gpu = replace(gpu, inter=Link((inter_bw_gbps or gpu.inter.bandwidth / 1e9) * 1e9,
+                                      (inter_latency_us or gpu.inter.latency * 1e6) / 1e6))
+    changes = {k: v for k, v in (("efficiency", efficiency), ("usable_memory", usable_memory),
+                                 ("collectives", collectives)) if v is not None}
+    if gpus_per_node:
+        changes["gpus_per_node"] = min(gpus_per_node, cl.gpus)
+    return replace(cl, gpu=gpu, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration on this machine: collectives from the bandwidth sweep, compute from the matrix
+# ----------------------------------------------------------------------------------------------
+
+
+def read_matrix(path) -> list[dict]:
+    """The records of a results file (:func:`distkit.harness.read_records`); a one-line error when
+    it is missing or holds none."""
+    from pathlib import Path
+
+    from .record_format import read_records
+
+    if not Path(path).is_file():
+        raise UsageError(f"no records file {path}")
+    records = read_records(path)
+    if not records:
+        raise UsageError(f"{path} holds no records")
+    return records
+
+
+def fit_collectives(records: list[dict]) -> dict:
+    """``{(collective, ranks): (alpha_s, beta_bytes_per_s)}`` from bandwidth-sweep records
+    (``04-nccl-operations/bandwidth_test.py``, also in a benchmark results file with ``--bandwidth``):
+    per collective and rank count the least-squares line ``time = alpha + bus_bytes / beta`` through
+    the sweep's (size x bus factor, time) points, weighted by 1/time^2 so small and large messages
+    count alike (a relative fit)."""
+    fits = {}
+    for rec in records:
+        if not str(rec.get("strategy", "")).startswith("bandwidth") or not rec.get("rows"):
+            continue
+        n = rec["world_size"]
+        name = rec.get("collective") or rec["strategy"].removeprefix("bandwidth_")
+        factor = theory.bus_factor(name, n)
+        pts = [(row["size_bytes"] * factor, row["time_us"] * 1e-6) for row in rec["rows"] if row.get("time_us")]
+        if len(pts) < 2:
+            continue
+        w = [1 / t ** 2 for _, t in pts]
+        sw = sum(w)
+        mx = sum(wi * x for wi, (x, _) in zip(w, pts)) / sw
+        my = sum(wi * y for wi, (_, y) in zip(w, pts)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, pts))
+        slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, pts)) / sxx if sxx else 0.0
+        slope = max(slope, 1e-15)
+        alpha = max(my - slope * mx, 0.0)
+        fits[(name, n)] = (alpha, 1 / slope)
+    return fits
+
+
+CPU = GPU("CPU rank (calibrated)", 0.0, {"fp32": 0.0}, 10e9, Link(1e9, 1e-3), Link(1e9, 1e-3), 10e9, 1,
+          "calibrated from this machine's records")
+
+
+def cpu_cluster(records: list[dict], ranks: int, efficiency_from: Iterable[str] = ("ddp",)) -> Cluster:
+    """This machine as a cluster of ``ranks`` CPU ranks, calibrated from its own records:
+    collectives' alpha/beta from the bandwidth sweeps (:func:`fit_collectives`); the matmul FLOP/s
+    of one core from the matrix's measured ``peak_flops_per_s`` (each rank measured its share of
+    the cores: x ranks / cores); the compute efficiency (the fraction of that matmul rate a step of
+    the small models reaches: Python and small kernels make it low) from the ``efficiency_from``
+    cells alone, after their predicted communication; no overlap (gloo and compute share the
+    cores). Memory: the machine's RAM is not what the matrix tests, so capacity is unbounded."""
+    import os
+
+    fits = fit_collectives(records)
+    if not fits:
+        raise UsageError("no bandwidth sweeps among the records: run distributed_benchmarks.py --bandwidth "
+                         "(or 04-nccl-operations/bandwidth_test.py) to calibrate the collectives")
+    train = [r for r in records if r.get("metrics", {}).get("step_time_s_median")]
+    cores = next((r["machine"].get("cpu_cores") for r in records if r.get("machine", {}).get("cpu_cores")),
+                 os.cpu_count() or 1)
+    per_core = [r["metrics"]["peak_flops_per_s"] * min(r["world_size"], cores) / cores
+                for r in train if r["metrics"].get("peak_flops_per_s")]
+    peak = statistics.median(per_core) if per_core else 20e9
+    gpu = replace(CPU, memory_bytes=math.inf, peak_flops={"fp32": peak, "bf16": peak})
+    base = Cluster(gpu, ranks, ranks, efficiency=1.0, usable_memory=1.0, overlap=False, collectives=fits,
+                   cores=cores)
+    ratios = []
+    for rec in train:
+        if rec["strategy"] not in efficiency_from:
+            continue
+        est = estimate_record(rec, replace(base, gpus=rec["world_size"], gpus_per_node=rec["world_size"]))
+        spent = rec["metrics"]["step_time_s_median"] - est.step_time_s + est.times["compute_s"]
+        if spent > 0:
+            ratios.append(est.times["compute_s"] / spent)
+    return replace(base, efficiency=statistics.median(ratios) if ratios else 0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: every matrix cell, predicted vs measured
+# ----------------------------------------------------------------------------------------------
+
+# A benchmark strategy -> the planner's estimate of it (layout fixed by the record, not chosen).
+def plan_of_record(record: dict) -> Plan:
+    """The :class:`Plan` a benchmark record ran: fp32 AdamW, its model and global batch, no AC, a
+    data-parallel rank's share of the batch as one micro-batch (the pipeline: its micro-batches)."""
+    cfg = theory.config_of_record(record)
+    config = record.get("config", {})
+    batch = int(config["global_batch_size"])
+    knobs = theory.knobs_of_record(record)
+    dp = record["world_size"]
+    if record["strategy"] in ("tp", "tp_sp") or record["strategy"].startswith("pp_"):
+        dp = 1
+    elif record["strategy"] == "fsdp_tp_2d":
+        dp = record["world_size"] // int(knobs.get("tp", 2))
+    return Plan(cfg, global_batch=batch, micro_batch=max(1, batch // dp), precision="fp32", optimizer="adamw",
+                microbatches=knobs.get("microbatches"))
+
+
+def estimate_record(record: dict, cl: Cluster) -> Estimate:
+    """The planner's :class:`Estimate` of the cell a record measured, with the record's own layout
+    (mesh, micro-batches) rather than the planner's choice."""
+    plan = plan_of_record(record)
+    strategy = record["strategy"]
+    knobs = theory.knobs_of_record(record)
+    n = record["world_size"]
+    cl = replace(cl, gpus=n, gpus_per_node=n)
+    if strategy in ("ddp", "ddp_from_scratch", "zero0", "fsdp_no_shard"):
+        est = _dp_family("ddp", plan, cl)
+    elif strategy in ("fsdp_hybrid_shard", "hsdp"):
+        est = _dp_family("fsdp_hybrid_shard", plan, replace(cl, gpus_per_node=int(knobs.get("shard", 2))))
+    elif strategy in ("tp", "tp_sp"):
+        est = _tp_fsdp(plan, cl, n, sp=strategy == "tp_sp")
+    elif strategy == "fsdp_tp_2d":
+        est = _tp_fsdp(plan, cl, int(knobs.get("tp", 2)))
+    elif strategy.startswith("pp_"):
+        est = _pipeline(plan, cl, strategy[3:], n * 1, stages_per_rank=int(knobs.get("stages_per_rank", 2)))
+    elif strategy in STRATEGIES:
+        est = _dp_family(strategy, plan, cl)
+    else:
+        raise ValueError(f"no planner model for {strategy!r}")
+    est.name = strategy
+    return est
+
+
+def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
+    """Predicted vs measured for every training cell of a benchmark results file (the CPU matrix):
+    model-state bytes (theory's busiest rank: must be equal), activations at MemTracker's peak
+    (the record's ``peak_memory_by_category_per_rank``), the peak itself (MemTracker's total),
+    and, with a calibrated cluster (default: :func:`cpu_cluster` of the same records), the step time.
+    One row per cell with relative errors (``*_error``: predicted / measured - 1)."""
+    cl = cl or cpu_cluster(records, 2)
+    rows = []
+    for rec in records:
+        metrics = rec.get("metrics") or {}
+        if rec.get("status", "ok") != "ok" or not metrics.get("step_time_s_median") or not rec.get("model"):
+            continue
+        try:
+            est = estimate_record(rec, cl)
+        except ValueError:
+            continue
+        pred = theory.busiest_rank_prediction(rec["strategy"], theory.config_of_record(rec), rec["world_size"],
+                                              int(rec["config"]["global_batch_size"]), theory.knobs_of_record(rec))
+        rank = pred["rank"]
+        state_measured = sum(metrics["model_state_bytes_per_rank"][rank].values())
+        by_cat = (metrics.get("peak_memory_by_category_per_rank") or [None] * (rank + 1))[rank]
+        row = {"strategy": rec["strategy"], "world_size": rec["world_size"], "arch": rec["model"]["arch"],
+               "rank": rank, "state_predicted": sum(pred["state"].values()), "state_measured": state_measured,
+               "step_predicted_s": est.step_time_s, "step_measured_s": metrics["step_time_s_median"]}
+        if by_cat:
+            row.update(activations_predicted=est.memory_bytes["activations"], activations_measured=by_cat["activations"],
+                       peak_predicted=est.memory_bytes["total"], peak_measured=by_cat["total"],
+                       temporaries_predicted=est.memory_bytes["temporaries"], temporaries_measured=by_cat["temporaries"])
+        for key in ("state", "activations", "peak", "step"):
+            p, m = row.get(f"{key}_predicted") or row.get(f"{key}_predicted_s"), \
+                row.get(f"{key}_measured") or row.get(f"{key}_measured_s")
+            row[f"{key}_error"] = p / m - 1 if p is not None and m else None
+        rows.append(row)
+    return rows
+
+
+def validation_summary(rows: list[dict]) -> dict:
+    """Median and worst absolute relative error of each quantity over the cells."""
+    out = {}
+    for key in ("state", "activations", "peak", "step"):
+        errs = [abs(r[f"{key}_error"]) for r in rows if r.get(f"{key}_error") is not None]
+        out[key] = {"cells": len(errs), "median": statistics.median(errs) if errs else None,
+                    "worst": max(errs) if errs else None}
+    return out
+
+
+def validation_table(rows: list[dict]) -> str:
+    """The per-cell errors as a Markdown table (MiB, ms, signed %)."""
+    def pct(v):
+        return "-" if v is None else f"{100 * v:+.1f}%"
+
+    def mib(v):
+        return "-" if v is None else f"{v / 2 ** 20:.3f}"
+
+    lines = ["| strategy | model | ranks | model state MiB pred / meas | activations MiB pred / meas (err) | "
+             "peak MiB pred / meas (err) | step ms pred / meas (err) |", "|---|---|---:|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['strategy']} | {r['arch']} | {r['world_size']} | {mib(r['state_predicted'])} / "
+                     f"{mib(r['state_measured'])} | {mib(r.get('activations_predicted'))} / "
+                     f"{mib(r.get('activations_measured'))} ({pct(r.get('activations_error'))}) | "
+                     f"{mib(r.get('peak_predicted'))} / {mib(r.get('peak_measured'))} ({pct(r.get('peak_error'))}) | "
+                     f"{1e3 * r['step_predicted_s']:.1f} / {1e3 * r['step_measured_s']:.1f} "
+                     f"({pct(r['step_error'])}) |")
+    s = validation_summary(rows)
+    lines.append("")
+    lines.append("; ".join(f"{k}: median {100 * v['median']:.1f}%, worst {100 * v['worst']:.1f}% ({v['cells']} cells)"
+                           for k, v in s.items() if v["cells"]))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports: terminal table, JSON, plot
+# ----------------------------------------------------------------------------------------------
+
+
+def describe(plan: Plan, cl: Cluster) -> str:
+    cfg = plan.model
+    psi = sum(math.prod(s) for s in theory.param_shapes(cfg).values())
+    return (f"{cfg.arch} {psi / 1e9:.2f}B params ({cfg.n_layer} layers, width {cfg.n_embd}), seq {cfg.seq_len}, "
+            f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
+            f"{plan.precision}, {plan.optimizer}, AC {plan.ac} | {cl.gpus} x {cl.gpu.name} "
+            f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
+
+
+def _layout_text(layout: dict) -> str:
+    keys = ("dp", "shard", "tp", "pp", "microbatches", "accumulation")
+    return " ".join(f"{k}={layout[k]}" for k in keys if k in layout and layout[k] not in (None, 1) or
+                    (k == "dp" and k in layout))
+
+
+def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recommendation) -> str:
+    """The terminal table and the recommendation."""
+    lines = [describe(plan, cl),
+             f"usable memory per GPU {cl.capacity_bytes / GiB:.1f} GiB ({cl.usable_memory:.0%} of "
+             f"{cl.gpu.memory_bytes / GiB:.1f}); compute at {cl.efficiency:.0%} of "
+             f"{(cl.gpu.peak_flops.get(plan.precision) or cl.gpu.peak_flops['fp32']) / 1e12:,.0f} TFLOP/s",
+             "",
+             f"{'strategy':<20} {'layout':<26} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'temp':>7} "
+             f"{'total':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
+             f"{'':<20} {'':<26} {'GiB per GPU':^47}"]
+    for e in estimates:
+        if not e.valid:
+            lines.append(f"{e.name:<20} cannot run: {e.note}")
+            continue
+        m = e.memory_bytes
+        lines.append(f"{e.name:<20} {_layout_text(e.layout):<26} " +
+                     " ".join(f"{m[p] / GiB:7.2f}" for p in (*PARTS, "total")) +
+                     f" {'yes' if e.fits else 'no':>4} {e.step_time_s:8.3f} {e.tokens_per_s_per_gpu:10,.0f}")
+    lines.append("")
+    if rec.best:
+        b = rec.best
+        lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): {b.memory_bytes['total'] / GiB:.1f} GiB "
+                     f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    else:
+        lines.append("recommended: nothing fits; use more GPUs, activation checkpointing, a smaller micro-batch"
+                     + (" or --offload" if any(e.offload and e.fits for e in estimates) else ""))
+    for name, why in rec.reasons.items():
+        lines.append(f"  {name:<20} {why}")
+    return "\n".join(lines)
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recommendation) -> dict:
+    """``{"plan", "cluster", "strategies": [Estimate.to_json()...], "recommended", "reasons"}``, with
+    infinities and NaNs (configurations that cannot run) as null."""
+    cfg = plan.model
+    return _clean({
+        "plan": {"model": {"arch": cfg.arch, **cfg.to_dict()}, "global_batch": plan.global_batch,
+                 "micro_batch": plan.micro_batch, "precision": plan.precision, "optimizer": plan.optimizer,
+                 "activation_checkpointing": plan.ac, "offload": plan.offload},
+        "cluster": {"gpu": cl.gpu.name, "gpus": cl.gpus, "gpus_per_node": cl.gpus_per_node,
+                    "memory_bytes": cl.gpu.memory_bytes, "usable_bytes": cl.capacity_bytes,
+                    "efficiency": cl.efficiency, "source": cl.gpu.source},
+        "strategies": [e.to_json() for e in estimates],
+        "recommended": rec.best.name if rec.best else None,
+        "reasons": rec.reasons,
+    })
+
+
+def plot_estimates(estimates: list[Estimate], cl: Cluster, path, title: str = "") -> None:
+    """Two panels: memory per GPU per strategy (stacked parts) against the GPU's usable capacity,
+    and predicted tokens/s per GPU (configurations that do not fit hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [e for e in estimates if e.valid]
+    names = [e.name for e in shown]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.7 * len(shown)), 8), sharex=True)
+    bottom_acc = [0.0] * len(shown)
+    for part in PARTS:
+        values = [e.memory_bytes[part] / GiB for e in shown]
+        top.bar(names, values, bottom=bottom_acc, label=part)
+        bottom_acc = [a + v for a, v in zip(bottom_acc, values)]
+    if math.isfinite(cl.capacity_bytes):
+        top.axhline(cl.capacity_bytes / GiB, color="black", linestyle="--", label=f"usable ({cl.gpu.name})")
+    top.set_ylabel("GiB per GPU")
+    top.legend(fontsize=8, ncol=3)
+    top.set_title(title, fontsize=8)
+    bottom.bar(names, [e.tokens_per_s_per_gpu for e in shown],
+               hatch=None, color=["tab:green" if e.fits else "lightgray" for e in shown])
+    bottom.set_ylabel("predicted tokens/s per GPU\n(gray: does not fit)")
+    bottom.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,246 @@
+"""The strategy planner (``distkit.planner``, ``benchmarks/plan.py``): its byte counts are
+``distkit.theory``'s, cross-checked against the ZeRO paper and DeepSpeed's own estimators at real
+shapes; its fits/doesn't-fit answer flips where the bytes say; its recommendation matches two cases
+worked out by hand; the CLI's JSON has the documented schema and bad input is one line; and its
+predictions for the committed CPU matrix are within the issue's bounds. No job is launched."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from benchmarks_common import BENCH, COMMITTED_RESULTS
+from distkit import planner, theory
+from distkit.models import LlamaModelConfig, model_config
+from launch import assert_one_line_error, load_script, python
+
+GiB = 2 ** 30
+LLAMA_1B = model_config("llama", "llama-3.2-1b")
+LLAMA_8B = model_config("llama", "llama-3.1-8b")
+# Llama-2-7B's published shape (32 layers, width 4096, 32 heads without GQA, MLP 11008, 32k vocab):
+# 6,738,415,616 parameters, the "7B" of the ZeRO-era examples.
+LLAMA_7B = LlamaModelConfig(vocab_size=32000, seq_len=4096, n_layer=32, n_embd=4096, n_head=32, n_kv_head=32,
+                            intermediate_size=11008)
+
+
+def psi(cfg) -> int:
+    return sum(math.prod(s) for s in theory.param_shapes(cfg).values())
+
+
+# ---------------------------------------------------------------- the fast path equals theory's
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_busiest_rank_prediction_equals_predict(arch):
+    """``theory.busiest_rank_prediction`` (linear in the ranks, what the planner calls) returns, for
+    every strategy and 2, 3 and 4 ranks, exactly the state of :func:`theory.predict`'s busiest rank
+    and that rank's collectives. Shapes chosen so dim 0 does not divide by 3 or 4 (vocabulary 66,
+    width 72: FSDP2's padding and ``torch.chunk``'s uneven shares). Bug caught: a fast path that
+    gives rank 0 the average share (Ψ/n) or the padded one, or forgets the HSDP all-reduce.
+    Negative control: the same call for rank 1 differs from rank 0 on these shapes."""
+    cfg = model_config(arch, "tiny", vocab_size=66, n_embd=72, n_layer=4, **({"n_head": 6, "n_kv_head": 3}
+                                                                             if arch == "llama" else {"n_head": 6}))
+    shapes = theory.param_shapes(cfg)
+    for n in (2, 3, 4):
+        for strategy in theory.STRATEGIES:
+            knobs = {"tp": 2} if strategy == "fsdp_tp_2d" else {}
+            if strategy in ("fsdp_hybrid_shard", "hsdp", "fsdp_tp_2d") and n != 4:
+                continue
+            if strategy in ("tp", "tp_sp") and n == 4:  # 6 heads do not split over 4 ranks
+                continue
+            if strategy == "fsdp_tp_2d" and arch == "llama":  # 3 kv heads do not split over tp=2
+                continue
+            want = theory.predict(strategy, cfg, n, 12, knobs)
+            got = theory.busiest_rank_prediction(strategy, cfg, n, 12, knobs)
+            totals = [sum(s.values()) for s in want["state_per_rank"]]
+            assert sum(got["state"].values()) == max(totals), (strategy, n)
+            assert got["state"] == want["state_per_rank"][got["rank"]], (strategy, n)
+            assert got["comm"] == want["comm_per_rank"][got["rank"]], (strategy, n)
+    rank0, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=0)
+    rank3, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=3)
+    assert rank0 != rank3  # the control: the fast path does tell ranks apart
+
+
+# ---------------------------------------------------------------- cross-checks at real shapes
+
+
+@pytest.mark.parametrize("cfg,expected_psi", [(LLAMA_1B, 1_235_814_400), (LLAMA_7B, 6_738_415_616),
+                                              (LLAMA_8B, 8_030_261_248)])
+def test_model_state_matches_zero_paper_and_deepspeed_estimators(cfg, expected_psi):
+    """bf16 AdamW model state per GPU at 8 and 64 GPUs against the ZeRO paper (Rajbhandari et al.
+    2020, figure 1: (2 + 2 + 12)Ψ split by stage) and DeepSpeed's own estimators.
+
+    Paper, per GPU: DDP 16Ψ; ZeRO-1 4Ψ + 12Ψ/n; ZeRO-2 2Ψ + 14Ψ/n; ZeRO-3 and FSDP FULL_SHARD 16Ψ/n.
+    The planner's (theory's partitions, with DeepSpeed's alignment to 2n elements and FSDP2's dim-0
+    padding) must equal these to within that padding: 16 bytes x 2n elements for ZeRO, 16 bytes x n
+    rows per parameter for FSDP. DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (no offload)
+    is 2Ψ + 18Ψ/n: it also counts a 4-byte fp32 gradient partition (its comment: "2_grads_16bit +
+    4_grads_32bit + 4_params_32bit + 8_optimizer_states"), so estimator - paper = 4Ψ/n exactly;
+    ``estimate_zero3_model_states_mem_needs`` is 18Ψ/n + 4 x the largest layer (the gathered
+    layer), so estimator - paper = 2Ψ/n + 4 x largest layer. The largest layer of a Llama is the
+    embedding (vocab x width). Bug caught: a planner counting fp32 weights (4Ψ) under bf16, or
+    forgetting the master copy (K = 8 instead of 12): each moves the total by Ψ/n or more, far past
+    the padding slack."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    p = psi(cfg)
+    assert p == expected_psi
+    plan = planner.Plan(cfg, global_batch=64)
+    for n in (8, 64):
+        cl = planner.cluster("h100", n)
+        state = {}
+        for name in ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard"):
+            est = planner.estimate(plan, cl, name)
+            state[name] = sum(est.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        paper = {stage: sum(theory.zero_paper_bytes(p, n, stage).values()) for stage in range(4)}
+        zero_slack = 16 * 2 * n
+        assert state["ddp"] == 16 * p
+        for stage in (1, 2, 3):
+            assert abs(state[f"zero{stage}"] - paper[stage]) <= zero_slack, (stage, n)
+        fsdp_slack = 16 * n * sum(math.prod(s[1:]) for s in theory.param_shapes(cfg).values())
+        assert abs(state["fsdp_full_shard"] - paper[3]) <= fsdp_slack
+        assert abs(state["fsdp_full_shard"] - paper[3]) / paper[3] < 1e-3
+        _, ds2 = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=min(n, 8), num_nodes=max(1, n // 8),
+                                                       cpu_offload=False)
+        assert ds2 - paper[2] == pytest.approx(4 * p / n, abs=2)
+        largest = cfg.vocab_size * cfg.n_embd
+        _, ds3, _ = estimate_zero3_model_states_mem_needs(p, largest, num_gpus_per_node=min(n, 8),
+                                                          num_nodes=max(1, n // 8), cpu_offload=False,
+                                                          cpu_offload_params=False)
+        assert ds3 - paper[3] == pytest.approx(2 * p / n + 4 * largest, abs=2)
+
+
+def test_fp32_state_is_theory_and_precision_conversion():
+    """fp32 AdamW state is theory's own count to the byte (4 + 4 + 8 per element held; DeepSpeed 12
+    for its master partition); bf16 halves weights and gradients and keeps 12 bytes per optimizer
+    element; SGD keeps one momentum (+ the master in bf16). Bug caught: the conversion applied
+    twice or to the wrong part."""
+    cfg = model_config("gpt", "small")
+    p = psi(cfg)
+    cl = planner.cluster("h100", 4)
+    fp32 = planner.Plan(cfg, global_batch=8, precision="fp32")
+    ddp = planner.estimate(fp32, cl, "ddp").memory_bytes
+    assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (4 * p, 4 * p, 8 * p)
+    z3 = planner.estimate(fp32, cl, "zero3").memory_bytes
+    want = theory.predict("zero3", cfg, 4, 8)["state_per_rank"][0]
+    assert (z3["params"], z3["grads"], z3["optimizer"]) == (want["params"], want["grads"], want["optimizer"])
+    sgd = planner.estimate(replace(fp32, precision="bf16", optimizer="sgd"), cl, "ddp").memory_bytes
+    assert (sgd["params"], sgd["grads"], sgd["optimizer"]) == (2 * p, 2 * p, 8 * p)
+
+
+# ---------------------------------------------------------------- fits: the boundary
+
+
+def test_fits_flips_at_the_computed_boundary():
+    """DDP of the Llama-3.2-1B shape, bf16, micro-batch 1 at 2048 tokens, full AC: its total per GPU
+    is T bytes (parts from theory). With usable memory exactly T it fits; one byte less and it does
+    not. Worked out: T = 16Ψ (19.77 GB) + activations (16 layers x 2048 x 2048 x 2 B = 128 MiB, the
+    block inputs; + the fp32 log-probabilities 2048 x 128256 x 4 B = 1002 MiB; + the final norm's
+    input and output 2 x 2048 x 2048 x 2 B = 16 MiB) + DDP's gradient buckets (2Ψ). Bug caught:
+    a comparison against the raw memory instead of the usable fraction, or a part left out of the
+    total."""
+    cfg = LLAMA_1B
+    p = psi(cfg)
+    plan = planner.Plan(cfg, global_batch=8, ac="full")
+    probe = planner.estimate(plan, planner.cluster("h100", 8), "ddp")
+    act = 16 * 2048 * 2048 * 2 + 2048 * 128256 * 4 + 2 * 2048 * 2048 * 2
+    total = 16 * p + act + 2 * p
+    assert probe.memory_bytes["activations"] == act
+    assert probe.memory_bytes["total"] == total
+    gpu = replace(planner.GPUS["h100"], memory_bytes=total)
+    assert planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
+    gpu = replace(gpu, memory_bytes=total - 1)
+    assert not planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
+
+
+# ---------------------------------------------------------------- recommendations worked by hand
+
+
+def test_recommendation_small_model_fits_ddp():
+    """A 1B model (Llama-3.2-1B shape) on 8 H100s, bf16: DDP needs 16Ψ + 2Ψ of buckets = 22.2 GB
+    + about 3 GB of activations, far below 71 GiB usable, and of all data-parallel strategies it
+    moves the fewest bytes with all of them hidden under backward; so every fitting strategy has the
+    same compute and DDP or one of the equally-fast shardings wins, and no model-parallel layout
+    (bubble, TP all-reduces on the critical path) is picked. By hand: the compute per GPU is
+    (128 x 2048 / 8) tokens x 6.8e9 FLOPs/token... the same for all, so the winner is a
+    data-parallel strategy and the pipelines are slower by their bubble. Bug caught: a planner that
+    charges communication twice, or picks the smallest memory instead of the fastest."""
+    plan = planner.Plan(LLAMA_1B, global_batch=128)
+    cl = planner.cluster("h100", 8)
+    estimates = planner.estimate_all(plan, cl)
+    rec = planner.recommend(estimates, cl)
+    assert rec.best is not None and rec.best.name in ("ddp", "zero1", "zero2", "fsdp_shard_grad_op")
+    by = {e.name: e for e in estimates}
+    assert by["ddp"].fits
+    assert by["pp_1f1b"].step_time_s > rec.best.step_time_s
+    assert "bubble" in rec.reasons["pp_gpipe"]
+
+
+def test_recommendation_8b_on_8_gpus_excludes_ddp_and_offload():
+    """An 8B model (Llama-3.1-8B shape) on 8 H100s (71.3 GiB usable), bf16 AdamW: DDP needs 16Ψ =
+    128.5 GB of model state alone: does not fit (reason names the GiB). ZeRO-3 offload fits but is
+    not picked without --offload; with nothing fitting on the GPU (a 16 GiB GPU) and --offload, the
+    offload configuration is the answer. Bug caught: a recommendation that ignores the capacity or
+    the offload permission."""
+    plan = planner.Plan(LLAMA_8B, global_batch=64, ac="full")
+    cl = planner.cluster("h100", 8)
+    estimates = planner.estimate_all(plan, cl)
+    rec = planner.recommend(estimates, cl)
+    assert rec.best is not None and rec.best.name not in ("ddp", "zero3_offload")
+    assert rec.reasons["ddp"].startswith("does not fit: 1")
+    assert "offload" in rec.reasons["zero3_offload"]
+    small = planner.override_cluster(cl, memory_gib=16)
+    estimates = planner.estimate_all(plan, small)
+    assert planner.recommend(estimates, small).best is None
+    assert planner.recommend(estimates, small, allow_offload=True).best.name == "zero3_offload"
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_cli_json_schema(capsys):
+    """``plan.py --json`` prints per strategy ``name``, ``fits``, ``memory_bytes`` with the five parts
+    (and their total), ``step_time_s``, ``tokens_per_s_per_gpu``; the recommendation is one of them
+    and the table view of the same input names it."""
+    plan = load_script(BENCH / "plan.py")
+    argv = ["--model", "llama-3.2-1b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
+            "--activation-checkpointing", "full"]
+    plan.main([*argv, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    names = [s["name"] for s in out["strategies"]]
+    assert names == list(planner.STRATEGIES)
+    for s in out["strategies"]:
+        assert {"name", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu"} <= set(s)
+        if s["valid"]:
+            parts = s["memory_bytes"]
+            assert set(parts) == {*planner.PARTS, "total"}
+            assert parts["total"] == pytest.approx(sum(parts[p] for p in planner.PARTS))
+            assert s["tokens_per_s_per_gpu"] == pytest.approx(16 * 2048 / 4 / s["step_time_s"])
+    assert out["recommended"] in names
+    plan.main(argv)
+    assert f"recommended: {out['recommended']}" in capsys.readouterr().out
+
+
+def test_cli_plot(tmp_path):
+    plan = load_script(BENCH / "plan.py")
+    path = tmp_path / "plan.png"
+    plan.main(["--model", "gpt-small", "--gpus", "2", "--global-batch", "8", "--plot", str(path), "--json"])
+    assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--gpus", "0"], "argument --gpus: must be a positive integer"),
+    (["--gpu", "tpu"], "argument --gpu: invalid choice"),
+    (["--usable-memory", "1.5"], "--usable-memory: must be at most 1"),
+    (["--gpu", "cpu"], "--gpu cpu needs --calibrate"),
+    (["--kv-heads", "4", "--model", "gpt-small"], "--kv-heads and --intermediate-size describe a Llama"),
+    (["--gpu", "cpu", "--calibrate", "/nonexistent.jsonl"], "no records file /nonexistent.jsonl"),
+])
+def test_cli_bad_input_is_one_line(args, expected):
+    result = python(BENCH / "plan.py", *args, check=False)
+    assert result.returncode == 2
+    assert_one_line_error(result, expected)
