@@ -125,8 +125,43 @@ def bus_mib(record: dict) -> float:
 
 
 def peak_mib(record: dict) -> float:
-    """Peak memory MiB of the rank with the highest peak (GPU: allocated; CPU: process RSS)."""
+    """Peak memory MiB of the rank with the highest peak (GPU: allocated; CPU: MemTracker's tracked
+    tensors, or the process RSS in records from before the harness tracked them)."""
     return max(record["metrics"]["peak_memory_bytes_per_rank"]) / MIB
+
+
+PEAK_PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+def peak_parts_mib(record: dict) -> dict[str, float] | None:
+    """MiB by category at the peak of the rank with the highest peak (MemTracker, see
+    ``distkit.harness.MEMORY_CATEGORIES``), or None where the record has no categories."""
+    metrics = record["metrics"]
+    parts = metrics.get("peak_memory_by_category_per_rank") or []
+    if not parts or any(p is None for p in parts):
+        return None
+    top = max(range(len(parts)), key=lambda rank: parts[rank]["total"])
+    return {name: parts[top][name] / MIB for name in PEAK_PARTS}
+
+
+def peak_label(records: list[dict]) -> str:
+    """What the cells' peak memory is (one kind per panel: cells of one device)."""
+    kinds = {r["metrics"].get("peak_memory_kind", "") for r in records}
+    if kinds == {"cpu_mem_tracker"}:
+        return "peak tensor memory (MemTracker)"
+    if kinds == {"cuda_max_allocated"}:
+        return "peak allocated"
+    return "peak RSS" if all("rss" in k for k in kinds) else "peak memory"
+
+
+def mfu_percent(record: dict) -> float:
+    """Model FLOPs utilisation in % (NaN for records from before the harness measured it)."""
+    mfu = record["metrics"].get("mfu")
+    return 100 * mfu if mfu else float("nan")
+
+
+def tokens_per_s_per_device(record: dict) -> float:
+    return record["metrics"].get("tokens_per_s_per_device") or float("nan")
 
 
 def prediction(record: dict) -> dict | None:
@@ -181,6 +216,29 @@ def _grouped(ax, records, value, ylabel, predicted=None):
     ax.legend(fontsize=7)
 
 
+def _stacked(ax, records, parts, ylabel):
+    """Stacked bars per strategy (one bar per world size): ``parts(r)`` -> {category: value}."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in records))
+    worlds = sorted({r["world_size"] for r in records})
+    width = 0.8 / max(len(worlds), 1)
+    colours = dict(zip(PEAK_PARTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray")))
+    for j, world in enumerate(worlds):
+        cells = [(i, r) for i, s in enumerate(strategies) for r in records
+                 if r["strategy"] == s and r["world_size"] == world and parts(r)]
+        xs = [i + (j - (len(worlds) - 1) / 2) * width for i, _ in cells]
+        bottom = [0.0] * len(cells)
+        for name in PEAK_PARTS:
+            heights = [parts(r)[name] for _, r in cells]
+            ax.bar(xs, heights, width=width * 0.95, bottom=bottom, color=colours[name],
+                   hatch="//" if j else None, edgecolor="white", linewidth=0.5,
+                   label=f"{name}" if j == 0 else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(range(len(strategies)), strategies, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=5)
+
+
 def _by_model(records):
     """Panels: one per model size, and per device/backend when the records mix them."""
     split = mixed(records)
@@ -207,8 +265,17 @@ def _bars(records, source, title, value, ylabel, predicted=None):
 
 
 def figure_throughput(records, source=""):
-    return _bars(records, source, "Throughput by strategy (higher is better; median step of the slowest rank)",
-                 tokens_per_s, "{size} model: tokens/s (whole job)")
+    """Per model: tokens/s of the whole job, and tokens/s per device with MFU (model FLOPs per token
+    x tokens/s per device / the device's peak FLOP/s, measured by the harness's matmul benchmark)."""
+    groups = _by_model(records)
+    fig, axes = _figure(2 * len(groups), "Throughput by strategy (higher is better; median step of the slowest rank)")
+    for k, (size, rs) in enumerate(groups.items()):
+        _grouped(axes[2 * k], rs, tokens_per_s, f"{size} model: tokens/s\n(whole job)")
+        _grouped(axes[2 * k + 1], rs, mfu_percent, f"{size}: MFU %")
+        axes[2 * k + 1].set_title("model FLOPs utilisation: 6N + 12Lsd FLOPs per token x tokens/s per device "
+                                  "/ peak FLOP/s measured on the device", fontsize=9)
+    stamp(fig, records, source)
+    return fig
 
 
 def figure_comm(records, source=""):
@@ -218,7 +285,8 @@ def figure_comm(records, source=""):
 
 def figure_memory(records, source=""):
     """Two quantities, two panels: the model state (measured bar, predicted mark: the formulas
-    predict exactly this), and the measured peak memory (no mark: nothing here predicts it)."""
+    predict exactly this), and the measured peak memory, split into parameters, gradients,
+    optimizer state, activations and temporaries where the harness tracked it (MemTracker)."""
     groups = _by_model(records)
     fig, axes = _figure(2 * len(groups), "Memory per rank")
     for k, (size, rs) in enumerate(groups.items()):
@@ -226,12 +294,19 @@ def figure_memory(records, source=""):
                  f"{size}: model state, MiB\n(params + grads + optimizer,\nrank holding most)",
                  lambda r: predicted_state_mib(prediction(r)))
         axes[2 * k].set_title("model state each rank holds: measured (bars) vs distkit.theory (marks)", fontsize=9)
-        rss = "rss" in rs[0]["metrics"].get("peak_memory_kind", "")
-        label = "peak RSS" if rss else "peak allocated"
-        _grouped(axes[2 * k + 1], rs, peak_mib, f"{size}: {label}, MiB\n(highest rank)")
-        axes[2 * k + 1].set_title(f"measured {label} per rank"
-                                  + (" (the whole process: Python, torch and the model state)" if rss else ""),
-                                  fontsize=9)
+        label = peak_label(rs)
+        if all(peak_parts_mib(r) for r in rs):  # by category: what each strategy keeps at its peak
+            _stacked(axes[2 * k + 1], rs, peak_parts_mib, f"{size}: {label}, MiB\n(highest rank)")
+            worlds = sorted({r["world_size"] for r in rs})
+            axes[2 * k + 1].set_title(f"measured {label} per rank, by category at the peak"
+                                      + (f" (bars left to right: {', '.join(map(str, worlds))} ranks; hatched: "
+                                         f"more ranks)" if len(worlds) > 1 else ""), fontsize=9)
+        else:
+            rss = label == "peak RSS"
+            _grouped(axes[2 * k + 1], rs, peak_mib, f"{size}: {label}, MiB\n(highest rank)")
+            axes[2 * k + 1].set_title(f"measured {label} per rank"
+                                      + (" (the whole process: Python, torch and the model state)" if rss else ""),
+                                      fontsize=9)
     stamp(fig, records, source)
     return fig
 
@@ -316,21 +391,30 @@ def per_device_and_mfu(record: dict) -> str:
     return f"{per_device:,.0f} | {100 * mfu:.2f}" if per_device and mfu else "- | -"
 
 
+def peak_cell(record: dict) -> str:
+    """``peak MiB | activations MiB`` cells: MemTracker's peak keeps decimals (a few MiB at tiny
+    sizes), the RSS of older records does not need them."""
+    parts = peak_parts_mib(record)
+    if parts is None:
+        return f"{peak_mib(record):,.0f} | -"
+    return f"{peak_mib(record):.2f} | {parts['activations']:.2f}"
+
+
 def summary_table(records: list[dict], problems: list[dict]) -> str:
     """Markdown: one row per cell, measured next to predicted, and the cells that failed."""
     split = mixed(records)  # then say where each cell ran: peak memory is GPU-allocated on one, RSS on the other
     lines = [f"| strategy | ranks | model | {'ran on | ' if split else ''}step ms | tokens/s | tokens/s/device | "
-             "MFU % | model state MiB/rank (theory) | bus MiB/step rank 0 (theory) | peak MiB/rank |",
-             f"|---|---:|---|{'---|' if split else ''}---:|---:|---:|---:|---:|---:|---:|"]
+             "MFU % | model state MiB/rank (theory) | bus MiB/step rank 0 (theory) | peak MiB/rank | activations MiB |",
+             f"|---|---:|---|{'---|' if split else ''}---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         p = prediction(r)
         p_state, p_bus = (f"{predicted_state_mib(p):.3f}", f"{predicted_bus_mib(p):.3f}") if p else ("-", "-")
         lines.append(f"| {r['strategy']} | {r['world_size']} | {model_size(r)} | {where(r) + ' | ' if split else ''}"
                      f"{step_s(r) * 1e3:.1f} | {tokens_per_s(r):,.0f} | {per_device_and_mfu(r)} | "
-                     f"{state_mib(r):.3f} ({p_state}) | {bus_mib(r):.3f} ({p_bus}) | {peak_mib(r):,.0f} |")
+                     f"{state_mib(r):.3f} ({p_state}) | {bus_mib(r):.3f} ({p_bus}) | {peak_cell(r)} |")
     for r in problems:
         lines.append(f"| {r['strategy']} | {r.get('world_size', '?')} | {model_size(r)} | {'| ' if split else ''}"
-                     f"{r.get('status', 'failed')}: {r.get('error', '')} | | | | | | |")
+                     f"{r.get('status', 'failed')}: {r.get('error', '')} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
