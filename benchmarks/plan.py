@@ -80,6 +80,9 @@ def parse_args(argv=None):
     out.add_argument("--strategies", nargs="+", choices=planner.STRATEGIES, help="(default: all)")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
+    out.add_argument("--validate", metavar="RESULTS",
+                     help="instead of planning: predicted vs measured for every cell of a benchmark results file "
+                          "(distributed_benchmarks.py --bandwidth), the time calibrated on the other architecture's cells")
     args = parser.parse_args(argv)
     if args.usable_memory is not None and args.usable_memory > 1:
         parser.error(f"argument --usable-memory: must be at most 1, got {args.usable_memory:g}")
@@ -129,6 +132,12 @@ def build_cluster(args) -> planner.Cluster:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.validate:
+        rows = planner.validate(planner.read_matrix(args.validate))
+        if not rows:
+            raise UsageError(f"{args.validate} holds no training cell with a model to validate")
+        print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows))
+        return
     plan, cluster = build_plan(args), build_cluster(args)
     estimates = planner.estimate_all(plan, cluster, args.strategies or planner.STRATEGIES)
     rec = planner.recommend(estimates, cluster, allow_offload=args.offload)

@@ -108,7 +108,8 @@ class Cluster:
     share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
     (collective, group size) (:func:`cpu_cluster`), which replace the links when given;
     ``cores``: CPU cores the ranks of a node share (compute then runs at cores / ranks of a core
-    each), None for GPUs."""
+    each), None for GPUs. ``overheads``: measured seconds per step that a strategy's framework
+    code adds beyond its compute and collectives, at one rank per core (:func:`cpu_cluster`)."""
 
     gpu: GPU
     gpus: int
@@ -118,6 +119,7 @@ class Cluster:
     overlap: bool = True
     collectives: dict | None = None
     cores: int | None = None
+    overheads: dict | None = None
 
     @property
     def nodes(self) -> int:
@@ -211,34 +213,53 @@ def _act_dtype_bytes(plan: Plan) -> float:
     return 2.0 if plan.precision == "bf16" else 4.0
 
 
-def _replicated_per_token(cfg, ac: str) -> int:
-    """Floats per token of a block's saved activations that tensor parallelism (without sequence
-    parallelism) does NOT split: the norms' inputs and outputs (the column-parallel layers' inputs
-    are full on every TP rank) and their statistics; the rest (Q, K, V, attention output, the MLP's
-    wide tensors) is split over the TP ranks. Full AC keeps the block input only, replicated."""
+def _replicated_per_token(cfg, ac: str, sp: bool = False) -> int:
+    """Floats per token of a block's saved activations that tensor parallelism does NOT split:
+    without sequence parallelism the norms' inputs and outputs (the column-parallel layers' inputs
+    are full on every TP rank) and their statistics; with it, the norms' outputs all-gathered for
+    the column-parallel layers (2h: saved for their weight gradients). The rest (Q, K, V, attention
+    output, the MLP's wide tensors) is split over the TP ranks. Full AC keeps the block input only
+    (replicated; sequence-split with SP)."""
     h = cfg.n_embd
-    if ac in ("full", "selective"):
-        return h
+    if ac == "full":
+        return 0 if sp else h
+    if sp or ac == "selective":
+        return 2 * h if ac == "none" else h
     return 6 * h + 2 if isinstance(cfg, LlamaModelConfig) else 4 * h + 4
 
 
 def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, sp: bool = False,
-                     in_flight: float = 1.0, with_head: bool = True) -> float:
-    """Activations one GPU keeps alive at the top of backward: ``layers`` blocks of ``micro_batch``
-    sequences (:func:`distkit.theory.activation_bytes_per_layer`, fp32; bf16 halves it), split over
-    ``tp`` ranks as :func:`_replicated_per_token` says (all of it with sequence parallelism), times
-    the ``in_flight`` micro-batches a pipeline stage holds; plus, ``with_head``, the loss's fp32
-    log-probabilities ``b x s x vocab`` and the final norm's input (the LM head's input is saved too)."""
+                     in_flight: float = 1.0) -> float:
+    """Activations one GPU keeps alive at its memory peak, the top of backward (MemTracker finds it
+    there: right after the LM head's backward, before any block's): ``layers`` blocks of
+    ``micro_batch`` sequences (:func:`distkit.theory.activation_bytes_per_layer`, fp32; bf16 halves
+    it), split over ``tp`` ranks as :func:`_replicated_per_token` says (all of it with sequence
+    parallelism), times the ``in_flight`` micro-batches a pipeline stage holds. The loss's tensors
+    are no longer activations then: see :func:`head_working_set`."""
     cfg = plan.model
     per_layer = theory.activation_bytes_per_layer(cfg, micro_batch, plan.ac)
+    head = 0.0
     if tp > 1:
-        replicated = min(per_layer, 4 * cfg.seq_len * micro_batch * _replicated_per_token(cfg, plan.ac))
-        per_layer = per_layer / tp if sp else replicated + (per_layer - replicated) / tp
-    total = layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4
-    if with_head:
+        replicated = min(per_layer, 4 * cfg.seq_len * micro_batch * _replicated_per_token(cfg, plan.ac, sp))
+        per_layer = replicated + (per_layer - replicated) / tp
+        # the replicated LM head's input and the loss's log-probabilities (split over TP ranks with
+        # SP) are saved by DTensor ops inside the model: activations at the peak
         tokens = cfg.seq_len * micro_batch
-        total += tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
-    return total
+        head = tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
+    return layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4 + head
+
+
+def head_working_set(plan: Plan, micro_batch: int) -> float:
+    """Temporaries alive during the LM head's backward, where the step peaks: the logits (held by
+    the training loop), the loss's log-probabilities, their gradient and the logits' gradient (four
+    ``b x s x vocab`` tensors, fp32; in bf16 the logits and their gradient are bf16), and the head's
+    input gradient with the final norm's (two ``b x s x width``). Measured on the CPU matrix:
+    ``tests/test_planner.py``."""
+    cfg = plan.model
+    tokens = cfg.seq_len * micro_batch
+    if plan.precision == "bf16":
+        return tokens * (12 * cfg.vocab_size + 4 * cfg.n_embd)
+    return tokens * 4 * (4 * cfg.vocab_size + 2 * cfg.n_embd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,20 +361,34 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp_shard_gra
 
 
 def _invalid(name: str, layout: dict, note: str) -> Estimate:
-    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total")}, False, math.inf, 0.0, valid=False,
+    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total", "peak")}, False, math.inf, 0.0, valid=False,
                     note=note)
 
 
+def peak_bytes(memory: dict, head: float, accumulating: bool) -> float:
+    """The step's peak, the larger of its two high-water moments. Top of backward (where
+    MemTracker finds the peak of every CPU matrix cell): parameters, optimizer state, every
+    activation, the temporaries; no gradients yet (``zero_grad(set_to_none=True)``), unless
+    earlier micro-batches of an accumulation left theirs. End of backward: every gradient, the
+    activations freed, the buffers kept (the head's working set gone)."""
+    top = memory["params"] + memory["optimizer"] + memory["activations"] + memory["temporaries"]
+    if accumulating:
+        top += memory["grads"]
+    end = memory["params"] + memory["grads"] + memory["optimizer"] + memory["temporaries"] - head
+    return max(top, end)
+
+
 def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed_s, bubble_s=0.0,
-            optimizer_s=None, **flags) -> Estimate:
+            optimizer_s=None, head=0.0, accumulating=False, **flags) -> Estimate:
     memory = {**state, "activations": act, "temporaries": temp}
     memory["total"] = sum(memory[p] for p in PARTS)
+    memory["peak"] = peak_bytes(memory, head, accumulating)
     if optimizer_s is None:  # read and write every state byte once: memory-bound
         optimizer_s = 2 * sum(state.values()) / cluster.gpu.hbm_bandwidth
     step = compute_s + bubble_s + exposed_s + optimizer_s
     times = {"compute_s": compute_s, "bubble_s": bubble_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
              "optimizer_s": optimizer_s}
-    return Estimate(name, layout, memory, memory["total"] <= cluster.capacity_bytes, step,
+    return Estimate(name, layout, memory, memory["peak"] <= cluster.capacity_bytes, step,
                     plan.tokens_per_step / cluster.gpus / step, times, **flags)
 
 
@@ -379,6 +414,8 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     if name == "fsdp_hybrid_shard":
         knobs["shard"] = cluster.gpus_per_node if n % cluster.gpus_per_node == 0 else n
         layout["shard"] = knobs["shard"]
+    if name == "fsdp_no_shard":
+        knobs["shard"] = 1
     if name.startswith("zero3"):
         knobs["stage3_max_live_parameters"] = 1e9  # DeepSpeed's default window
     pred = theory.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
@@ -408,15 +445,21 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     backward_s = compute_s * 2 / 3
     w = _act_dtype_bytes(plan)
     act = activation_bytes(plan, cfg.n_layer, micro)
+    head = head_working_set(plan, micro)
     unit = _block_params(cfg)
-    if name == "ddp":
-        # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False)
-        temp = state["grads"]
+    root = psi - unit * cfg.n_layer
+    grad_w = 2 if plan.precision == "bf16" else 4
+    if name in ("ddp", "ddp_from_scratch"):
+        # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False);
+        # the from-scratch version all-reduces each gradient in place
+        temp = head + (state["grads"] if name == "ddp" else 0)
         t_grad = _comm_seconds(cluster, comm, n, spans, scale)
         exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
         comm_s = t_grad
     elif name in ("zero1", "zero2"):
-        temp = min(psi, 5e8) * w  # DeepSpeed's reduce bucket (reduce_bucket_size 5e8 elements)
+        # DeepSpeed's flat gradient buffers: ZeRO-1 reduces the whole gradient at the end of
+        # backward, ZeRO-2 keeps the reduced partition (buckets of reduce_bucket_size = 5e8 elements)
+        temp = head + (min(psi, 5e8) if name == "zero1" else psi / n) * grad_w
         t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
         t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
         if name == "zero2":
@@ -424,11 +467,18 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         exposed = (max(0.0, t_grad - backward_s) if cluster.overlap else t_grad) + t_gather
         comm_s = t_grad + t_gather
     else:  # FSDP / ZeRO-3 / LoRA: gathers and reduce-scatters per micro-batch, prefetched under compute
-        gathered = 2 * unit * w  # the running unit and the prefetched one, unsharded
+        # At the top of backward: FULL_SHARD / HYBRID hold the root unit and the last block
+        # unsharded (in the compute dtype) plus the all-gather buffer they came from (on GPUs the
+        # prefetched next block's too); SHARD_GRAD_OP keeps every unit unsharded from forward to
+        # backward. ZeRO-3 reduces into a gradient partition buffer. Gathered copies count as
+        # temporaries here (MemTracker files them under parameters): "params" stays the held shard.
+        gathers = 2 if cluster.overlap else 1
         if name.startswith("zero3"):
-            gathered = min(psi, 1e9) * w  # stage3_max_live_parameters stay gathered
-        # + the reduce-scatter input of a unit (fp32 gradients); LoRA's base has no gradients
-        temp = gathered + (0 if lora else 2 * unit * 4)
+            temp = head + psi / n * grad_w
+        elif name in ("fsdp_shard_grad_op", "fsdp_no_shard"):
+            temp = head + psi * w
+        else:
+            temp = head + (unit + root) * w + gathers * unit * w
         t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
                                 only=("all_gather", "reduce_scatter"))
         if lora:  # frozen base: gathers only (reduce-scatters carry the adapters' few gradients)
@@ -443,8 +493,10 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     if offload:  # gradients down, weights up over the host link; the optimizer runs on the CPU
         moved = (state["grads"] + state["params"])
         optimizer_s = moved / cluster.gpu.host_link + state["optimizer"] / 12 * 16 / 10e9
-        state = {**state, "optimizer": 0.0}
-    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed,
+        if not cluster.cores:  # on CPU ranks the "host" memory is the same memory: nothing leaves
+            state = {**state, "optimizer": 0.0}
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed, head=head,
+                   accumulating=accum > 1,
                    optimizer_s=optimizer_s, offload=offload, lora=lora)
 
 
@@ -476,9 +528,16 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
     exposed = t_tp + (max(0.0, t_fsdp - compute_s) if cluster.overlap else t_fsdp)
     w = _act_dtype_bytes(plan)
     act = activation_bytes(plan, cfg.n_layer, micro, tp=tp, sp=sp)
+    if dp > 1:  # the 2-D script leaves the LM head to FSDP: its tensors are the head's working set
+        act -= activation_bytes(plan, 0, micro, tp=tp, sp=sp)
     unit = _block_params(cfg) / tp
-    temp = 2 * unit * w + 2 * micro * cfg.seq_len * cfg.n_embd * w  # gathered units + TP's all-reduce buffers
-    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_tp + t_fsdp, exposed)
+    # the logits and their gradient (the LM head is replicated: full vocabulary on every TP rank),
+    # and with FSDP over dp the gathered TP shard of a block and its all-gather buffer
+    temp = 2 * micro * cfg.seq_len * cfg.vocab_size * 4
+    if dp > 1:
+        temp += 2 * unit * w
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_tp + t_fsdp, exposed,
+                   head=2 * micro * cfg.seq_len * cfg.vocab_size * 4, accumulating=accum > 1)
 
 
 def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_rank: int = 2) -> Estimate:
@@ -517,14 +576,32 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
     exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
     w = _act_dtype_bytes(plan)
-    temp = state["grads"] + 2 * micro * cfg.seq_len * cfg.n_embd * w  # DDP buckets + send/recv buffers
-    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed, bubble_s)
+    # the head's working set (last stage), the send/receive buffers of a micro-batch's activation
+    # and its gradient, and with data parallelism DDP's gradient buckets
+    temp = head_working_set(plan, micro) + 2 * micro * cfg.seq_len * cfg.n_embd * w
+    if dp > 1:
+        temp += state["grads"]
+    # 1F1B runs its first backward while later micro-batches are in flight: gradients then exist
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed, bubble_s,
+                   head=head_working_set(plan, micro), accumulating=schedule != "gpipe")
 
 
 def _block_params(cfg) -> int:
     """Parameters of one transformer block (an FSDP unit as the chapters wrap it)."""
     return sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
                if k.startswith(("blocks.0.", "model.layers.0.")))
+
+
+def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
+    """``est`` plus the framework overhead the cluster measured for ``strategy`` (CPU calibration),
+    scaled by how many ranks share a core."""
+    if not cl.overheads or not est.valid:
+        return est
+    seconds = cl.overheads.get(strategy, 0.0) * (max(1.0, cl.gpus_per_node / cl.cores) if cl.cores else 1.0)
+    est.times["framework_s"] = seconds
+    est.step_time_s += seconds
+    est.tokens_per_s_per_gpu = est.tokens_per_s_per_gpu and est.tokens_per_s_per_gpu * (est.step_time_s - seconds) / est.step_time_s
+    return est
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -539,7 +616,7 @@ def _best(candidates: list[Estimate]) -> Estimate:
     fitting = [c for c in valid if c.fits]
     if fitting:
         return min(fitting, key=lambda c: c.step_time_s)
-    return min(valid, key=lambda c: c.memory_bytes["total"])
+    return min(valid, key=lambda c: c.memory_bytes["peak"])
 
 
 def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
@@ -554,13 +631,14 @@ def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
         sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n)) if n % t == 0 and all(h % t == 0 for h in heads)]
         if not sizes:
             return _invalid(strategy, {}, "no TP size: needs 2+ GPUs in a node that split the heads")
-        return _best([_tp_fsdp(plan, cluster, t) for t in sizes])
+        return _best([with_overhead(_tp_fsdp(plan, cluster, t), cluster, "fsdp_tp_2d" if t < n else "tp")
+                      for t in sizes])
     if strategy.startswith("pp_"):
         sizes = [p for p in _powers_of_two(n) if n % p == 0]
         if not sizes:
             return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs")
-        return _best([_pipeline(plan, cluster, strategy[3:], p) for p in sizes])
-    return _dp_family(strategy, plan, cluster)
+        return _best([with_overhead(_pipeline(plan, cluster, strategy[3:], p), cluster, strategy) for p in sizes])
+    return with_overhead(_dp_family(strategy, plan, cluster), cluster, strategy)
 
 
 def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = STRATEGIES) -> list[Estimate]:
@@ -598,7 +676,7 @@ def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool =
         if not e.valid:
             reasons[e.name] = f"cannot run: {e.note}"
         elif not e.fits:
-            reasons[e.name] = (f"does not fit: {e.memory_bytes['total'] / GiB:.1f} GiB per GPU > "
+            reasons[e.name] = (f"does not fit: {e.memory_bytes['peak'] / GiB:.1f} GiB per GPU > "
                                f"{cap / GiB:.1f} GiB usable")
         elif e.lora:
             reasons[e.name] = "trains LoRA adapters only (fine-tuning a frozen base): a different job"
@@ -732,13 +810,25 @@ def cpu_cluster(records: list[dict], ranks: int, efficiency_from: Iterable[str] 
                    cores=cores)
     ratios = []
     for rec in train:
-        if rec["strategy"] not in efficiency_from:
+        if rec["strategy"] not in efficiency_from or not rec.get("model"):
             continue
-        est = estimate_record(rec, replace(base, gpus=rec["world_size"], gpus_per_node=rec["world_size"]))
+        est = estimate_record(rec, base)
         spent = rec["metrics"]["step_time_s_median"] - est.step_time_s + est.times["compute_s"]
         if spent > 0:
             ratios.append(est.times["compute_s"] / spent)
-    return replace(base, efficiency=statistics.median(ratios) if ratios else 0.1)
+    calibrated = replace(base, efficiency=statistics.median(ratios) if ratios else 0.1)
+    extra: dict[str, list[float]] = {}
+    for rec in train:
+        if not rec.get("model") or rec["strategy"] in efficiency_from:
+            continue
+        try:
+            est = estimate_record(rec, calibrated)
+        except ValueError:
+            continue
+        share = max(1.0, rec["world_size"] / cores)
+        extra.setdefault(rec["strategy"], []).append((rec["metrics"]["step_time_s_median"] - est.step_time_s) / share)
+    overheads = {k: max(0.0, statistics.median(v)) for k, v in extra.items()}
+    return replace(calibrated, overheads=overheads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -770,7 +860,9 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     knobs = theory.knobs_of_record(record)
     n = record["world_size"]
     cl = replace(cl, gpus=n, gpus_per_node=n)
-    if strategy in ("ddp", "ddp_from_scratch", "zero0", "fsdp_no_shard"):
+    if strategy in ("ddp", "ddp_from_scratch", "fsdp_no_shard"):
+        est = _dp_family(strategy, plan, cl)
+    elif strategy == "zero0":
         est = _dp_family("ddp", plan, cl)
     elif strategy in ("fsdp_hybrid_shard", "hsdp"):
         est = _dp_family("fsdp_hybrid_shard", plan, replace(cl, gpus_per_node=int(knobs.get("shard", 2))))
@@ -785,7 +877,7 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     else:
         raise ValueError(f"no planner model for {strategy!r}")
     est.name = strategy
-    return est
+    return with_overhead(est, cl, strategy)
 
 
 def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
@@ -794,8 +886,16 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
     (the record's ``peak_memory_by_category_per_rank``), the peak itself (MemTracker's total),
     and, with a calibrated cluster (default: :func:`cpu_cluster` of the same records), the step time.
     One row per cell with relative errors (``*_error``: predicted / measured - 1)."""
-    cl = cl or cpu_cluster(records, 2)
     rows = []
+    if cl is None:  # out of sample: calibrate on the other architecture's cells (one architecture:
+        # the other world size's), predict these
+        cells = [r for r in records if r.get("model")]
+        key = (lambda r: r["model"]["arch"]) if len({r["model"]["arch"] for r in cells}) > 1 \
+            else (lambda r: r["world_size"])
+        for group in sorted({key(r) for r in cells}):
+            others = [r for r in records if not r.get("model") or key(r) != group]
+            rows += validate([r for r in cells if key(r) == group], cpu_cluster(others, 2))
+        return rows
     for rec in records:
         metrics = rec.get("metrics") or {}
         if rec.get("status", "ok") != "ok" or not metrics.get("step_time_s_median") or not rec.get("model"):
@@ -814,7 +914,7 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
                "step_predicted_s": est.step_time_s, "step_measured_s": metrics["step_time_s_median"]}
         if by_cat:
             row.update(activations_predicted=est.memory_bytes["activations"], activations_measured=by_cat["activations"],
-                       peak_predicted=est.memory_bytes["total"], peak_measured=by_cat["total"],
+                       peak_predicted=est.memory_bytes["peak"], peak_measured=by_cat["total"],
                        temporaries_predicted=est.memory_bytes["temporaries"], temporaries_measured=by_cat["temporaries"])
         for key in ("state", "activations", "peak", "step"):
             p, m = row.get(f"{key}_predicted") or row.get(f"{key}_predicted_s"), \
@@ -880,26 +980,33 @@ def _layout_text(layout: dict) -> str:
 
 def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recommendation) -> str:
     """The terminal table and the recommendation."""
+    big = any(e.valid and e.memory_bytes["peak"] >= GiB for e in estimates)
+    unit, unit_name = (GiB, "GiB") if big else (2 ** 20, "MiB")
+    if math.isfinite(cl.capacity_bytes):
+        capacity = (f"usable memory per GPU {cl.capacity_bytes / GiB:.1f} GiB ({cl.usable_memory:.0%} of "
+                    f"{cl.gpu.memory_bytes / GiB:.1f}); ")
+    else:
+        capacity = "memory not bounded; "
+    rate = compute_rate(cl, plan)
     lines = [describe(plan, cl),
-             f"usable memory per GPU {cl.capacity_bytes / GiB:.1f} GiB ({cl.usable_memory:.0%} of "
-             f"{cl.gpu.memory_bytes / GiB:.1f}); compute at {cl.efficiency:.0%} of "
-             f"{(cl.gpu.peak_flops.get(plan.precision) or cl.gpu.peak_flops['fp32']) / 1e12:,.0f} TFLOP/s",
+             capacity + f"compute {rate / 1e12:,.3g} TFLOP/s per GPU ({cl.efficiency:.0%} of the peak"
+             + (", calibrated" if cl.cores else "") + ")",
              "",
              f"{'strategy':<20} {'layout':<26} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'temp':>7} "
-             f"{'total':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
-             f"{'':<20} {'':<26} {'GiB per GPU':^47}"]
+             f"{'peak':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
+             f"{'':<20} {'':<26} {unit_name + ' per GPU':^47}"]
     for e in estimates:
         if not e.valid:
             lines.append(f"{e.name:<20} cannot run: {e.note}")
             continue
         m = e.memory_bytes
         lines.append(f"{e.name:<20} {_layout_text(e.layout):<26} " +
-                     " ".join(f"{m[p] / GiB:7.2f}" for p in (*PARTS, "total")) +
+                     " ".join(f"{m[p] / unit:7.2f}" for p in (*PARTS, "peak")) +
                      f" {'yes' if e.fits else 'no':>4} {e.step_time_s:8.3f} {e.tokens_per_s_per_gpu:10,.0f}")
     lines.append("")
     if rec.best:
         b = rec.best
-        lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): {b.memory_bytes['total'] / GiB:.1f} GiB "
+        lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): {b.memory_bytes['peak'] / unit:.1f} {unit_name} "
                      f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     else:
         lines.append("recommended: nothing fits; use more GPUs, activation checkpointing, a smaller micro-batch"

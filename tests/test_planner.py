@@ -136,24 +136,29 @@ def test_fp32_state_is_theory_and_precision_conversion():
 
 
 def test_fits_flips_at_the_computed_boundary():
-    """DDP of the Llama-3.2-1B shape, bf16, micro-batch 1 at 2048 tokens, full AC: its total per GPU
-    is T bytes (parts from theory). With usable memory exactly T it fits; one byte less and it does
-    not. Worked out: T = 16Ψ (19.77 GB) + activations (16 layers x 2048 x 2048 x 2 B = 128 MiB, the
-    block inputs; + the fp32 log-probabilities 2048 x 128256 x 4 B = 1002 MiB; + the final norm's
-    input and output 2 x 2048 x 2048 x 2 B = 16 MiB) + DDP's gradient buckets (2Ψ). Bug caught:
-    a comparison against the raw memory instead of the usable fraction, or a part left out of the
-    total."""
+    """DDP of the Llama-3.2-1B shape, bf16 AdamW, micro-batch 1 of 2048 tokens, full AC. Worked out
+    by hand: its peak is at the top of backward, before any gradient exists: weights 2Ψ + optimizer
+    12Ψ + activations (16 block inputs, 2048 x 2048 x 2 B each = 128 MiB) + temporaries (DDP's
+    gradient buckets 2Ψ and the LM head's working set 2048 x (12 x 128256 + 4 x 2048) B = 3.17 GB:
+    bf16 logits and their gradient, fp32 log-probabilities and their gradient, two width-sized
+    gradients). That is 16Ψ + 3.3 GB = 23.1 GB, more than the end of backward (18Ψ = 22.2 GB).
+    With usable memory exactly that peak it fits; one byte less and it does not. Bug caught: a
+    comparison against the raw memory instead of the usable fraction, a part left out, or the
+    gradients counted at the top of backward (the total would grow by 2Ψ and the flip would move)."""
     cfg = LLAMA_1B
     p = psi(cfg)
     plan = planner.Plan(cfg, global_batch=8, ac="full")
     probe = planner.estimate(plan, planner.cluster("h100", 8), "ddp")
-    act = 16 * 2048 * 2048 * 2 + 2048 * 128256 * 4 + 2 * 2048 * 2048 * 2
-    total = 16 * p + act + 2 * p
+    act = 16 * 2048 * 2048 * 2
+    head = 2048 * (12 * 128256 + 4 * 2048)
+    peak = 2 * p + 12 * p + act + 2 * p + head
     assert probe.memory_bytes["activations"] == act
-    assert probe.memory_bytes["total"] == total
-    gpu = replace(planner.GPUS["h100"], memory_bytes=total)
+    assert probe.memory_bytes["temporaries"] == 2 * p + head
+    assert probe.memory_bytes["peak"] == peak
+    assert probe.memory_bytes["total"] == peak + 2 * p
+    gpu = replace(planner.GPUS["h100"], memory_bytes=peak)
     assert planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
-    gpu = replace(gpu, memory_bytes=total - 1)
+    gpu = replace(gpu, memory_bytes=peak - 1)
     assert not planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
 
 
@@ -217,7 +222,7 @@ def test_cli_json_schema(capsys):
         assert {"name", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu"} <= set(s)
         if s["valid"]:
             parts = s["memory_bytes"]
-            assert set(parts) == {*planner.PARTS, "total"}
+            assert set(parts) == {*planner.PARTS, "total", "peak"}
             assert parts["total"] == pytest.approx(sum(parts[p] for p in planner.PARTS))
             assert s["tokens_per_s_per_gpu"] == pytest.approx(16 * 2048 / 4 / s["step_time_s"])
     assert out["recommended"] in names
