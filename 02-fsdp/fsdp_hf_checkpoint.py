@@ -42,7 +42,7 @@ from distkit.models import (TokenTask, add_model_args, build_model, import_trans
 CHECKED = {"vocab_size": "--vocab-size", "hidden_size": "--n-embd", "num_hidden_layers": "--n-layer",
            "num_attention_heads": "--n-head", "num_key_value_heads": "--n-kv-head",
            "intermediate_size": "--model-size", "rms_norm_eps": "--model-size",
-           "tie_word_embeddings": "--model-size", "rope_parameters": "--model-size"}
+           "tie_word_embeddings": "--tie-embeddings", "rope_parameters": "--model-size"}
 
 
 def parse_args(argv=None):
@@ -95,6 +95,11 @@ def save_hf_folder(state, cfg, folder):
     # memory, no random init) and given the tensors themselves (assign=True: no copy).
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg.hf_config())
+    if cfg.tie_embeddings:
+        # One matrix under two names, but a gathered state dict may hold two copies of it; assigned
+        # separately they would untie the model, and save_pretrained would write the matrix twice.
+        # The same tensor under both names keeps one storage: written once, as Hugging Face does.
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
     model.load_state_dict(state, assign=True)  # (non-persistent buffers are not expected keys)
     # Written under a temporary name (<name>.tmp.<host>.<pid>.d) and renamed when complete: a job
     # killed mid-write leaves that, never a half folder under the name from_pretrained is given.
@@ -217,8 +222,9 @@ def train(args, ctx):
                 log.info(f"created a random-weights Hugging Face folder: {args.hf_in}")
             t0 = time.perf_counter()
             state = read_hf_folder(args.hf_in, cfg, expected)
-            log.info(f"read {args.hf_in} on rank 0 only: {len(state)} tensors, "
-                     f"{sum(t.numel() for t in state.values()):,} parameters in {time.perf_counter() - t0:.2f} s")
+            tensors = {t.data_ptr(): t for t in state.values()}.values()  # a tied matrix, under two names, once
+            log.info(f"read {args.hf_in} on rank 0 only: {len(tensors)} tensors, "
+                     f"{sum(t.numel() for t in tensors):,} parameters in {time.perf_counter() - t0:.2f} s")
         except UsageError as exc:
             verdict[0] = str(exc)
     dist.broadcast_object_list(verdict, src=0, device=ctx.device)  # NCCL: through this rank's GPU

@@ -14,13 +14,23 @@ The same jobs and tolerances as the GPT's tests, on the other architecture:
   HYBRID_SHARD and DDP in one 4-rank job, AdamW): within ``ch02_common.FP32_ATOL`` (2e-4), and the
   bytes the harness counted equal distkit.theory's prediction for the Llama's shapes (GQA's narrower
   k/v projections included); the records carry the Llama's config, tokens/s per device and MFU.
+* Tied embeddings (``--tie-embeddings on``: Llama-3.2-1B's ``lm_head`` IS the embedding matrix):
+  ``fsdp_transformer.py --sharding full_shard ddp`` (FSDP2 FULL_SHARD and torch DDP, one 4-rank job,
+  AdamW) within ``ch02_common.FP32_ATOL`` (2e-4) of one process training the tied model, the tie
+  intact in both saved state dicts, the bytes as distkit.theory predicts them (the shared matrix
+  counted once). What it is for: a strategy that breaks the tie (the embedding and the LM head
+  sharded, or replicated, as two parameters that each see only their own share of the gradient, then
+  drift apart). Negative control, in this process: the same model with the tie broken (``lm_head``
+  given its own copy of the matrix at the start) lands 2.4e-2 from the tied reference after the same
+  4 steps (measured; 120x FP32_ATOL), while the correct runs land at 2.5e-5 (FULL_SHARD) and 2.6e-5
+  (DDP). The Hugging Face round trip of a tied model is in test_ch02_hf.py.
 * Negative controls, because AdamW and clipping hide a gradient of the wrong scale: the shared
   negative-controls worker (tests/workers/negative_controls.py, plain SGD, 2 ranks) with
   ``--arch llama`` trains DDP and FSDP FULL_SHARD correctly (within the tolerance) and broken
   (gradients summed instead of averaged; a rank's gradient shard dropped), and the broken variants
   must land at least ``WIDE`` (100) x the tolerance away.
 
-The four jobs run once, two at a time, in a module fixture.
+The five jobs run once, two at a time, in a module fixture.
 """
 from __future__ import annotations
 
@@ -36,15 +46,18 @@ import ch03_common as ch03
 from distkit import theory
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from distkit.models import model_config
+from distkit.models import build_model, model_config
 from launch import WORKERS, command_argv, job_env, readme_command, run, torchrun
+from workers.reference import train_one_process
 
 LLAMA = ["--arch", "llama"]
+TIED = ["--tie-embeddings", "on"]
+TIED_STRATEGIES = ["full_shard", "ddp"]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
-    names = ("ddp", "fsdp", "zero", "negative")
+    names = ("ddp", "fsdp", "zero", "negative", "tied")
     folders = {name: tmp_path_factory.mktemp(f"llama_{name}") for name in names}
 
     def ddp():
@@ -74,6 +87,13 @@ def jobs(tmp_path_factory) -> dict:
                  "--out", folder / "diffs.json", nproc=2, tmp_path=folder, timeout=900)
         return json.loads((folder / "diffs.json").read_text())
 
+    def tied():
+        folder = folders["tied"]
+        ch02.run_readme(ch02.SWEEP, folder, *ch02.TINY, "--steps", ch02.STEPS, *LLAMA, *TIED,
+                        "--sharding", *TIED_STRATEGIES, "--results", folder / "records.jsonl",
+                        "--save", folder / "params" / "{strategy}.pt", timeout=900)
+        return folder
+
     def attempt(job):
         try:
             return job()
@@ -81,7 +101,7 @@ def jobs(tmp_path_factory) -> dict:
             return exc
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(attempt, [ddp, fsdp, zero, negative]))
+        results = list(pool.map(attempt, [ddp, fsdp, zero, negative, tied]))
     return dict(zip(names, results))
 
 
@@ -153,3 +173,42 @@ def test_summed_or_dropped_gradients_of_the_llama_fail_the_tolerance(jobs):
             assert diffs[case][variant] < ch01.TOLERANCE, (case, variant, diffs[case])
         for variant in broken:
             assert diffs[case][variant] > ch01.WIDE * ch01.TOLERANCE, (case, variant, diffs[case])
+
+
+def tied_reference(untie: bool = False) -> tuple[dict, dict]:
+    """One process, AdamW, the tiny Llama with tied embeddings (vocab 65, seed 0, as the job):
+    (initial, final) state dicts. ``untie``: the negative control, the LM head given its own copy of
+    the embedding matrix before training (a tie broken by a strategy)."""
+    cfg = model_config("llama", "tiny", vocab_size=65, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if untie:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=ch02.LR), ch02.STEPS, 8)
+
+
+def test_tied_embeddings_train_like_one_process_under_ddp_and_full_shard(jobs):
+    """Bug caught (FP32_ATOL, module docstring): the tie broken by a strategy. Negative control: the
+    untied reference misses the tied one by far more than the tolerance."""
+    folder = _job(jobs, "tied")
+    initial, reference = tied_reference()
+    assert torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
+    assert ch02.max_diff(initial, reference) > 50 * ch02.FP32_ATOL  # training moved the weights
+    for strategy in TIED_STRATEGIES:
+        trained = torch.load(folder / "params" / f"{strategy}.pt", weights_only=True)
+        # the tie survived sharding: one matrix, under both names, bit for bit
+        assert torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"]), strategy
+        assert ch02.max_diff(trained, reference) <= ch02.FP32_ATOL, strategy
+    _, untied = tied_reference(untie=True)
+    assert not torch.equal(untied["lm_head.weight"], untied["model.embed_tokens.weight"])
+    assert ch02.max_diff(untied, reference) > 50 * ch02.FP32_ATOL  # the negative control fails
+
+    unique = sum(t.numel() for name, t in initial.items() if name != "lm_head.weight")
+    records = read_records(folder / "records.jsonl")
+    assert [r["strategy"] for r in records] == ["fsdp_full_shard", "ddp"]
+    for record in records:
+        assert record["model"]["tie_embeddings"] is True and record["param_count"] == unique
+        compared = theory.compare_record(record)
+        for row in compared["state"] + compared["comm"]:  # the shared matrix counted once
+            assert row["measured"] == row["predicted"], (record["strategy"], row)
