@@ -101,8 +101,8 @@ GPUS: dict[str, GPU] = {
 class Cluster:
     """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
 
-    ``efficiency``: the achievable fraction of the peak FLOP/s (0.4 is what well-tuned FSDP runs of
-    Llama models report as MFU on H100s; an assumption); ``usable_memory``: the fraction of the GPU's
+    ``efficiency``: the achievable fraction of the peak FLOP/s (0.35: torchtitan reports 33-39% MFU
+    for Llama 3.1 8B under FSDP on 8 to 128 H100s, ``docs/performance.md``; an assumption elsewhere); ``usable_memory``: the fraction of the GPU's
     memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
     ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
     share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
@@ -114,7 +114,7 @@ class Cluster:
     gpu: GPU
     gpus: int
     gpus_per_node: int
-    efficiency: float = 0.4
+    efficiency: float = 0.35
     usable_memory: float = 0.9
     overlap: bool = True
     collectives: dict | None = None
@@ -560,30 +560,44 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     if m * micro != per_replica:
         return _invalid(name, {"pp": pp, "dp": dp}, f"{int(per_replica)} sequences do not split into {m} micro-batches")
     knobs = {"microbatches": m, "stages_per_rank": v}
-    pred = theory.busiest_rank_prediction(name, cfg, pp, int(per_replica), knobs)
-    state = state_bytes(pred["state"], plan)
+    pred = theory.predict(name, cfg, pp, int(per_replica), knobs)
     scale = 0.5 if plan.precision == "bf16" else 1.0
-    layout = {"pp": pp, "dp": dp, "microbatches": m, "micro_batch": micro, "stages_per_rank": v}
-    layers = cfg.n_layer / pp
-    in_flight = {"gpipe": m, "1f1b": min(pp, m), "interleaved_1f1b": min(pp, m) * (1 + (pp - 1) / (v * pp))}[schedule]
-    act = activation_bytes(plan, layers, micro, in_flight=in_flight)
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
     bubble = theory.pipeline_bubble(pp, m, v)
     bubble_s = compute_s * bubble / (1 - bubble)
-    t_p2p = _comm_seconds(cluster, pred["comm"], 2, pp > cluster.gpus_per_node, scale)
-    grads = theory.ddp_bytes(state["params"] / (2 if plan.precision == "bf16" else 4), dp,
-                             2 if plan.precision == "bf16" else 4)
-    t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
-    exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
     w = _act_dtype_bytes(plan)
-    # the head's working set (last stage), the send/receive buffers of a micro-batch's activation
-    # and its gradient, and with data parallelism DDP's gradient buckets
-    temp = head_working_set(plan, micro) + 2 * micro * cfg.seq_len * cfg.n_embd * w
-    if dp > 1:
-        temp += state["grads"]
-    # 1F1B runs its first backward while later micro-batches are in flight: gradients then exist
-    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed, bubble_s,
-                   head=head_working_set(plan, micro), accumulating=schedule != "gpipe")
+    # The stage that decides the fit: the first holds the most micro-batches in flight (1F1B: p - r
+    # on rank r, GPipe: all m everywhere), the last the LM head and its working set, another rank
+    # may hold the most parameters. Estimate each and keep the largest peak.
+    busiest = max(range(pp), key=lambda r: sum(pred["state_per_rank"][r].values()))
+    candidates = []
+    for rank in sorted({0, pp - 1, busiest}):
+        state = state_bytes(pred["state_per_rank"][rank], plan)
+        layout = {"pp": pp, "dp": dp, "microbatches": m, "micro_batch": micro, "stages_per_rank": v, "rank": rank}
+        ahead = min(pp - rank, m)
+        in_flight = {"gpipe": m, "1f1b": ahead, "interleaved_1f1b": ahead * (1 + (pp - 1) / (v * pp))}[schedule]
+        # + each in-flight micro-batch's stage input and output, held by the schedule until its backward
+        act = (activation_bytes(plan, cfg.n_layer / pp, micro, in_flight=in_flight)
+               + in_flight * 2 * micro * cfg.seq_len * cfg.n_embd * w)
+        t_p2p = _comm_seconds(cluster, pred["comm_per_rank"][rank], 2, pp > cluster.gpus_per_node, scale)
+        grads = theory.ddp_bytes(state["params"] / (2 if plan.precision == "bf16" else 4), dp,
+                                 2 if plan.precision == "bf16" else 4)
+        t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
+        exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
+        # the last stage's head working set, the send/receive buffers of a micro-batch's activation
+        # and its gradient, and with data parallelism DDP's gradient buckets
+        head = head_working_set(plan, micro) if rank == pp - 1 else 0.0
+        temp = head + 2 * micro * cfg.seq_len * cfg.n_embd * w
+        if dp > 1:
+            temp += state["grads"]
+        # 1F1B runs its first backward while later micro-batches are in flight: gradients then exist
+        candidates.append(_finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed,
+                                  bubble_s, head=head, accumulating=schedule != "gpipe"))
+    worst = max(candidates, key=lambda e: e.memory_bytes["peak"])
+    slowest = max(candidates, key=lambda e: e.step_time_s)
+    worst.step_time_s, worst.tokens_per_s_per_gpu, worst.times = \
+        slowest.step_time_s, slowest.tokens_per_s_per_gpu, slowest.times
+    return worst
 
 
 def _block_params(cfg) -> int:
@@ -592,12 +606,23 @@ def _block_params(cfg) -> int:
                if k.startswith(("blocks.0.", "model.layers.0.")))
 
 
+OVERHEAD_MODEL = "comm"
+# a strategy the calibration never saw borrows its family's overhead
+OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_shard", "fsdp_tp_2d": "tp",
+                   "zero3_offload": "zero3", "pp_interleaved_1f1b": "pp_1f1b", "pp_gpipe": "pp_1f1b",
+                   "tp_sp": "tp", "fsdp_no_shard": "fsdp_shard_grad_op", "fsdp_tp": "fsdp_tp_2d"}
+
+
 def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
     """``est`` plus the framework overhead the cluster measured for ``strategy`` (CPU calibration),
     scaled by how many ranks share a core."""
     if not cl.overheads or not est.valid:
         return est
-    seconds = cl.overheads.get(strategy, 0.0) * (max(1.0, cl.gpus_per_node / cl.cores) if cl.cores else 1.0)
+    strategy = strategy if strategy in cl.overheads else OVERHEAD_FAMILY.get(strategy, strategy)
+    if OVERHEAD_MODEL == "comm":
+        seconds = cl.overheads.get(strategy, 0.0) * est.times["comm_s"]
+    else:
+        seconds = cl.overheads.get(strategy, 0.0) * (max(1.0, cl.gpus_per_node / cl.cores) if cl.cores else 1.0)
     est.times["framework_s"] = seconds
     est.step_time_s += seconds
     est.tokens_per_s_per_gpu = est.tokens_per_s_per_gpu and est.tokens_per_s_per_gpu * (est.step_time_s - seconds) / est.step_time_s
@@ -621,10 +646,23 @@ def _best(candidates: list[Estimate]) -> Estimate:
 
 def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     """The :class:`Estimate` of one of :data:`STRATEGIES`. ``fsdp_tp`` tries every TP size that is a
-    power of two within a node (and splits the heads), the pipelines every power-of-two stage count,
-    and keep the fastest that fits (else the smallest)."""
+    power of two within a node (and splits the heads), the pipelines every power-of-two stage count;
+    every strategy also tries halving the micro-batch (more accumulation, fewer activations) when
+    ``plan.micro_batch`` does not fit; the fastest that fits is kept (else the smallest)."""
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    micro = [plan.micro_batch]
+    while micro[-1] > 1:
+        micro.append(micro[-1] // 2)
+    tried = []
+    for m in micro:
+        tried.append(_estimate_layouts(replace(plan, micro_batch=m), cluster, strategy))
+        if tried[-1].valid and tried[-1].fits:
+            break
+    return _best(tried)
+
+
+def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     cfg, n = plan.model, cluster.gpus
     if strategy == "fsdp_tp":
         heads = [cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head)]
@@ -826,6 +864,8 @@ def cpu_cluster(records: list[dict], ranks: int, efficiency_from: Iterable[str] 
         except ValueError:
             continue
         share = max(1.0, rec["world_size"] / cores)
+        if OVERHEAD_MODEL == "comm":
+            share = est.times["comm_s"] or math.inf
         extra.setdefault(rec["strategy"], []).append((rec["metrics"]["step_time_s_median"] - est.step_time_s) / share)
     overheads = {k: max(0.0, statistics.median(v)) for k, v in extra.items()}
     return replace(calibrated, overheads=overheads)
@@ -906,7 +946,10 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
             continue
         pred = theory.busiest_rank_prediction(rec["strategy"], theory.config_of_record(rec), rec["world_size"],
                                               int(rec["config"]["global_batch_size"]), theory.knobs_of_record(rec))
-        rank = pred["rank"]
+        rank = est.layout.get("rank", pred["rank"])
+        if rank != pred["rank"]:  # the planner's deciding rank (a pipeline's), compared there
+            full = theory.predict_record(rec)["state_per_rank"][rank]
+            pred = {**pred, "state": full}
         state_measured = sum(metrics["model_state_bytes_per_rank"][rank].values())
         by_cat = (metrics.get("peak_memory_by_category_per_rank") or [None] * (rank + 1))[rank]
         row = {"strategy": rec["strategy"], "world_size": rec["world_size"], "arch": rec["model"]["arch"],
@@ -973,9 +1016,11 @@ def describe(plan: Plan, cl: Cluster) -> str:
 
 
 def _layout_text(layout: dict) -> str:
-    keys = ("dp", "shard", "tp", "pp", "microbatches", "accumulation")
-    return " ".join(f"{k}={layout[k]}" for k in keys if k in layout and layout[k] not in (None, 1) or
-                    (k == "dp" and k in layout))
+    """``dp=8 tp=2 micro=1 accum=2``: the sizes that matter (1s left out, dp always shown)."""
+    names = {"dp": "dp", "shard": "shard", "tp": "tp", "pp": "pp", "micro_batch": "micro", "microbatches": "mbs",
+             "accumulation": "accum"}
+    return " ".join(f"{short}={layout[key]}" for key, short in names.items()
+                    if key in layout and (key in ("dp", "micro_batch") or layout[key] not in (None, 1)))
 
 
 def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recommendation) -> str:
