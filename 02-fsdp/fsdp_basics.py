@@ -8,9 +8,10 @@ just in time:
     backward of block i:  all-gather again -> compute grads -> reduce-scatter them -> keep my shard
     optimizer step:       each rank updates only its own shard (Adam state is sharded too)
 
-This script shards the transformer with FSDP2 ``fully_shard``, has every rank print the shard it
-holds of a few parameters next to their full shapes, traces one training step (which collective
-runs when), then trains and appends a harness record.
+This script shards the transformer (the small GPT, or with ``--arch llama`` the Hugging Face Llama)
+with FSDP2 ``fully_shard``, has every rank print the shard it holds of a few parameters next to their
+full shapes, traces one training step (which collective runs when), then trains and appends a
+harness record (``--save PATH``: the trained full weights too).
 
     torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py
     python 02-fsdp/fsdp_basics.py        # a world of one: the "shards" are the whole tensors
@@ -19,31 +20,35 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.flags import add_training_args, positive_int
+from distkit.checkpoint import atomic_save
+from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.theory import fsdp_prediction, param_shapes
-from distkit.models import (TinyGPT, TokenTask, add_model_args, model_config_from_args, lm_loss,
+from distkit.models import (TokenTask, add_model_args, build_model, model_config_from_args, lm_loss,
                             rank_slice)
 
-SHOWN = ["tok_emb.weight", "blocks.0.attn.q_proj.weight", "blocks.0.ln_1.weight", "lm_head.weight"]
+# What the root unit holds besides the blocks, per architecture (the names are each model's own).
+ROOT_PARTS = {"gpt": "embeddings, ln_f, lm_head", "llama": "embed_tokens, norm, lm_head"}
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(
-        description="Shard the small GPT with FSDP2 fully_shard, show each rank's shards, trace one "
-                    "step's all-gathers and reduce-scatters, then train.",
+        description="Shard the transformer (--arch gpt or llama) with FSDP2 fully_shard, show each "
+                    "rank's shards, trace one step's all-gathers and reduce-scatters, then train.",
         epilog="example: torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py --steps 200")
     add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, warmup_steps=2,
                       results="runs/fsdp_basics.jsonl", helps={"lr": "AdamW learning rate"})
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
+    add_checkpoint_args(parser, save="none")
     add_model_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
@@ -86,6 +91,21 @@ def print_in_rank_order(lines, ctx):
         dist.barrier()
 
 
+def shown_parameters(model):
+    """The parameters the lesson shows, found in the model itself (either architecture): the first
+    (the token embedding), the first block's first matrix (its attention's query projection) and
+    first vector (its first norm), and the last (the LM head; a tied model's last is the final norm).
+    Returns (their full names, the first block's name prefix, the first matrix's name inside it)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    block_prefix = names[id(model.blocks[0])] + "."
+    params = dict(model.named_parameters())
+    in_block = [n for n in params if n.startswith(block_prefix)]
+    matrix = next(n for n in in_block if params[n].dim() == 2)
+    vector = next(n for n in in_block if params[n].dim() == 1)
+    first, last = next(iter(params)), list(params)[-1]
+    return [first, matrix, vector, last], block_prefix, matrix.removeprefix(block_prefix)
+
+
 def gathered_bytes(shapes, world_size):
     """Bytes one FSDP unit's all-gather moves (and its fp32 reduce-scatter too): distkit.theory's
     FSDP2 model, each parameter's dim 0 padded to a multiple of the world size. None alone (no
@@ -96,29 +116,33 @@ def gathered_bytes(shapes, world_size):
 
 def trace_one_step(model, optimizer, inputs, targets, ctx):
     """Run one step with hooks on block 0 and a collective trace; returns (trace lines, global loss)."""
+    _, block_prefix, matrix = shown_parameters(model)
+    blocks_prefix = block_prefix.removesuffix("0.")  # "blocks." (GPT) or "model.layers." (Llama)
     shapes = param_shapes(model.cfg)
-    unit_names = {gathered_bytes({n: s for n, s in shapes.items() if n.startswith("blocks.0.")},
+    unit_names = {gathered_bytes({n: s for n, s in shapes.items() if n.startswith(block_prefix)},
                                  ctx.world_size): "<- a block's unit",
-                  gathered_bytes({n: s for n, s in shapes.items() if not n.startswith("blocks.")},
-                                 ctx.world_size): "<- root unit (embeddings, ln_f, lm_head)"}
+                  gathered_bytes({n: s for n, s in shapes.items() if not n.startswith(blocks_prefix)},
+                                 ctx.world_size): f"<- root unit ({ROOT_PARTS[model.cfg.arch]})"}
     events = []
     block = model.blocks[0]
-    weight = lambda: block.attn.q_proj.weight  # noqa: E731 - FSDP swaps this attribute in and out
+    owner_path, attribute = matrix.rsplit(".", 1)
+    owner, label = block.get_submodule(owner_path), ".".join(matrix.split(".")[-2:])  # q_proj.weight
+    weight = lambda: getattr(owner, attribute)  # noqa: E731 - FSDP swaps this attribute in and out
     # Forward hooks run in registration order; fully_shard registered its own (all-gather before,
     # reshard after) earlier, so these see the parameter as FSDP left it.
     handles = [
         block.register_forward_pre_hook(
-            lambda *_: events.append(f"  block 0 forward starts:  q_proj.weight is {describe(weight())}")),
+            lambda *_: events.append(f"  block 0 forward starts:  {label} is {describe(weight())}")),
         block.register_forward_hook(
-            lambda *_: events.append(f"  block 0 forward ends:    q_proj.weight is {describe(weight())}")),
+            lambda *_: events.append(f"  block 0 forward ends:    {label} is {describe(weight())}")),
     ]
-    events.append(f"  before the step:          q_proj.weight is {describe(weight())}")
+    events.append(f"  before the step:          {label} is {describe(weight())}")
     with CollectiveTrace(events, unit_names):
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model(inputs), targets)
         events.append("  --- loss.backward() ---")
         loss.backward()
-        events.append(f"  after backward: q_proj.weight.grad is {describe(weight().grad)}")
+        events.append(f"  after backward: {label}.grad is {describe(weight().grad)}")
         optimizer.step()
     for handle in handles:
         handle.remove()
@@ -139,7 +163,9 @@ def shard_trace_and_train(args, ctx):
         raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"{ctx.world_size} ranks")
     cfg = model_config_from_args(args)
-    model = TinyGPT(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
+    path = save_path(args.save)
+    model = build_model(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from
+    shown, _, _ = shown_parameters(model)  # names taken before sharding (fully_shard keeps them)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
 
     # The ranks FSDP shards over, on the device this job computes on. Passed explicitly: without
@@ -155,11 +181,11 @@ def shard_trace_and_train(args, ctx):
     fully_shard(model, mesh=mesh)
 
     params = dict(model.named_parameters())
-    lines = []
-    for name in SHOWN:
+    lines, width = [], max(28, *map(len, shown))
+    for name in shown:
         local = params[name].to_local()
         full_bytes = torch.Size(full_shapes[name]).numel() * local.element_size()
-        lines.append(f"{name:<28} full {str(full_shapes[name]):<10} -> my shard "
+        lines.append(f"{name:<{width}} full {str(full_shapes[name]):<10} -> my shard "
                      f"{str(tuple(local.shape)):<10} {local.numel() * local.element_size():>7,} of "
                      f"{full_bytes:>7,} B")
     mine = sum(p.to_local().numel() for p in model.parameters())
@@ -196,6 +222,11 @@ def shard_trace_and_train(args, ctx):
             dist.all_reduce(loss := loss.detach().clone())
             log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
     record = harness.finish(args.results)
+    if path:
+        # Collective: every shard is all-gathered; rank 0 alone keeps the full tensors, in CPU memory.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if ctx.is_main:
+            atomic_save(full, path)
     if ctx.is_main:
         m = record["metrics"]
         comm = ", ".join(f"{k} {v['calls']:.0f} calls {v['bytes']:,.0f} B"
@@ -203,6 +234,8 @@ def shard_trace_and_train(args, ctx):
         speed = (f"median step {m['step_time_s_median'] * 1e3:.0f} ms | {m['tokens_per_s']:,.0f} tokens/s"
                  if m["timed_steps"] else "no timed steps (raise --steps)")
         log.info(f"per step: {comm} | {speed} | record appended to {args.results}")
+        if path:
+            log.info(f"trained full weights saved to {path}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from ch02_common import (BASICS, BF16, BF16_RELATIVE, CHAPTER, FP32_ATOL, LOOKUP
                          RECORD, RESUME_FULL, RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE,
                          TINY, check_ok, expected_bytes, max_diff, readme_argv, reference_state,
                          relative_error, run_all, run_readme, shard_bytes)
-from launch import launcher_argv, load_script, assert_one_line_error, assert_readme_covered
+from launch import WORKERS, launcher_argv, load_script, assert_one_line_error, assert_readme_covered
 
 from distkit import UsageError
 from distkit.harness import read_records
@@ -388,7 +388,10 @@ def test_dcp_checkpoint_of_another_model_is_one_line(checkpoints, failures):
 # --------------------------------------------------------------------------------------- basics
 
 def test_basics_shows_shards_and_the_step_trace(tmp_path):
-    result = run_readme(BASICS, tmp_path, *TINY, "--steps", "4", "--results", tmp_path / "b.jsonl")
+    """The README command (tiny GPT, 4 ranks, 4 steps): the shards, the traced step, and the trained
+    weights (--save) equal single-process training within FP32_ATOL (measured 1.0e-5)."""
+    result = run_readme(BASICS, tmp_path, *TINY, "--steps", "4", "--results", tmp_path / "b.jsonl",
+                        "--save", tmp_path / "basics.pt")
     for rank in range(4):
         assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
     assert "tok_emb.weight               full (65, 64)   -> my shard (17, 64)" in result.stdout  # padded
@@ -400,6 +403,50 @@ def test_basics_shows_shards_and_the_step_trace(tmp_path):
     record = read_records(tmp_path / "b.jsonl")[0]
     assert record["strategy"] == "fsdp_full_shard" and record["model"]["vocab_size"] == 65
     assert not {"model_size", "gpt", "param_count"} & set(record["config"])
+    _, reference = reference_state(4)
+    assert max_diff(torch.load(tmp_path / "basics.pt", weights_only=True), reference) <= FP32_ATOL
+
+
+# every rank trains on rank 0's share of each global batch: the job sees a quarter of the data
+BASICS_SAME_BATCH = ("rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),\n"
+                     "                rank_slice(targets, ctx.rank, ctx.world_size)",
+                     "rank_slice(inputs, 0, ctx.world_size).to(ctx.device),\n"
+                     "                rank_slice(targets, 0, ctx.world_size)")
+
+
+def test_basics_shards_and_trains_the_llama_like_one_process(tmp_path):
+    """--arch llama (tiny, vocab 65, 4 ranks, 4 AdamW steps): the lesson names the Llama's own
+    parameters and FSDP units, and the trained weights equal single-process training within
+    FP32_ATOL (2e-4; measured 1.9e-6). Bug it must catch, the negative control run beside it (the
+    script's source with every rank training on rank 0's share of the batch, tests/workers/
+    ch05_mutant.py): it lands 2.4e-2 away (measured; 118x FP32_ATOL)."""
+    flags = [*TINY, "--arch", "llama", "--steps", "4", "--log-every", "1"]
+    correct = readme_argv(BASICS, *flags, "--results", tmp_path / "l.jsonl", "--save", tmp_path / "llama.pt")
+    mutant = readme_argv(BASICS, *flags, "--results", tmp_path / "m.jsonl", "--save", tmp_path / "mutant.pt")
+    script = next(i for i, a in enumerate(mutant) if a.endswith("fsdp_basics.py"))
+    mutant[script:script + 1] = [str(WORKERS / "ch05_mutant.py"), str(CHAPTER / "fsdp_basics.py"),
+                                 *BASICS_SAME_BATCH, "--"]
+    results = run_all({"correct": correct, "same_batch": mutant}, tmp_path, parallel=2, timeout=600)
+    out = check_ok(results["correct"])
+    check_ok(results["same_batch"])
+    for rank in range(4):
+        assert (f"[rank {rank}] model.layers.0.self_attn.q_proj.weight full (64, 64)   -> my shard (16, 64)"
+                in out), out[-3000:]
+    assert "model.embed_tokens.weight              full (65, 64)   -> my shard (17, 64)" in out  # padded
+    assert "block 0 forward ends:    q_proj.weight is DTensor shard (16, 64) of (64, 64)" in out
+    assert out.count("backward  _reduce_scatter_base_") == 3  # 2 decoder layers + root
+    assert out.count("<- a block's unit") == 6 and out.count("<- root unit (embed_tokens, norm, lm_head)") == 2
+    (record,) = read_records(tmp_path / "l.jsonl")
+    assert record["model"]["arch"] == "llama" and record["model"]["vocab_size"] == 65
+
+    initial, reference = reference_state(4, arch="llama")
+    trained = torch.load(tmp_path / "llama.pt", weights_only=True)
+    assert "model.layers.0.self_attn.q_proj.weight" in trained
+    assert max_diff(initial, reference) > 50 * FP32_ATOL  # training moved the weights
+    assert max_diff(trained, reference) <= FP32_ATOL
+    broken = max_diff(torch.load(tmp_path / "mutant.pt", weights_only=True), reference)
+    print(f"fsdp_basics --arch llama: every rank on rank 0's share lands {broken:.2e} away")
+    assert broken > 20 * FP32_ATOL, broken
 
 
 # ------------------------------------------------------------------------------ flags, in-process
