@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks_common import BENCH, COMMITTED_RESULTS
+from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, theory
 from distkit.models import LlamaModelConfig, model_config
-from launch import assert_one_line_error, load_script, python
+from launch import assert_one_line_error, command_argv, load_script, python, readme_command
 
 GiB = 2 ** 30
 LLAMA_1B = model_config("llama", "llama-3.2-1b")
@@ -317,3 +317,23 @@ def test_step_time_predictions_within_the_issue_bounds(committed_rows):
     model meets the bound this test fails and the mark must go."""
     summary = planner.validation_summary(committed_rows)["step"]
     assert summary["median"] <= 0.20 and summary["worst"] <= 0.50, summary
+
+
+# ---------------------------------------------------------------- the README's commands
+
+
+@pytest.mark.parametrize("name", sorted(PLANNER_LOOKUPS))
+def test_readme_planner_commands_print_their_recorded_output(name, capsys):
+    """Each planner command of the README, run here (in this process: the planner is deterministic
+    and launches nothing), prints exactly the output recorded for its block (the torchvision note
+    aside, which goes to stderr): a planner change that alters an answer without re-recording the
+    README fails here, not only in ``distkit.records check``."""
+    argv = command_argv(readme_command(README, *PLANNER_LOOKUPS[name]))
+    assert argv[1].endswith("benchmarks/plan.py")
+    load_script(BENCH / "plan.py").main(argv[2:])
+    printed = capsys.readouterr().out
+    recorded = next(json.loads(line) for line in (BENCH / "records" / "outputs.jsonl").read_text().splitlines()
+                    if json.loads(line)["name"] == name)
+    assert recorded["command"] == " ".join(["python", *argv[1:]]) or recorded["command"].endswith(" ".join(argv[2:]))
+    want = [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
+    assert [line.rstrip() for line in printed.splitlines()] == want
