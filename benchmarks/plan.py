@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit import planner
@@ -65,11 +64,13 @@ def parse_args(argv=None):
                     help="GPU type from the table in distkit/planner.py, or cpu (needs --calibrate) (default: h100)")
     hw.add_argument("--gpu-memory-gib", type=positive_float, help="override: memory per GPU")
     hw.add_argument("--peak-tflops", type=positive_float, help="override: peak dense TFLOP/s in --precision")
-    hw.add_argument("--efficiency", type=positive_float, help="achievable fraction of the peak (default: 0.35, torchtitan's MFU for 8B on H100s)")
+    hw.add_argument("--efficiency", type=positive_float,
+                    help="achievable fraction of the peak (default: 0.35, torchtitan's MFU for 8B on H100s)")
     hw.add_argument("--usable-memory", type=positive_float,
                     help="fraction of GPU memory a job can fill (default: 0.9)")
     hw.add_argument("--intra-bw-gbps", type=positive_float, help="override: bus GB/s inside a node")
-    hw.add_argument("--intra-latency-us", type=positive_float, help="override: latency per collective step inside a node")
+    hw.add_argument("--intra-latency-us", type=positive_float,
+                    help="override: latency per collective step inside a node")
     hw.add_argument("--inter-bw-gbps", type=positive_float, help="override: bus GB/s per GPU between nodes")
     hw.add_argument("--inter-latency-us", type=positive_float, help="override: latency per step between nodes")
     hw.add_argument("--bandwidth-records", metavar="FILE",
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
     out.add_argument("--validate", metavar="RESULTS",
                      help="instead of planning: predicted vs measured for every cell of a benchmark results file "
-                          "(distributed_benchmarks.py --bandwidth), the time calibrated on the other architecture's cells")
+                          "(distributed_benchmarks.py --bandwidth), the time calibrated on the other "
+                          "architecture's cells")
     args = parser.parse_args(argv)
     if args.usable_memory is not None and args.usable_memory > 1:
         parser.error(f"argument --usable-memory: must be at most 1, got {args.usable_memory:g}")

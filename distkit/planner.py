@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from . import theory
 from .errors import UsageError
-from .models import LlamaModelConfig, model_config
+from .models import LlamaModelConfig
 
 GiB = 2 ** 30
 
@@ -102,7 +102,8 @@ class Cluster:
     """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
 
     ``efficiency``: the achievable fraction of the peak FLOP/s (0.35: torchtitan reports 33-39% MFU
-    for Llama 3.1 8B under FSDP on 8 to 128 H100s, ``docs/performance.md``; an assumption elsewhere); ``usable_memory``: the fraction of the GPU's
+    for Llama 3.1 8B under FSDP on 8 to 128 H100s, ``docs/performance.md``; an assumption
+    elsewhere); ``usable_memory``: the fraction of the GPU's
     memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
     ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
     share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
@@ -625,7 +626,7 @@ def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
         seconds = cl.overheads.get(strategy, 0.0) * (max(1.0, cl.gpus_per_node / cl.cores) if cl.cores else 1.0)
     est.times["framework_s"] = seconds
     est.step_time_s += seconds
-    est.tokens_per_s_per_gpu = est.tokens_per_s_per_gpu and est.tokens_per_s_per_gpu * (est.step_time_s - seconds) / est.step_time_s
+    est.tokens_per_s_per_gpu *= (est.step_time_s - seconds) / est.step_time_s
     return est
 
 
@@ -666,7 +667,8 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     cfg, n = plan.model, cluster.gpus
     if strategy == "fsdp_tp":
         heads = [cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head)]
-        sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n)) if n % t == 0 and all(h % t == 0 for h in heads)]
+        sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n))
+                 if n % t == 0 and all(h % t == 0 for h in heads)]
         if not sizes:
             return _invalid(strategy, {}, "no TP size: needs 2+ GPUs in a node that split the heads")
         return _best([with_overhead(_tp_fsdp(plan, cluster, t), cluster, "fsdp_tp_2d" if t < n else "tp")
@@ -785,7 +787,10 @@ def read_matrix(path) -> list[dict]:
 
     if not Path(path).is_file():
         raise UsageError(f"no records file {path}")
-    records = read_records(path)
+    try:
+        records = read_records(path)
+    except (ValueError, AttributeError, TypeError) as exc:  # not JSON lines of records
+        raise UsageError(f"{path} is not a file of JSON records ({exc})") from None
     if not records:
         raise UsageError(f"{path} holds no records")
     return records
@@ -956,9 +961,11 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
                "rank": rank, "state_predicted": sum(pred["state"].values()), "state_measured": state_measured,
                "step_predicted_s": est.step_time_s, "step_measured_s": metrics["step_time_s_median"]}
         if by_cat:
-            row.update(activations_predicted=est.memory_bytes["activations"], activations_measured=by_cat["activations"],
+            row.update(activations_predicted=est.memory_bytes["activations"],
+                       activations_measured=by_cat["activations"],
                        peak_predicted=est.memory_bytes["peak"], peak_measured=by_cat["total"],
-                       temporaries_predicted=est.memory_bytes["temporaries"], temporaries_measured=by_cat["temporaries"])
+                       temporaries_predicted=est.memory_bytes["temporaries"],
+                       temporaries_measured=by_cat["temporaries"])
         for key in ("state", "activations", "peak", "step"):
             p, m = row.get(f"{key}_predicted") or row.get(f"{key}_predicted_s"), \
                 row.get(f"{key}_measured") or row.get(f"{key}_measured_s")
@@ -1051,7 +1058,8 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
     lines.append("")
     if rec.best:
         b = rec.best
-        lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): {b.memory_bytes['peak'] / unit:.1f} {unit_name} "
+        lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): "
+                     f"{b.memory_bytes['peak'] / unit:.1f} {unit_name} "
                      f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     else:
         lines.append("recommended: nothing fits; use more GPUs, activation checkpointing, a smaller micro-batch"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,9 @@ import pytest
 from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, theory
 from distkit.models import LlamaModelConfig, model_config
-from launch import assert_one_line_error, command_argv, load_script, python, readme_command
+from distkit.errors import UsageError
+from launch import (assert_one_line_error, command_argv, load_script, parse_args_result, python,
+                    readme_command)
 
 GiB = 2 ** 30
 LLAMA_1B = model_config("llama", "llama-3.2-1b")
@@ -245,11 +248,28 @@ def test_cli_plot(tmp_path):
     (["--gpu", "cpu"], "--gpu cpu needs --calibrate"),
     (["--kv-heads", "4", "--model", "gpt-small"], "--kv-heads and --intermediate-size describe a Llama"),
     (["--gpu", "cpu", "--calibrate", "/nonexistent.jsonl"], "no records file /nonexistent.jsonl"),
+    (["--validate", str(BENCH / "README.md")], "is not a file of JSON records"),
 ])
 def test_cli_bad_input_is_one_line(args, expected):
-    result = python(BENCH / "plan.py", *args, check=False)
+    """Bad flags end in one ``error:`` line and exit 2: argparse's own, or a ``UsageError`` raised by
+    the planner that ``run_main`` prints. Run in this process (the same code path as the script:
+    nothing before them starts a process or touches a tensor)."""
+    plan = load_script(BENCH / "plan.py")
+    result = parse_args_result(plan, *args)
+    if result.returncode == 0:  # the flags parse: main raises the UsageError run_main prints as one line
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            plan.main(args)
+        return
     assert result.returncode == 2
     assert_one_line_error(result, expected)
+
+
+def test_cli_bad_input_as_a_script():
+    """End to end, once: the script started as a process turns the planner's UsageError into one
+    ``error:`` line and exit 2 (``run_main``)."""
+    result = python(BENCH / "plan.py", "--kv-heads", "4", "--model", "gpt-small", check=False, launcher="python")
+    assert result.returncode == 2
+    assert_one_line_error(result, "--kv-heads and --intermediate-size describe a Llama")
 
 
 # ---------------------------------------------------------------- validated against the CPU matrix
@@ -337,3 +357,16 @@ def test_readme_planner_commands_print_their_recorded_output(name, capsys):
     assert recorded["command"] == " ".join(["python", *argv[1:]]) or recorded["command"].endswith(" ".join(argv[2:]))
     want = [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
     assert [line.rstrip() for line in printed.splitlines()] == want
+
+
+def test_params_picks_the_block_count():
+    """``--params 7e9`` on the Llama-3.1-8B shape keeps its width and vocabulary and takes the block
+    count whose parameter count comes closest: (7e9 - embeddings, head and final norm) / one block =
+    (7e9 - 1,050,677,248) / 218,112,000 = 27.3 -> 27 blocks, 6,939,701,248 parameters (within half a
+    block of the request). Bug caught: the embeddings counted per block, or the count rounded the
+    wrong way."""
+    cfg = planner.with_params(LLAMA_8B, 7e9)
+    assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size) == (27, 4096, 128256)
+    assert psi(cfg) == 6_939_701_248
+    block = (psi(LLAMA_8B) - psi(cfg)) // (32 - 27)
+    assert abs(psi(cfg) - 7e9) <= block / 2
