@@ -23,6 +23,7 @@ Compiled configurations are not tracked: Dynamo does not compile code that runs 
 mode, and code it skipped once stays eager for the rest of the process.
 
     torchrun --nproc_per_node=4 05-advanced/activation_checkpointing.py --ac none full selective --compile off on
+        --results 05-advanced/records/activation_checkpointing.jsonl
 """
 from __future__ import annotations
 
@@ -254,8 +255,9 @@ def print_table(rows, log):
                  + f" | {cell(r['activation_bytes_per_layer'], 1024, 8)} "
                  + f"{cell(r['activation_bytes_per_layer_formula'], 1024, 8)} | {step} {r['first_step_s']:8.1f}")
     if any(r["config"]["compile"] for r in rows):
-        log.info("compiled: n/a, MemTracker cannot see compiled blocks (Dynamo leaves code run under a "
-                 "dispatch mode eager for good); on GPU the record's peak_memory_bytes measures them")
+        log.info("compiled: n/a, the memory-tracked step runs compiled blocks eager (a dispatch mode would keep "
+                 "them eager for good), and eager memory is not theirs; on GPU the record's peak_memory_bytes "
+                 "measures them")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Chapter 05's tables and plots, drawn from harness records: the pipeline bubble (measured vs theory,
-and where the extra idle time goes) and DDP throughput against ``bucket_cap_mb``.
+and where the extra idle time goes), DDP throughput against ``bucket_cap_mb``, and what activation
+checkpointing and torch.compile cost and save.
 
 The README's figures come from the records committed in ``05-advanced/records/`` and are regenerated
 (with every other generated part of the README) by::
 
     python -m distkit.records render 05-advanced
 
-which calls :func:`pipeline_figures` and :func:`bucket_figures`. To plot your own runs::
+which calls :func:`pipeline_figures`, :func:`bucket_figures` and :func:`ac_decision`. To plot your own runs::
 
     python 05-advanced/plot_results.py --results runs/results.jsonl --out-dir runs/plots
 
@@ -28,6 +29,8 @@ from distkit.records import machine_label, save_figure  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
 PIPELINE, PIPELINE_2RANKS, OVERLAP = "pipeline.jsonl", "pipeline_2ranks.jsonl", "overlap.jsonl"
+AC = "activation_checkpointing.jsonl"
+MIB = 2**20
 
 
 def where(record: dict) -> str:
@@ -162,6 +165,56 @@ def bucket_figures(out_dir: Path) -> str:
                 f"{slowest:g} MB.")
     return "\n".join(lines) + f"\n\n{sentence}\n\n![bucket sweep](bucket_sweep.png)\n\n" + \
         caption(runs[fastest], OVERLAP) + "\n"
+
+
+# ------------------------------------------------------------------ activation checkpointing
+def ac_rows(records: list[dict]) -> list[dict]:
+    """One row per AC mode x compile of the newest run: rank 0's peak by category (None when not
+    tracked: compiled), its median step, and both relative to eager without AC."""
+    runs = newest(records, "activation_checkpointing", lambda r: (r["config"]["ac"], r["config"]["compile"]))
+    base = runs.get(("none", False))
+    rows = []
+    for (ac, compiled), r in sorted(runs.items(), key=lambda kv: (["none", "selective", "full"].index(kv[0][0]),
+                                                                   kv[0][1])):
+        m = r["metrics"]
+        peak = (m.get("peak_memory_by_category_per_rank") or [None])[0]
+        rows.append({"ac": ac, "compile": compiled, "peak": peak, "step_s": m["step_time_s_median"],
+                     "first_step_s": r["first_step_s"], "per_block": r["activation_bytes_per_layer"],
+                     "formula": r["activation_bytes_per_layer_formula"], "record": r,
+                     "step_vs_base": m["step_time_s_median"] / base["metrics"]["step_time_s_median"] - 1 if base else None})
+    return rows
+
+
+def ac_decision(out_dir: Path) -> str:
+    """README: what each AC mode and compile measured (memory by category, step time, first step)
+    against eager without AC, from the committed records of the README's command."""
+    rows = ac_rows(read_records(RECORDS / AC))
+    base = next(r for r in rows if r["ac"] == "none" and not r["compile"])
+    lines = ["| AC | compile | peak MiB | activations MiB | per block KiB (formula) | median step ms | "
+             "step vs no AC, eager | first step s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        peak = row["peak"]
+        mem = (f"{peak['total'] / MIB:.2f} | {peak['activations'] / MIB:.2f}" if peak else "n/a | n/a")
+        block = f"{row['per_block'] / 1024:,.0f} ({row['formula'] / 1024:,.0f})" if row["per_block"] else \
+            f"n/a ({row['formula'] / 1024:,.0f})"
+        lines.append(f"| {row['ac']} | {'on' if row['compile'] else 'off'} | {mem} | {block} | "
+                     f"{1e3 * row['step_s']:.1f} | {100 * row['step_vs_base']:+.0f}% | {row['first_step_s']:.1f} |")
+    notes = []
+    for row in rows:
+        if row["peak"] and row is not base:
+            freed = base["peak"]["total"] - row["peak"]["total"]
+            notes.append(f"- **{row['ac']} AC** keeps {row['peak']['activations'] / MIB:.2f} MiB of activations "
+                         f"instead of {base['peak']['activations'] / MIB:.2f}: the peak drops by {freed / MIB:.2f} MiB "
+                         f"({100 * freed / base['peak']['total']:.0f}%) for {100 * row['step_vs_base']:+.0f}% step time.")
+    compiled = [row for row in rows if row["compile"]]
+    if compiled:
+        best = min(compiled, key=lambda row: row["step_s"])
+        notes.append(f"- **Compiled**, the fastest was {best['ac']} AC at {100 * best['step_vs_base']:+.0f}% step time "
+                     f"against eager without AC; compiling took the first step {best['first_step_s']:.0f} s, so it "
+                     f"pays after about {best['first_step_s'] / max(base['step_s'] - best['step_s'], 1e-9):,.0f} "
+                     f"steps." if best["step_s"] < base["step_s"] else
+                     "- **Compiled**, no configuration beat eager without AC in this run.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n\n" + caption(base["record"], AC) + "\n"
 
 
 def main():

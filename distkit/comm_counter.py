@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (as the dispatcher names it) -> (collective, how to find payload tensors)
@@ -123,6 +124,12 @@ class CommCounter(TorchDispatchMode):
         self.stats: dict[str, CollectiveStats] = defaultdict(CollectiveStats)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A mode sees an op before tensor subclasses do, and DTensor runs the collectives an op
+        # needs (a Partial gradient read by the optimizer, a redistribution) inside its own
+        # dispatch, where this mode is switched off: let DTensor go first, so its local ops and
+        # collectives come back through here (MemTracker does the same).
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._schema.name

@@ -251,10 +251,13 @@ def release_engine(engine) -> None:
 def clean_slate(device: torch.device, previous_engine, log) -> None:
     """Open the next configuration's peak-memory window on a clean slate: collect what the previous
     engine left (a weak reference to it, or None), empty the CUDA cache, reset the peak
-    (``fresh_memory_peak``), and warn if that engine is still alive: its memory would then count in
-    the next configuration's peak."""
+    (``fresh_memory_peak``), and, on GPU, warn if that engine is still alive: its memory would then
+    count in the next configuration's peak."""
     fresh_memory_peak(device)
-    if previous_engine is not None and previous_engine() is not None:
+    # On CPU the peak is MemTracker's, which counts only the tensors of this configuration's step; a
+    # ZeRO-3 engine that was memory-tracked stays referenced (through DeepSpeed's backward hooks),
+    # which only its RSS would show. On GPU max_memory_allocated counts everything alive.
+    if device.type == "cuda" and previous_engine is not None and previous_engine() is not None:
         log.warning("the previous engine is still referenced after garbage collection: its memory "
                     "counts in this configuration's peak")
 
@@ -370,6 +373,9 @@ def zero_harness(ctx, engine, client_optimizer: torch.optim.Optimizer, ds_config
     before ``deepspeed.initialize``: a ZeRO-3 parameter's ``numel()`` is 0 afterwards."""
     harness = ZeroHarness(ctx, strategy_name(ds_config), model=engine.module, warmup_steps=warmup_steps,
                           param_count=param_count,
+                          # GPU peaks are exact (max_memory_allocated); tracking a ZeRO-3 engine keeps it
+                          # referenced after the run, which that peak would count in the next engine's
+                          track_memory=ctx.device.type != "cuda",
                           config={"global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
                                   "zero_stage": zero_stage(ds_config),
                                   "offload": offload_devices(ds_config),

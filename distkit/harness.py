@@ -179,6 +179,16 @@ def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
     return tracker
 
 
+def _release(tracker) -> None:
+    """Drop what a finished tracker still refers to (its weak references carry callbacks into the
+    tracker, and its statistics the modules it saw), so that an engine or model dropped after this
+    step is freed by the garbage collector, as ``fresh_memory_peak`` expects."""
+    for name in ("_WINFO", "memory_tracking", "_param_to_grad_hook_handles"):
+        table = getattr(tracker, name, None)
+        if table is not None:
+            table.clear()
+
+
 @functools.cache
 def _step_trackers():
     """torch's two trackers, letting a top-level module run forward again within the step (imported
@@ -495,6 +505,7 @@ class Harness:
                     yield
                 if self.memory_tracker is not None:
                     self._memory_peak = peak_by_category(self.memory_tracker)
+                    _release(self.memory_tracker)
                     self.memory_tracker = None
                 self._comm_done += 1
             # Gradients and optimizer state exist after a step; keep the largest sample. Only on
@@ -514,7 +525,7 @@ class Harness:
         return torch.nn.ModuleList(list(self.state_modules))
 
     def _may_track_memory(self) -> bool:
-        return self.track_memory and not is_compiled(self._tracked_module())
+        return self.track_memory and not is_compiled(self._tracked_module()) and not os.environ.get("NOTRACK")
 
     def memory_externals(self) -> list[Any]:
         """Tensors, modules or optimizers held before the step that the memory tracker must count

@@ -395,10 +395,16 @@ def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int)
     the sequence (all-gather forward, reduce-scatter backward) and its column-parallel logits are
     all-gathered (``batch x seq x vocab``).
 
-    Measured, and modelled as such: the norms' weight gradients come out of the sequence-sharded
-    backward as ``Partial`` DTensors, yet no all-reduce for them is dispatched in the step (the
-    chapter-05 test still finds every parameter equal to single-process training).
+    The norms' parameters (LayerNorm weight and bias, RMSNorm weight) see only their sequence
+    shard, so their gradients come out of backward as ``Partial`` DTensors; the chapter-05 script
+    all-reduces each once after backward (``reduce_partial_grads``): one all-reduce of its size per
+    norm parameter. (Left Partial, the optimizer would all-reduce them inside its own ops, once per op
+    that reads the gradient.)
     """
+    for name, shape in shapes.items():
+        leaf = name.split(".")[-2] if "." in name else name
+        if leaf not in _TP_ROW and _tp_local_numel(name, shape, tp, 0, sequence_parallel=True) == _numel(shape):
+            _add(comm, "all_reduce", 1, 4 * _numel(shape), tp)
     act = batch * cfg.seq_len * cfg.n_embd * 4
     tables, pos = (1, 0) if cfg.arch == "llama" else (2, cfg.seq_len * cfg.n_embd * 4)
     logits = batch * cfg.seq_len * cfg.vocab_size * 4

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, README, STATE_TOLERANCE)
+from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNER_LOOKUPS, README, STATE_TOLERANCE)
 from distkit import theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config
@@ -37,7 +37,7 @@ RENDER, CHECK = "distkit.records render benchmarks", "distkit.records check benc
 
 
 def test_every_readme_command_is_run_by_a_test():
-    assert_readme_covered(README, [QUICK, PLOT, PLOT_GPU, *DRY_RUNS, OVERHEAD, RENDER, CHECK])
+    assert_readme_covered(README, [QUICK, PLOT, PLOT_GPU, *DRY_RUNS, OVERHEAD, RENDER, CHECK, *PLANNER_LOOKUPS.values()])
 
 
 # ---------------------------------------------------------------- formulas (no launch)
@@ -138,8 +138,16 @@ def _raw_ok_records(path: Path) -> list[dict]:
     cells = {}
     for record in (json.loads(line) for line in path.read_text().splitlines() if line.strip()):
         if record.get("status") == "ok" and "metrics" in record:
-            cells[(record["strategy"], record["world_size"])] = record
+            cells[(record["strategy"], record["world_size"], _model_label(record))] = record
     return list(cells.values())
+
+
+def _model_label(record: dict) -> str:
+    """The table's model column: the preset the runner asked for, the architecture named unless it
+    is the small GPT."""
+    size = (record.get("benchmark") or {}).get("model_size", "?")
+    arch = (record.get("model") or {}).get("arch", "gpt")
+    return size if arch == "gpt" else f"{arch} {size}"
 
 
 def _independent_tokens_per_s(record: dict) -> float:
@@ -157,14 +165,14 @@ def tokens_per_step(record: dict) -> int:
 
 def _table_rows(table: str) -> dict[tuple[str, str], dict[str, str]]:
     header, _, *rows = (line.strip("| ").split(" | ") for line in table.strip().splitlines())
-    return {(row[0], row[1]): dict(zip(header, row)) for row in rows}
+    return {(row[0], row[1], row[2]): dict(zip(header, row)) for row in rows}
 
 
 def _check_table(table: str, raw: list[dict]) -> None:
     """Every number of a summary table equals what the raw records give, computed here."""
     rows = _table_rows(table)
     for record in raw:
-        row = rows[(record["strategy"], str(record["world_size"]))]
+        row = rows[(record["strategy"], str(record["world_size"]), _model_label(record))]
         m = record["metrics"]
         assert row["step ms"] == f"{m['step_time_s_median'] * 1e3:.1f}", row
         assert row["tokens/s"] == f"{_independent_tokens_per_s(record):,.0f}", row
@@ -179,15 +187,24 @@ def _check_table(table: str, raw: list[dict]) -> None:
         bus = sum(c["bus_bytes"] for c in m["comm_per_step"].values()) / 2**20
         assert row["model state MiB/rank (theory)"].startswith(f"{state:.3f} ("), row
         assert row["bus MiB/step rank 0 (theory)"].startswith(f"{bus:.3f} ("), row
-        assert row["peak MiB/rank"] == f"{max(m['peak_memory_bytes_per_rank']) / 2**20:,.0f}", row
+        peak = max(m["peak_memory_bytes_per_rank"]) / 2**20
+        parts = m.get("peak_memory_by_category_per_rank")
+        if parts and all(parts):  # MemTracker's peak (a few MiB here), its activations at the peak
+            top = max(parts, key=lambda p: p["total"])
+            if m["peak_memory_kind"] == "cpu_mem_tracker":  # on GPU the peak is max_memory_allocated
+                assert top["total"] == max(m["peak_memory_bytes_per_rank"]), row
+            assert sum(top[k] for k in ("params", "grads", "optimizer", "activations", "temporaries")) == top["total"]
+            assert (row["peak MiB/rank"], row["activations MiB"]) == (f"{peak:.2f}", f"{top['activations'] / 2**20:.2f}")
+        else:  # records from before: the process's peak RSS
+            assert (row["peak MiB/rank"], row["activations MiB"]) == (f"{peak:,.0f}", "-"), row
     # one definition: of two cells that process the same tokens per step, the faster median step has
     # the higher throughput (the mean-based throughput of old records broke this for zero3_offload)
     for a in raw:
         for b in raw:
             if (tokens_per_step(a) == tokens_per_step(b)
                     and a["metrics"]["step_time_s_median"] < b["metrics"]["step_time_s_median"]):
-                ta = float(rows[(a["strategy"], str(a["world_size"]))]["tokens/s"].replace(",", ""))
-                tb = float(rows[(b["strategy"], str(b["world_size"]))]["tokens/s"].replace(",", ""))
+                ta = float(rows[(a["strategy"], str(a["world_size"]), _model_label(a))]["tokens/s"].replace(",", ""))
+                tb = float(rows[(b["strategy"], str(b["world_size"]), _model_label(b))]["tokens/s"].replace(",", ""))
                 assert ta >= tb, (a["strategy"], a["world_size"], b["strategy"], b["world_size"])
 
 
@@ -232,7 +249,7 @@ def test_committed_tables_and_plots_are_what_the_records_draw(records_check):
     assert "Measured on 2-core CPU, gloo" in readme  # the captions say where the records ran
     # the zero3 vs zero3_offload cells at 4 ranks: the faster median is the higher throughput
     rows = _table_rows(table)
-    z3, off = rows[("zero3", "4")], rows[("zero3_offload", "4")]
+    z3, off = rows[("zero3", "4", "tiny")], rows[("zero3_offload", "4", "tiny")]
     assert (float(z3["step ms"]) < float(off["step ms"])) == (
         float(z3["tokens/s"].replace(",", "")) > float(off["tokens/s"].replace(",", "")))
 

@@ -140,7 +140,7 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
     plots = tmp_path / "plots"
     result = run_readme(TABLE, tmp_path, "--results", records / "records.jsonl", "--plots-dir", plots)
     assert "| fsdp_full_shard |" in result.stdout and "| ddp |" in result.stdout
-    assert "| peak RSS MiB (max rank) |" in result.stdout  # CPU records measured process RSS
+    assert "| peak memory MiB (max rank, MemTracker) |" in result.stdout  # CPU records: MemTracker's peak
     assert "Measured on " in result.stdout  # the caption says where it ran
     assert "`tiny` GPT (" not in result.stdout  # vocab 65 is no preset: the caption names the shape
     assert "GPT (vocab_size 65, seq_len 32, n_layer 2" in result.stdout
