@@ -209,7 +209,8 @@ def ac_decision(out_dir: Path) -> str:
     compiled = [row for row in rows if row["compile"]]
     if compiled:
         best = min(compiled, key=lambda row: row["step_s"])
-        notes.append(f"- **Compiled**, the fastest was {best['ac']} AC at {100 * best['step_vs_base']:+.0f}% step time "
+        label = "no AC" if best["ac"] == "none" else f"{best['ac']} AC"
+        notes.append(f"- **Compiled**, the fastest was {label} at {100 * best['step_vs_base']:+.0f}% step time "
                      f"against eager without AC; compiling took the first step {best['first_step_s']:.0f} s, so it "
                      f"pays after about {best['first_step_s'] / max(base['step_s'] - best['step_s'], 1e-9):,.0f} "
                      f"steps." if best["step_s"] < base["step_s"] else
