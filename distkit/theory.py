@@ -259,6 +259,25 @@ def _units(shapes: dict[str, tuple[int, ...]]) -> tuple[list[list[str]], list[st
     return [blocks[i] for i in sorted(blocks)], root
 
 
+def _fsdp_comm(blocks: list[list[str]], root: list[str], padded: dict[str, int], shard: int, replicas: int,
+               reshard_blocks: bool, gather_bytes: int) -> dict:
+    """FSDP2's collectives per step, the same on every rank: each block unit's parameters all-gathered
+    in forward and (when resharded after forward) again in backward, the root's once; every unit's
+    gradients reduce-scattered in the shard group; with replicas, the shards all-reduced across them."""
+    comm: dict = {}
+    if shard > 1:
+        gathers = 2 if reshard_blocks else 1
+        for unit in blocks:
+            _add(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
+        _add(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
+        for unit in [*blocks, root]:
+            _add(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
+    if replicas > 1:
+        for unit in [*blocks, root]:
+            _add(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
+    return comm
+
+
 def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
                     local_shapes: dict | None = None, gather_bytes: int = 4,
                     wrap: str = "block") -> tuple[list[dict], dict]:
@@ -286,17 +305,7 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
     # collectives' buffers but is not part of the last ranks' stored shard.
     held = [sum(chunk_sizes(shape[0], shard)[r] * _numel(shape[1:]) if shape else 1
                 for shape in shapes.values()) for r in range(shard)]
-    comm: dict = {}
-    if shard > 1:
-        for unit in blocks:
-            gathers = 2 if reshard_blocks else 1
-            _add(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
-        _add(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
-        for unit in [*blocks, root]:
-            _add(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
-    if replicas > 1:
-        for unit in [*blocks, root]:
-            _add(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
+    comm = _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
     return [_adamw_state(h) for h in held], comm
 
 
@@ -728,18 +737,7 @@ def fsdp_rank_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool
         return max(0, min(size, length - rank * size))
 
     held = sum(rows(shape[0]) * _numel(shape[1:]) if shape else 1 for shape in shapes.values())
-    comm: dict = {}
-    if shard > 1:
-        gathers = 2 if reshard_blocks else 1
-        for unit in blocks:
-            _add(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
-        _add(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
-        for unit in [*blocks, root]:
-            _add(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
-    if replicas > 1:
-        for unit in [*blocks, root]:
-            _add(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
-    return _adamw_state(held), comm
+    return _adamw_state(held), _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
 
 
 def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, world_size: int,

@@ -255,16 +255,18 @@ def test_committed_tables_and_plots_are_what_the_records_draw(records_check):
 
 
 def test_committed_figures_plot_the_records_numbers():
-    """What the committed PNGs draw, read back from the figures before saving: bar heights, theory
-    marks, scaling curves (one colour/marker/line style each per panel, ticks at the measured world
+    """What the committed PNGs draw, read back from the figures before saving, panel by panel for each
+    model (the small GPT and the Llama): bar heights, theory marks, MFU, the peak's categories
+    stacked, scaling curves (one colour/marker/line style each per panel, ticks at the measured world
     sizes), and the memory figure's two quantities on separate, labelled axes."""
     from matplotlib.collections import PathCollection
     from matplotlib.patches import Rectangle
 
     plot = load_script(BENCH / "plot.py")
     records, _, _ = plot.load(COMMITTED_RESULTS)
-    raw = {(r["strategy"], r["world_size"]): r for r in _raw_ok_records(COMMITTED_RESULTS)}
-    expected_tokens = sorted(_independent_tokens_per_s(r) for r in raw.values())
+    raw_all = _raw_ok_records(COMMITTED_RESULTS)
+    labels = list(plot._by_model(records))  # the panels' order
+    assert set(labels) == {_model_label(r) for r in raw_all} == {"tiny", "llama tiny"}  # both models ran
 
     def bars(ax):
         return sorted(p.get_height() for p in ax.patches if isinstance(p, Rectangle) and p.get_height() > 0)
@@ -272,40 +274,49 @@ def test_committed_figures_plot_the_records_numbers():
     def marks(ax):
         return sorted(y for c in ax.collections if isinstance(c, PathCollection) for _, y in c.get_offsets())
 
-    fig = plot.figure_throughput(records)
-    assert bars(fig.axes[0]) == pytest.approx(expected_tokens, rel=1e-9)
+    throughput, memory = plot.figure_throughput(records), plot.figure_memory(records)
+    comm, scaling = plot.figure_comm(records), plot.figure_scaling(records)
+    for k, label in enumerate(labels):
+        raw = {(r["strategy"], r["world_size"]): r for r in raw_all if _model_label(r) == label}
+        tokens_ax, mfu_ax = throughput.axes[2 * k: 2 * k + 2]
+        assert bars(tokens_ax) == pytest.approx(sorted(_independent_tokens_per_s(r) for r in raw.values()), rel=1e-9)
+        mfu = sorted(100 * _independent_tokens_per_s(r) / r["world_size"] * r["metrics"]["model_flops_per_token"]
+                     / r["metrics"]["peak_flops_per_s"] for r in raw.values())
+        assert bars(mfu_ax) == pytest.approx(mfu, rel=1e-9) and "MFU %" in mfu_ax.get_ylabel()
 
-    fig = plot.figure_memory(records)
-    state_ax, peak_ax = fig.axes
-    state = sorted(max(sum(s.values()) for s in r["metrics"]["model_state_bytes_per_rank"]) / 2**20
-                   for r in raw.values())
-    predicted = sorted(max(sum(s.values()) for s in theory.predict_record(r)["state_per_rank"]) / 2**20
+        state_ax, peak_ax = memory.axes[2 * k: 2 * k + 2]
+        state = sorted(max(sum(s.values()) for s in r["metrics"]["model_state_bytes_per_rank"]) / 2**20
                        for r in raw.values())
-    assert bars(state_ax) == pytest.approx(state) and marks(state_ax) == pytest.approx(predicted)
-    peaks = sorted(max(r["metrics"]["peak_memory_bytes_per_rank"]) / 2**20 for r in raw.values())
-    assert bars(peak_ax) == pytest.approx(peaks) and marks(peak_ax) == []  # no theory mark on the peak
-    assert "model state, MiB" in state_ax.get_ylabel() and "peak RSS, MiB" in peak_ax.get_ylabel()
+        predicted = sorted(max(sum(s.values()) for s in theory.predict_record(r)["state_per_rank"]) / 2**20
+                           for r in raw.values())
+        assert bars(state_ax) == pytest.approx(state) and marks(state_ax) == pytest.approx(predicted)
+        parts = []  # the highest rank's peak by category, stacked: every non-zero part is one bar segment
+        for r in raw.values():
+            by_rank = r["metrics"]["peak_memory_by_category_per_rank"]
+            top = max(by_rank, key=lambda p: p["total"])
+            parts += [top[n] / 2**20 for n in ("params", "grads", "optimizer", "activations", "temporaries") if top[n]]
+        assert bars(peak_ax) == pytest.approx(sorted(parts)) and marks(peak_ax) == []  # no mark on the peak
+        assert "model state, MiB" in state_ax.get_ylabel() and "MemTracker" in peak_ax.get_ylabel()
 
-    fig = plot.figure_comm(records)
-    bus = sorted(sum(c["bus_bytes"] for c in r["metrics"]["comm_per_step"].values()) / 2**20 for r in raw.values())
-    assert bars(fig.axes[0]) == pytest.approx(bus)
+        bus = sorted(sum(c["bus_bytes"] for c in r["metrics"]["comm_per_step"].values()) / 2**20
+                     for r in raw.values())
+        assert bars(comm.axes[k]) == pytest.approx(bus)
 
-    fig = plot.figure_scaling(records)
-    worlds = sorted({w for _, w in raw})
-    curves = {}
-    for ax in fig.axes:
-        assert list(ax.get_xticks()) == worlds
-        styles = [(line.get_color(), line.get_marker(), line.get_linestyle())
-                  for line in ax.lines if line.get_label() in theory.STRATEGIES]
-        assert len(styles) == len(set(styles)), f"{ax.get_title()}: two curves look alike"
-        for line in ax.lines:
-            if line.get_label() in theory.STRATEGIES:
-                curves[line.get_label()] = dict(zip(line.get_xdata(), line.get_ydata()))
-    multi = {s for s, w in raw if (s, min(worlds)) in raw and (s, max(worlds)) in raw}
-    assert set(curves) == multi
-    for strategy in multi:  # efficiency = tokens/s at 4 / (2 x tokens/s at 2)
-        expected = _independent_tokens_per_s(raw[(strategy, 4)]) / (2 * _independent_tokens_per_s(raw[(strategy, 2)]))
-        assert curves[strategy][4] == pytest.approx(expected, rel=1e-9) and curves[strategy][2] == 1.0
+        worlds = sorted({w for _, w in raw})
+        curves = {}
+        for ax in scaling.axes[k * len(plot.FAMILIES): (k + 1) * len(plot.FAMILIES)]:
+            assert list(ax.get_xticks()) == worlds and ax.get_title().startswith(label)
+            styles = [(line.get_color(), line.get_marker(), line.get_linestyle())
+                      for line in ax.lines if line.get_label() in theory.STRATEGIES]
+            assert len(styles) == len(set(styles)), f"{ax.get_title()}: two curves look alike"
+            for line in ax.lines:
+                if line.get_label() in theory.STRATEGIES:
+                    curves[line.get_label()] = dict(zip(line.get_xdata(), line.get_ydata()))
+        multi = {s for s, w in raw if (s, min(worlds)) in raw and (s, max(worlds)) in raw}
+        assert set(curves) == multi
+        for strategy in multi:  # efficiency = tokens/s at 4 / (2 x tokens/s at 2)
+            expected = _independent_tokens_per_s(raw[(strategy, 4)]) / (2 * _independent_tokens_per_s(raw[(strategy, 2)]))
+            assert curves[strategy][4] == pytest.approx(expected, rel=1e-9) and curves[strategy][2] == 1.0
 
 
 # ---------------------------------------------------------------- where cells run (no launch)
