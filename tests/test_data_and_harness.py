@@ -411,3 +411,55 @@ def test_flops_per_token_and_mfu_in_the_record():
     assert metrics["mfu"] == pytest.approx(metrics["tokens_per_s_per_device"] * metrics["model_flops_per_token"]
                                            / metrics["peak_flops_per_s"])
     assert 0 < metrics["mfu"] < 1
+
+
+def test_compiled_code_stays_compiled_after_the_harness_instruments_a_step():
+    """A dispatch mode (the harness's collective counter, MemTracker) makes Dynamo run compiled code
+    eager, and code it ran eager once stays eager for the rest of the process: one instrumented step
+    would turn every timed step after it eager. The harness runs a compiled model's instrumented step
+    under ``torch.compiler.set_stance("force_eager")``. Counted here with a backend that counts how
+    often the compiled graph runs: once per step after the warm-up compiled it, the instrumented step
+    aside. Negative control: the counter entered the plain way leaves the graph unused afterwards."""
+    from distkit.harness import CommCounter, Harness
+
+    runs = {"graph": 0}
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            runs["graph"] += 1
+            return gm.forward(*args)
+        return run
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.a(x)))
+
+    def step(model):
+        model(torch.randn(4, 8)).sum().backward()
+
+    torch._dynamo.reset()
+    model = Block()
+    model.compile(backend=counting_backend)
+    harness = Harness(ONE_PROCESS, "probe", model=model, warmup_steps=1, comm_steps=1)
+    for _ in range(4):  # warm-up (compiles and runs), instrumented (eager), two timed steps
+        with harness.step():
+            step(model)
+    assert runs["graph"] == 3, runs
+    record = harness.finish()
+    assert record["metrics"]["peak_memory_kind"] == "cpu_peak_rss"  # eager memory is not the compiled model's
+
+    torch._dynamo.reset()
+    runs["graph"] = 0
+    broken = Block()
+    broken.compile(backend=counting_backend)
+    step(broken)
+    with CommCounter():  # what the harness did before: the mode makes Dynamo give up on the code
+        step(broken)
+    step(broken)
+    step(broken)
+    assert runs["graph"] == 1, runs
+    torch._dynamo.reset()
