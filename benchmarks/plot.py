@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit import ArgumentParser, UsageError, run_main, theory  # noqa: E402
-from distkit.harness import read_records  # noqa: E402
+from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 
 MIB = 2**20
@@ -130,7 +130,7 @@ def peak_mib(record: dict) -> float:
     return max(record["metrics"]["peak_memory_bytes_per_rank"]) / MIB
 
 
-PEAK_PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
+PEAK_PARTS = tuple(MEMORY_CATEGORIES)  # params, grads, optimizer, activations, temporaries
 
 
 def peak_parts_mib(record: dict) -> dict[str, float] | None:
@@ -197,46 +197,51 @@ def efficiencies(records: list[dict]) -> dict[str, dict[int, float]]:
 
 
 # ---------------------------------------------------------------------------------------- plots
-def _grouped(ax, records, value, ylabel, predicted=None):
-    """Bars per strategy, one colour per world size; optional predicted marks."""
+def _bar_slots(records, keep=lambda r: True):
+    """Where each cell's bar goes: strategies along x, one slot per world size within a strategy.
+    Returns the strategies and, per world size, ``(j, world, xs, cells)`` (cells: records)."""
     strategies = list(dict.fromkeys(r["strategy"] for r in records))
     worlds = sorted({r["world_size"] for r in records})
     width = 0.8 / max(len(worlds), 1)
+    slots = []
     for j, world in enumerate(worlds):
         cells = [(i, r) for i, s in enumerate(strategies) for r in records
-                 if r["strategy"] == s and r["world_size"] == world]
-        xs = [i + (j - (len(worlds) - 1) / 2) * width for i, _ in cells]
-        ax.bar(xs, [value(r) for _, r in cells], width=width * 0.95, label=f"{world} ranks measured")
-        if predicted:
-            ax.scatter(xs, [predicted(r) for _, r in cells], marker="_", s=180, linewidths=2.5, color="black",
-                       zorder=3, label="distkit.theory prediction" if j == 0 else None)
+                 if r["strategy"] == s and r["world_size"] == world and keep(r)]
+        slots.append((j, world, [i + (j - (len(worlds) - 1) / 2) * width for i, _ in cells], [r for _, r in cells]))
+    return strategies, width, slots
+
+
+def _finish_bars(ax, strategies, ylabel, **legend):
     ax.set_xticks(range(len(strategies)), strategies, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, **legend)
+
+
+def _grouped(ax, records, value, ylabel, predicted=None):
+    """Bars per strategy, one colour per world size; optional predicted marks."""
+    strategies, width, slots = _bar_slots(records)
+    for j, world, xs, cells in slots:
+        ax.bar(xs, [value(r) for r in cells], width=width * 0.95, label=f"{world} ranks measured")
+        if predicted:
+            ax.scatter(xs, [predicted(r) for r in cells], marker="_", s=180, linewidths=2.5, color="black",
+                       zorder=3, label="distkit.theory prediction" if j == 0 else None)
+    _finish_bars(ax, strategies, ylabel)
 
 
 def _stacked(ax, records, parts, ylabel):
     """Stacked bars per strategy (one bar per world size): ``parts(r)`` -> {category: value}."""
-    strategies = list(dict.fromkeys(r["strategy"] for r in records))
-    worlds = sorted({r["world_size"] for r in records})
-    width = 0.8 / max(len(worlds), 1)
+    strategies, width, slots = _bar_slots(records, keep=parts)
     colours = dict(zip(PEAK_PARTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray")))
-    for j, world in enumerate(worlds):
-        cells = [(i, r) for i, s in enumerate(strategies) for r in records
-                 if r["strategy"] == s and r["world_size"] == world and parts(r)]
-        xs = [i + (j - (len(worlds) - 1) / 2) * width for i, _ in cells]
+    for j, world, xs, cells in slots:
         bottom = [0.0] * len(cells)
         for name in PEAK_PARTS:
-            heights = [parts(r)[name] for _, r in cells]
+            heights = [parts(r)[name] for r in cells]
             ax.bar(xs, heights, width=width * 0.95, bottom=bottom, color=colours[name],
                    hatch="//" if j else None, edgecolor="white", linewidth=0.5,
                    label=f"{name}" if j == 0 else None)
             bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.set_xticks(range(len(strategies)), strategies, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=5)
+    _finish_bars(ax, strategies, ylabel, ncol=5)
 
 
 def _by_model(records):

@@ -179,16 +179,6 @@ def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
     return tracker
 
 
-def _release(tracker) -> None:
-    """Drop what a finished tracker still refers to (its weak references carry callbacks into the
-    tracker, and its statistics the modules it saw), so that an engine or model dropped after this
-    step is freed by the garbage collector, as ``fresh_memory_peak`` expects."""
-    for name in ("_WINFO", "memory_tracking", "_param_to_grad_hook_handles"):
-        table = getattr(tracker, name, None)
-        if table is not None:
-            table.clear()
-
-
 @functools.cache
 def _step_trackers():
     """torch's two trackers, letting a top-level module run forward again within the step (imported
@@ -490,22 +480,22 @@ class Harness:
             if index < self.warmup_steps:
                 yield
             else:
+                module = self._state_module()
+                compiled = is_compiled(module)
                 with ExitStack() as instruments:
-                    if is_compiled(self._tracked_module()):
+                    if compiled:
                         # Dynamo runs code under a dispatch mode eagerly and keeps it eager for the
                         # rest of the process; under the force_eager stance it is not consulted at all,
                         # so the compiled code is used again on the timed steps. The collectives
                         # (module hooks, the DDP reducer, DTensor) are the same in eager.
                         instruments.enter_context(torch.compiler.set_stance("force_eager"))
                     instruments.enter_context(self._comm)
-                    if index == self.warmup_steps and self._may_track_memory():
-                        self.memory_tracker = memory_tracker(self._tracked_module(), self.optimizer,
-                                                             self.memory_externals())
+                    if index == self.warmup_steps and self.track_memory and not compiled:
+                        self.memory_tracker = memory_tracker(module, self.optimizer, self.memory_externals())
                         instruments.enter_context(self.memory_tracker)
                     yield
                 if self.memory_tracker is not None:
                     self._memory_peak = peak_by_category(self.memory_tracker)
-                    _release(self.memory_tracker)
                     self.memory_tracker = None
                 self._comm_done += 1
             # Gradients and optimizer state exist after a step; keep the largest sample. Only on
@@ -519,13 +509,12 @@ class Harness:
             self._timed_samples += samples
             self._timed_tokens += tokens
 
-    def _tracked_module(self) -> torch.nn.Module | None:
+    def _state_module(self) -> torch.nn.Module | None:
+        """``state_modules`` (several modules as one ``ModuleList``), else ``model``: what this rank
+        holds, for the model-state bytes and the memory tracker."""
         if self.state_modules is None or isinstance(self.state_modules, torch.nn.Module):
             return self.model if self.state_modules is None else self.state_modules
         return torch.nn.ModuleList(list(self.state_modules))
-
-    def _may_track_memory(self) -> bool:
-        return self.track_memory and not is_compiled(self._tracked_module()) and not os.environ.get("NOTRACK")
 
     def memory_externals(self) -> list[Any]:
         """Tensors, modules or optimizers held before the step that the memory tracker must count
@@ -550,10 +539,7 @@ class Harness:
         """Model-state bytes on this rank now: the parameters and gradients of ``state_modules``
         (default ``model``) and the optimizer's state (override by subclassing for engines that keep
         their own copies, like DeepSpeed's)."""
-        modules = self.model if self.state_modules is None else self.state_modules
-        if modules is not None and not isinstance(modules, torch.nn.Module):
-            modules = torch.nn.ModuleList(list(modules))
-        return model_state_bytes(modules, self.optimizer)
+        return model_state_bytes(self._state_module(), self.optimizer)
 
     @property
     def step_times(self) -> list[float]:
