@@ -26,9 +26,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
+from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.theory import fsdp_prediction, param_shapes
@@ -159,9 +159,7 @@ def main(argv=None):
 def shard_trace_and_train(args, ctx):
     """Shard the model, show the shards, trace one step, train, write the record."""
     log = setup_logging(ctx.rank)
-    if args.global_batch_size % ctx.world_size:
-        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                         f"{ctx.world_size} ranks")
+    check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)
     path = save_path(args.save)
     model = build_model(cfg).to(ctx.device)  # same seed on every rank: same full weights to cut from

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_usage_errors,
                                 remove_stale_temporaries, safe_load)
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
@@ -245,9 +245,7 @@ def main(argv=None):
 def train_and_checkpoint(args, ctx):
     """Resume (optionally), train to --steps, save the chosen checkpoints."""
     log = setup_logging(ctx.rank)
-    if args.global_batch_size % ctx.world_size:
-        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                         f"{ctx.world_size} ranks")
+    check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)
     # Rank 0 decides what --resume names (on a cluster the other ranks may not see a full file) and
     # checks a DCP folder's trainer state, then tells everyone: a missing checkpoint, or one of

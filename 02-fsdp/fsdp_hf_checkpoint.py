@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, atomic_write_json, temporary_prefix
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import (TokenTask, add_model_args, build_model, import_transformers, lm_loss,
@@ -202,8 +202,7 @@ def main(argv=None):
 
 def train(args, ctx):
     log = setup_logging(ctx.rank)
-    if args.global_batch_size % ctx.world_size:
-        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by {ctx.world_size} ranks")
+    check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)
 
     # 1. Shapes only: on meta, building even an 8B model takes no memory and no time.

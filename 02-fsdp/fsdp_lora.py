@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, safe_load
-from distkit.flags import add_checkpoint_args, add_training_args, positive_float, positive_int, save_path
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_float, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import (TokenTask, add_model_args, build_model, config_from_dict, import_transformers,
@@ -190,9 +190,7 @@ def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        if args.global_batch_size % ctx.world_size:
-            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                             f"{ctx.world_size} ranks")
+        check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)
         path = save_path(args.save)
         model, optimizer = build_sharded(cfg, args, ctx)

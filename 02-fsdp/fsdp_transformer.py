@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
@@ -215,9 +215,7 @@ def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        if args.global_batch_size % ctx.world_size:
-            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                             f"{ctx.world_size} ranks")
+        check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {args.model_size} GPT | "

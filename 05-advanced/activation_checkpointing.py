@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, non_negative_float, save_path
+from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, non_negative_float, save_path
 from distkit.harness import Harness, fresh_memory_peak, memory_tracker, peak_by_category
 from distkit.logs import setup_logging
 from distkit.theory import activation_bytes_per_layer
@@ -214,9 +214,7 @@ def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
         log = setup_logging(ctx.rank)
-        if args.global_batch_size % ctx.world_size:
-            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                             f"{ctx.world_size} ranks")
+        check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)
         if args.dropout is not None:
             if isinstance(cfg, LlamaModelConfig):

@@ -170,3 +170,10 @@ def save_path(value: str | None, **fields: Any) -> str | None:
     except (KeyError, IndexError, ValueError) as exc:
             raise UsageError(f"--save {value!r}: unknown placeholder {exc} "
                          f"(known: {', '.join('{' + k + '}' for k in fields) or 'none'})") from None
+
+
+def check_global_batch(global_batch_size: int, world_size: int) -> None:
+    """One error line when ``--global-batch-size`` does not split evenly over the ranks (each rank
+    trains on its equal slice of the global batch)."""
+    if global_batch_size % world_size:
+        raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by {world_size} ranks")
