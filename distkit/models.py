@@ -150,9 +150,13 @@ class TinyGPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the position of each token of ``x`` in its sequence, when ``x`` is not a
+        whole sequence from position 0 (context parallelism gives a rank chunks from its middle and
+        end); by default 0, 1, 2, ..."""
         if self.tok_emb is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(positions)
         for block in self.blocks:
             if block is not None:

@@ -769,3 +769,83 @@ def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, wo
     rank = max(range(n), key=lambda r: sum(pred["state_per_rank"][r].values()))
     return {"rank": rank, "state": pred["state_per_rank"][rank], "comm": pred["comm_per_rank"][rank],
             "param_count": psi}
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallelism (ring attention). Source: Liu, Zaharia, Abbeel, "Ring Attention with Blockwise
+# Transformers for Near-Infinite Context", 2023 (arXiv:2310.01889): the sequence is split over cp
+# ranks and each rank's key/value block travels the ring, cp - 1 hops in forward. Backward (as in
+# chapter 05's context_parallel.py and ring-flash-attention): K/V travel the same cp - 1 hops again,
+# and the gradients dK/dV accumulated for a block travel with it, plus one hop home: cp hops.
+# ----------------------------------------------------------------------------------------------
+
+def ring_attention_bytes(batch: int, seq_len: int, hidden: int, n_layer: int, cp: int,
+                         bytes_per_element: int = 4) -> dict:
+    """Point-to-point traffic of the by-hand ring attention per rank per training step.
+
+    Every hop sends one rank's K and V (or dK and dV) as one tensor: 2 x batch x seq_len/cp x hidden
+    elements (all heads). Per layer: cp - 1 hops forward, 2cp - 1 backward: 3cp - 2 sends and as many
+    receives of that size. Zero with one rank (no ring).
+    """
+    if cp <= 1:
+        return {}
+    calls = (3 * cp - 2) * n_layer
+    payload = 2 * batch * (seq_len // cp) * hidden * bytes_per_element
+    return {"send": _stat(calls, calls * payload, "send", cp), "recv": _stat(calls, calls * payload, "recv", cp)}
+
+
+def context_parallel_comm(cfg: GPTConfig, global_batch_size: int, cp: int) -> dict:
+    """Collectives per step of ``05-advanced/context_parallel.py --impl ring`` on every rank: the
+    ring (:func:`ring_attention_bytes`; every rank attends for the whole global batch) and one
+    all-reduce of every (replicated, fp32) gradient over the cp ranks, as DDP would do in buckets."""
+    comm = ring_attention_bytes(global_batch_size, cfg.seq_len, cfg.n_embd, cfg.n_layer, cp)
+    psi = sum(_numel(shape) for shape in param_shapes(cfg).values())
+    comm["all_reduce"] = _stat(1, 4 * psi, "all_reduce", cp)
+    return comm
+
+
+def zigzag_attention_pairs(cp: int, layout: str = "zigzag") -> list[int]:
+    """Causal attention work per rank, in (query chunk, key chunk) pairs computed per layer forward,
+    with the sequence cut into 2cp chunks: chunk pair (i, j) is computed when j <= i (a diagonal pair
+    with a mask). ``zigzag`` (rank r holds chunks r and 2cp-1-r): 2cp + 1 on every rank;
+    ``contiguous`` (rank r holds 2r and 2r+1): 4r + 3, so the last rank does 4cp - 1."""
+    held = [(r, 2 * cp - 1 - r) if layout == "zigzag" else (2 * r, 2 * r + 1) for r in range(cp)]
+    return [sum(1 for q in mine for other in held for k in other if k <= q) for mine in held]
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism. Source: Lepikhin et al., "GShard", 2020 (arXiv:2006.16668), section 2.2, and
+# Fedus et al., "Switch Transformers", 2021 (arXiv:2101.03961), section 2.2: each MoE layer sends
+# every routed token to its expert's rank and back with two all-to-alls forward (dispatch, combine),
+# and the backward pass runs both again in reverse.
+# ----------------------------------------------------------------------------------------------
+
+def expert_parallel_bytes(hidden: int, sent_rows: int, received_rows: int, num_experts: int,
+                          bytes_per_element: int = 4, count_bytes: int = 8) -> int:
+    """All-to-all payload of one MoE layer on one rank per training step (05-advanced/expert_parallel.py).
+
+    ``sent_rows``: the routing choices this rank kept (after capacity) and sends to the experts,
+    its own included (``all_to_all_single``'s input holds every destination's rows);
+    ``received_rows``: the rows its experts receive. Five exchanges: the counts per expert
+    (``num_experts`` int64), the dispatch (sent rows of ``hidden`` elements), the combine (the
+    received rows go back), and backward the combine's gradient (sent rows) and the dispatch's
+    (received rows): (E x 8) + 2 (sent + received) x hidden x 4 bytes. With balanced routing and no
+    token dropped, sent = received = k T for T tokens per rank: about 4 k T hidden x 4 bytes per layer.
+    """
+    return count_bytes * num_experts + 2 * (sent_rows + received_rows) * hidden * bytes_per_element
+
+
+def expert_parallel_comm(hidden: int, sent_rows: list[int], received_rows: list[int], num_experts: int,
+                         ep: int, dp: int, dense_numel: int, expert_numel: int) -> dict:
+    """Collectives of one training step on one rank of 05-advanced/expert_parallel.py: per MoE layer
+    (``sent_rows`` / ``received_rows``, one entry per layer) 5 all-to-alls of
+    :func:`expert_parallel_bytes` over the ep ranks; one all-reduce of the dense (replicated)
+    gradients over all dp x ep ranks; one of this rank's experts' gradients over the dp ranks that
+    hold the same experts (none when dp = 1)."""
+    comm: dict = {}
+    for sent, received in zip(sent_rows, received_rows):
+        _add(comm, "all_to_all", 5, expert_parallel_bytes(hidden, sent, received, num_experts), ep)
+    _add(comm, "all_reduce", 1, 4 * dense_numel, dp * ep)
+    if dp > 1:
+        _add(comm, "all_reduce", 1, 4 * expert_numel, dp)
+    return comm
