@@ -35,7 +35,13 @@ LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
            "accumulation": (("gradient_accumulation.py",), None),
            "overlap": (("communication_overlap.py",), None),
            "plot": (("plot_results.py",), None),
-           "activation_checkpointing": (("activation_checkpointing.py",), None)}  # test_ch05_ac.py
+           "activation_checkpointing": (("activation_checkpointing.py",), None),  # test_ch05_ac.py
+           # test_ch05_cp_ep.py
+           "cp_2ranks": (("context_parallel.py", "nproc_per_node=2"), "--impl"),
+           "cp_4ranks": (("context_parallel.py", "nproc_per_node=4"), None),
+           "cp_torch_on_cpu": (("context_parallel.py", "--impl torch"), None),
+           "ep_2ranks": (("expert_parallel.py", "nproc_per_node=2"), None),
+           "ep_4ranks": (("expert_parallel.py", "nproc_per_node=4"), None)}
 QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
 
 
