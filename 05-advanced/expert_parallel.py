@@ -45,8 +45,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import (add_checkpoint_args, add_training_args, check_global_batch, positive_float, positive_int,
-                           save_path)
+from distkit.flags import (add_checkpoint_args, add_training_args, check_global_batch, non_negative_float,
+                           positive_float, positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MLP, TinyGPT, TokenTask, add_model_args, lm_loss, model_config_from_args, rank_slice
@@ -64,7 +64,7 @@ def parse_args():
     moe.add_argument("--capacity-factor", type=positive_float, default=1.25,
                      help="an expert takes at most ceil(factor x tokens x k / experts) of a rank's tokens "
                           "(default: 1.25)")
-    moe.add_argument("--aux-weight", type=float, default=0.01,
+    moe.add_argument("--aux-weight", type=non_negative_float, default=0.01,
                      help="weight of the load-balancing loss (default: 0.01, Switch Transformer's)")
     moe.add_argument("--ep", type=positive_int, default=None,
                      help="ranks that share one copy of the experts (default: all ranks); dp = ranks / ep")

@@ -328,7 +328,8 @@ def test_expert_parallel_bad_input_is_one_line():
             ep.check_moe(*arguments)
     ep.check_moe(8, 2, 2, 4)
     for flags, message in ((("--capacity-factor", "0"), "argument --capacity-factor: must be a positive number, got 0"),
-                           (("--ep", "0"), "argument --ep: must be a positive integer, got 0")):
+                           (("--ep", "0"), "argument --ep: must be a positive integer, got 0"),
+                           (("--aux-weight", "-1"), "argument --aux-weight: must be a number >= 0, got -1")):
         result = parse_args_result(ep, *flags)
         assert result.returncode == 2
         assert_one_line_error(result, message)
