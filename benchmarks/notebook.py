@@ -18,12 +18,13 @@
 # This notebook loads benchmark records (by default the committed CPU matrix
 # `records/results_cpu.jsonl`; set `RESULTS` to your own `runs/benchmarks.jsonl` after running
 # `python benchmarks/distributed_benchmarks.py`), shows the comparison plots and table, checks every
-# number it shows against the records and `theory.py`, and then answers "what fits?" for a parameter
-# count and GPU memory you type in.
+# number it shows against the records and `theory.py`, and then answers "what fits on my GPUs, which
+# strategy, how fast?" with the planner for a model and cluster you type in.
 #
 # CPU/gloo numbers show **memory and bytes** faithfully; their **speed** says little about GPUs.
 
 # %%
+import math
 from pathlib import Path
 
 from IPython.display import Markdown, display
@@ -118,33 +119,44 @@ for record in records:
 display(Markdown("\n".join(rows)))
 
 # %% [markdown]
-# ## What fits? Enter your model and your GPUs
+# ## What fits on my GPUs, which strategy, how fast? The planner
 #
-# Model-state bytes per GPU for mixed-precision AdamW (ZeRO paper: 2 + 2 + 12 bytes per parameter),
-# split the way each strategy splits them. Activations, buffers and fragmentation come on top: a
-# strategy "fits" here when its model state takes at most `budget` of the GPU's memory. This is
-# theory (formulas), not a measurement.
+# `distkit.planner` (the library behind `python benchmarks/plan.py`) turns the same `theory.py`
+# formulas into an answer for a model and a cluster: per strategy, memory per GPU in five parts
+# (parameters, gradients, optimizer state, activations, temporaries), whether the step's peak fits
+# in the usable memory, a predicted step time and tokens/s per GPU, and the fastest configuration
+# that fits, with one line on why each other one lost. Change the inputs and re-run the cell. The
+# GPU figures are datasheet numbers and stated assumptions (`planner.GPUS`); the README's
+# "Planning" section shows how close the same model comes to this machine's measured matrix.
 
 # %%
-params = 7e9          # parameters of your model
-gpus = 8              # GPUs in the job
-gpu_memory_gib = 80   # memory of one GPU
-budget = 0.7          # share of GPU memory you allow for model state (the rest: activations ...)
+from distkit import planner
+from distkit.models import model_config
 
-strategies = ["ddp", "zero1", "zero2", "fsdp_shard_grad_op", "zero3", "fsdp_full_shard", "fsdp_hybrid_shard",
-              "zero3_offload", "tp", "pp_1f1b", "fsdp_tp_2d"]
-per_gpu = {s: theory.mixed_precision_state_per_gpu(s, params, gpus, shard_group=min(gpus, 8)) for s in strategies}
-rows = ["| strategy | model state per GPU (GiB) | fits? |", "|---|---:|---|"]
-for s in strategies:
-    fits = per_gpu[s] <= budget * gpu_memory_gib * 2**30
-    rows.append(f"| {s} | {per_gpu[s] / 2**30:,.1f} | {'yes' if fits else 'no'} |")
-display(Markdown("\n".join(rows)))
-# The ZeRO paper's formulas, by hand: 16 bytes/param replicated; stage 1 splits the 12 optimizer
-# bytes, stage 2 also the 2 gradient bytes, stage 3 everything.
-assert per_gpu["ddp"] == 16 * params
-assert per_gpu["zero1"] == 4 * params + 12 * params / gpus
-assert per_gpu["zero2"] == 2 * params + 14 * params / gpus
-assert per_gpu["zero3"] == per_gpu["fsdp_full_shard"] == 16 * params / gpus
+model = model_config("llama", "llama-3.1-8b")   # or model_config("gpt", "small"), or planner.with_params(model, 7e9)
+gpus, gpu_type = 8, "h100"                      # planner.GPUS: h100, h200, a100-80gb, a100-40gb, l4
+plan = planner.Plan(model, global_batch=64, micro_batch=1, precision="bf16", optimizer="adamw", ac="full")
+cluster = planner.cluster(gpu_type, gpus)
+
+estimates = planner.estimate_all(plan, cluster)
+recommendation = planner.recommend(estimates, cluster)
+print(planner.format_report(plan, cluster, estimates, recommendation))
+display(planner.plot_estimates(estimates, cluster, title=planner.describe(plan, cluster)))
+
+# %% [markdown]
+# Checked against the ZeRO paper by hand (Rajbhandari et al. 2020: 2 + 2 + 12 bytes per parameter
+# in mixed-precision AdamW): DDP holds all 16 bytes per parameter, ZeRO-1 splits the 12 optimizer
+# bytes over the GPUs, ZeRO-2 the gradients too, ZeRO-3 everything (DeepSpeed pads its partitions
+# to 2n elements, so "equal" means within 16 bytes x 2n).
+
+# %%
+psi = sum(math.prod(shape) for shape in theory.param_shapes(model).values())
+state = {e.name: sum(e.memory_bytes[p] for p in ("params", "grads", "optimizer")) for e in estimates if e.valid}
+paper = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / gpus, "zero2": 2 * psi + 14 * psi / gpus, "zero3": 16 * psi / gpus}
+for name, bytes_by_paper in paper.items():
+    assert abs(state[name] - bytes_by_paper) <= 16 * 2 * gpus, (name, state[name], bytes_by_paper)
+    print(f"{name:6} {state[name] / 2**30:7.2f} GiB per GPU = the paper's {bytes_by_paper / 2**30:7.2f} GiB")
+assert recommendation.best is None or (recommendation.best.fits and not recommendation.best.lora)
 
 # %% [markdown]
 # What it costs in communication, per GPU and step, relative to DDP's gradient all-reduce

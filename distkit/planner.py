@@ -458,9 +458,10 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
         comm_s = t_grad
     elif name in ("zero1", "zero2"):
-        # DeepSpeed's flat gradient buffers: ZeRO-1 reduces the whole gradient at the end of
-        # backward, ZeRO-2 keeps the reduced partition (buckets of reduce_bucket_size = 5e8 elements)
-        temp = head + (min(psi, 5e8) if name == "zero1" else psi / n) * grad_w
+        # DeepSpeed's flat gradient buffers: ZeRO-2 keeps the reduced partition (Ψ/n), ZeRO-1 two
+        # partition-sized buffers (2Ψ/n, measured by MemTracker at 2 and 4 ranks on both models),
+        # at most a bucket of reduce_bucket_size = 5e8 elements
+        temp = head + min(2 * psi / n if name == "zero1" else psi / n, 5e8) * grad_w
         t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
         t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
         if name == "zero2":
@@ -565,7 +566,12 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     scale = 0.5 if plan.precision == "bf16" else 1.0
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
     bubble = theory.pipeline_bubble(pp, m, v)
-    bubble_s = compute_s * bubble / (1 - bubble)
+    # A stage idles for the bubble. On GPUs that time is lost: step = compute / (1 - bubble). CPU
+    # ranks that share fewer cores than there are ranks (compute_s already runs each at its share of
+    # a core) lend an idle stage's core to the busy ones, so the step is the longer of the critical
+    # path at a whole core and the machine's total work over its cores.
+    share = min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
+    bubble_s = max(compute_s * share / (1 - bubble), compute_s) - compute_s
     w = _act_dtype_bytes(plan)
     # The stage that decides the fit: the first holds the most micro-batches in flight (1F1B: p - r
     # on rank r, GPipe: all m everywhere), the last the LM head and its working set, another rank
@@ -576,7 +582,9 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
         state = state_bytes(pred["state_per_rank"][rank], plan)
         layout = {"pp": pp, "dp": dp, "microbatches": m, "micro_batch": micro, "stages_per_rank": v, "rank": rank}
         ahead = min(pp - rank, m)
-        in_flight = {"gpipe": m, "1f1b": ahead, "interleaved_1f1b": ahead * (1 + (pp - 1) / (v * pp))}[schedule]
+        # (interleaved: its warm-up runs (v - 1) p + 2 (p - 1 - r) chunks of L / (p v) blocks before the
+        # first backward, which is never more than all m micro-batches of both chunks)
+        in_flight = {"gpipe": m, "1f1b": ahead, "interleaved_1f1b": min(m, ahead * (1 + (pp - 1) / (v * pp)))}[schedule]
         # + each in-flight micro-batch's stage input and output, held by the schedule until its backward
         act = (activation_bytes(plan, cfg.n_layer / pp, micro, in_flight=in_flight)
                + in_flight * 2 * micro * cfg.seq_len * cfg.n_embd * w)
@@ -607,7 +615,6 @@ def _block_params(cfg) -> int:
                if k.startswith(("blocks.0.", "model.layers.0.")))
 
 
-OVERHEAD_MODEL = "comm"
 # a strategy the calibration never saw borrows its family's overhead
 OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_shard", "fsdp_tp_2d": "tp",
                    "zero3_offload": "zero3", "pp_interleaved_1f1b": "pp_1f1b", "pp_gpipe": "pp_1f1b",
@@ -615,15 +622,13 @@ OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_sh
 
 
 def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
-    """``est`` plus the framework overhead the cluster measured for ``strategy`` (CPU calibration),
-    scaled by how many ranks share a core."""
+    """``est`` plus the framework overhead the cluster measured for ``strategy`` (CPU calibration):
+    its seconds per second of communication x this estimate's communication (a strategy's Python
+    work grows with its collectives: one hook, one copy in and out, per call)."""
     if not cl.overheads or not est.valid:
         return est
     strategy = strategy if strategy in cl.overheads else OVERHEAD_FAMILY.get(strategy, strategy)
-    if OVERHEAD_MODEL == "comm":
-        seconds = cl.overheads.get(strategy, 0.0) * est.times["comm_s"]
-    else:
-        seconds = cl.overheads.get(strategy, 0.0) * (max(1.0, cl.gpus_per_node / cl.cores) if cl.cores else 1.0)
+    seconds = cl.overheads.get(strategy, 0.0) * est.times["comm_s"]
     est.times["framework_s"] = seconds
     est.step_time_s += seconds
     est.tokens_per_s_per_gpu *= (est.step_time_s - seconds) / est.step_time_s
@@ -828,21 +833,66 @@ CPU = GPU("CPU rank (calibrated)", 0.0, {"fp32": 0.0}, 10e9, Link(1e9, 1e-3), Li
           "calibrated from this machine's records")
 
 
-def cpu_cluster(records: list[dict], ranks: int, efficiency_from: Iterable[str] = ("ddp",)) -> Cluster:
+def _model_speed(records: list[dict], base: Cluster, arch: str | None, ranks: int,
+                 calibration: Iterable[str]) -> float | None:
+    """The compute efficiency of ``arch`` with ``ranks`` ranks on this machine: the fraction of the
+    matmul rate that the ``calibration`` cells (plain data parallelism) of that model reach once
+    their predicted communication is taken off, from the cells with the rank count nearest
+    ``ranks`` (how many ranks share a core changes it: four ranks on two cores lose more to
+    switching than two). None when no such cell exists."""
+    cells = [r for r in records if r["strategy"] in calibration and r.get("model")
+             and r.get("metrics", {}).get("step_time_s_median") and (arch is None or r["model"]["arch"] == arch)]
+    if not cells:
+        return None
+    nearest = min({r["world_size"] for r in cells}, key=lambda w: (abs(w - ranks), w))
+    ratios = []
+    for rec in cells:
+        if rec["world_size"] != nearest:
+            continue
+        est = estimate_record(rec, base)
+        spent = rec["metrics"]["step_time_s_median"] - est.step_time_s + est.times["compute_s"]
+        if spent > 0:
+            ratios.append(est.times["compute_s"] / spent)
+    return statistics.median(ratios) if ratios else None
+
+
+def with_measured_speed(cl: Cluster, records: list[dict], arch: str | None = None,
+                        calibration: Iterable[str] = ("ddp",)) -> Cluster:
+    """``cl`` with the compute efficiency its ``calibration`` cells measured (the model's speed on
+    this machine, :func:`_model_speed`) instead of an assumed one: how a GPU's planner is calibrated
+    from a one-GPU benchmark run. One line of error when the records hold no such cell."""
+    train = [r for r in records if r.get("model") and r.get("metrics", {}).get("step_time_s_median")]
+    speed = _model_speed(train, replace(cl, efficiency=1.0), arch, cl.gpus, tuple(calibration))
+    if speed is None:
+        raise UsageError(f"no {'/'.join(calibration)} cell{' of the ' + arch if arch else ''} among the records "
+                         "to measure the model's speed")
+    return replace(cl, efficiency=speed)
+
+
+def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
+                calibration: Iterable[str] = ("ddp",)) -> Cluster:
     """This machine as a cluster of ``ranks`` CPU ranks, calibrated from its own records:
-    collectives' alpha/beta from the bandwidth sweeps (:func:`fit_collectives`); the matmul FLOP/s
-    of one core from the matrix's measured ``peak_flops_per_s`` (each rank measured its share of
-    the cores: x ranks / cores); the compute efficiency (the fraction of that matmul rate a step of
-    the small models reaches: Python and small kernels make it low) from the ``efficiency_from``
-    cells alone, after their predicted communication; no overlap (gloo and compute share the
-    cores). Memory: the machine's RAM is not what the matrix tests, so capacity is unbounded."""
+
+    * collectives' alpha/beta from the bandwidth sweeps (:func:`fit_collectives`);
+    * the matmul FLOP/s of one core from the matrix's measured ``peak_flops_per_s`` (each rank
+      measured its share of the cores: x ranks / cores);
+    * the model's speed: the compute efficiency (the fraction of that matmul rate a step reaches:
+      per-operation Python and small kernels keep it low for the tiny models) of the
+      ``calibration`` cells of ``arch`` (any model when None or unrecorded) at the nearest rank
+      count (:func:`_model_speed`);
+    * each other strategy's framework overhead (hooks, DTensor dispatch, DeepSpeed's
+      bookkeeping), in seconds per second of its predicted communication, from its cells (each
+      against its own model's speed);
+    * no overlap (gloo and compute share the cores); memory unbounded (the machine's RAM is not
+      what the matrix tests)."""
     import os
 
     fits = fit_collectives(records)
     if not fits:
         raise UsageError("no bandwidth sweeps among the records: run distributed_benchmarks.py --bandwidth "
                          "(or 04-nccl-operations/bandwidth_test.py) to calibrate the collectives")
-    train = [r for r in records if r.get("metrics", {}).get("step_time_s_median")]
+    calibration = tuple(calibration)
+    train = [r for r in records if r.get("model") and r.get("metrics", {}).get("step_time_s_median")]
     cores = next((r["machine"].get("cpu_cores") for r in records if r.get("machine", {}).get("cpu_cores")),
                  os.cpu_count() or 1)
     per_core = [r["metrics"]["peak_flops_per_s"] * min(r["world_size"], cores) / cores
@@ -851,29 +901,21 @@ def cpu_cluster(records: list[dict], ranks: int, efficiency_from: Iterable[str] 
     gpu = replace(CPU, memory_bytes=math.inf, peak_flops={"fp32": peak, "bf16": peak})
     base = Cluster(gpu, ranks, ranks, efficiency=1.0, usable_memory=1.0, overlap=False, collectives=fits,
                    cores=cores)
-    ratios = []
-    for rec in train:
-        if rec["strategy"] not in efficiency_from or not rec.get("model"):
-            continue
-        est = estimate_record(rec, base)
-        spent = rec["metrics"]["step_time_s_median"] - est.step_time_s + est.times["compute_s"]
-        if spent > 0:
-            ratios.append(est.times["compute_s"] / spent)
-    calibrated = replace(base, efficiency=statistics.median(ratios) if ratios else 0.1)
+    speed = _model_speed(train, base, arch, ranks, calibration) or _model_speed(train, base, None, ranks, calibration)
     extra: dict[str, list[float]] = {}
     for rec in train:
-        if not rec.get("model") or rec["strategy"] in efficiency_from:
+        if rec["strategy"] in calibration:
             continue
+        own = _model_speed(train, base, rec["model"]["arch"], rec["world_size"], calibration) or speed or 0.1
         try:
-            est = estimate_record(rec, calibrated)
+            est = estimate_record(rec, replace(base, efficiency=own))
         except ValueError:
             continue
-        share = max(1.0, rec["world_size"] / cores)
-        if OVERHEAD_MODEL == "comm":
-            share = est.times["comm_s"] or math.inf
-        extra.setdefault(rec["strategy"], []).append((rec["metrics"]["step_time_s_median"] - est.step_time_s) / share)
+        if est.times["comm_s"]:
+            extra.setdefault(rec["strategy"], []).append(
+                (rec["metrics"]["step_time_s_median"] - est.step_time_s) / est.times["comm_s"])
     overheads = {k: max(0.0, statistics.median(v)) for k, v in extra.items()}
-    return replace(calibrated, overheads=overheads)
+    return replace(base, efficiency=speed or 0.1, overheads=overheads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -925,21 +967,31 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     return with_overhead(est, cl, strategy)
 
 
-def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
+def validate(records: list[dict], cl: Cluster | None = None, calibration: Iterable[str] = ("ddp",)) -> list[dict]:
     """Predicted vs measured for every training cell of a benchmark results file (the CPU matrix):
     model-state bytes (theory's busiest rank: must be equal), activations at MemTracker's peak
     (the record's ``peak_memory_by_category_per_rank``), the peak itself (MemTracker's total),
-    and, with a calibrated cluster (default: :func:`cpu_cluster` of the same records), the step time.
-    One row per cell with relative errors (``*_error``: predicted / measured - 1)."""
+    and the step time on a calibrated cluster. One row per cell with relative errors (``*_error``:
+    predicted / measured - 1); ``calibration`` is True on the cells the time model was fitted to.
+
+    Without ``cl`` the time is predicted out of sample: each architecture's cells on
+    :func:`cpu_cluster` calibrated with that model's own ``calibration`` cells (its speed on this
+    machine, the way one measures a model before planning it) and every other strategy's framework
+    overhead from the *other* architecture's cells (with one architecture: the other world
+    size's)."""
+    calibration = tuple(calibration)
     rows = []
-    if cl is None:  # out of sample: calibrate on the other architecture's cells (one architecture:
-        # the other world size's), predict these
+    if cl is None:
         cells = [r for r in records if r.get("model")]
         key = (lambda r: r["model"]["arch"]) if len({r["model"]["arch"] for r in cells}) > 1 \
             else (lambda r: r["world_size"])
         for group in sorted({key(r) for r in cells}):
-            others = [r for r in records if not r.get("model") or key(r) != group]
-            rows += validate([r for r in cells if key(r) == group], cpu_cluster(others, 2))
+            mine = [r for r in cells if key(r) == group]
+            known = [r for r in records if not r.get("model") or key(r) != group or r["strategy"] in calibration]
+            for arch, ranks in sorted({(r["model"]["arch"], r["world_size"]) for r in mine}):
+                fitted = cpu_cluster(known, ranks, arch, calibration)
+                rows += validate([r for r in mine if (r["model"]["arch"], r["world_size"]) == (arch, ranks)],
+                                 fitted, calibration)
         return rows
     for rec in records:
         metrics = rec.get("metrics") or {}
@@ -959,7 +1011,8 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
         by_cat = (metrics.get("peak_memory_by_category_per_rank") or [None] * (rank + 1))[rank]
         row = {"strategy": rec["strategy"], "world_size": rec["world_size"], "arch": rec["model"]["arch"],
                "rank": rank, "state_predicted": sum(pred["state"].values()), "state_measured": state_measured,
-               "step_predicted_s": est.step_time_s, "step_measured_s": metrics["step_time_s_median"]}
+               "step_predicted_s": est.step_time_s, "step_measured_s": metrics["step_time_s_median"],
+               "calibration": rec["strategy"] in calibration}
         if by_cat:
             row.update(activations_predicted=est.memory_bytes["activations"],
                        activations_measured=by_cat["activations"],
@@ -975,10 +1028,12 @@ def validate(records: list[dict], cl: Cluster | None = None) -> list[dict]:
 
 
 def validation_summary(rows: list[dict]) -> dict:
-    """Median and worst absolute relative error of each quantity over the cells."""
+    """Median and worst absolute relative error of each quantity over the cells (the step time over
+    the predicted cells only: not those the time model was calibrated on)."""
     out = {}
     for key in ("state", "activations", "peak", "step"):
-        errs = [abs(r[f"{key}_error"]) for r in rows if r.get(f"{key}_error") is not None]
+        errs = [abs(r[f"{key}_error"]) for r in rows if r.get(f"{key}_error") is not None
+                and not (key == "step" and r.get("calibration"))]
         out[key] = {"cells": len(errs), "median": statistics.median(errs) if errs else None,
                     "worst": max(errs) if errs else None}
     return out
@@ -1000,10 +1055,11 @@ def validation_table(rows: list[dict]) -> str:
                      f"{mib(r.get('activations_measured'))} ({pct(r.get('activations_error'))}) | "
                      f"{mib(r.get('peak_predicted'))} / {mib(r.get('peak_measured'))} ({pct(r.get('peak_error'))}) | "
                      f"{1e3 * r['step_predicted_s']:.1f} / {1e3 * r['step_measured_s']:.1f} "
-                     f"({pct(r['step_error'])}) |")
+                     + ("(calibration) |" if r.get("calibration") else f"({pct(r['step_error'])}) |"))
     s = validation_summary(rows)
     lines.append("")
-    lines.append("; ".join(f"{k}: median {100 * v['median']:.1f}%, worst {100 * v['worst']:.1f}% ({v['cells']} cells)"
+    lines.append("; ".join(f"{k}: median {100 * v['median']:.1f}%, worst {100 * v['worst']:.1f}% ({v['cells']} cells"
+                           + (", the calibration cells left out" if k == "step" else "") + ")"
                            for k, v in s.items() if v["cells"]))
     return "\n".join(lines)
 
@@ -1096,17 +1152,16 @@ def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recomme
     })
 
 
-def plot_estimates(estimates: list[Estimate], cl: Cluster, path, title: str = "") -> None:
+def plot_estimates(estimates: list[Estimate], cl: Cluster, path=None, title: str = ""):
     """Two panels: memory per GPU per strategy (stacked parts) against the GPU's usable capacity,
-    and predicted tokens/s per GPU (configurations that do not fit hatched)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    and predicted tokens/s per GPU (configurations that do not fit in gray). Saved to ``path`` when
+    given; the matplotlib ``Figure`` is returned either way (a notebook displays it)."""
+    from matplotlib.figure import Figure
 
     shown = [e for e in estimates if e.valid]
     names = [e.name for e in shown]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.7 * len(shown)), 8), sharex=True)
+    fig = Figure(figsize=(max(8, 0.7 * len(shown)), 8))
+    top, bottom = fig.subplots(2, 1, sharex=True)
     bottom_acc = [0.0] * len(shown)
     for part in PARTS:
         values = [e.memory_bytes[part] / GiB for e in shown]
@@ -1122,5 +1177,6 @@ def plot_estimates(estimates: list[Estimate], cl: Cluster, path, title: str = ""
     bottom.set_ylabel("predicted tokens/s per GPU\n(gray: does not fit)")
     bottom.tick_params(axis="x", rotation=45)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
