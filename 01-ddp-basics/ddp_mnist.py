@@ -8,6 +8,7 @@ all-reduced into one global test accuracy.
     torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py          # 4 CPU processes or 4 GPUs
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_mnist.py --epochs 1
     python 01-ddp-basics/ddp_mnist.py                                # a world of one
+    srun --ntasks=4 python 01-ddp-basics/ddp_mnist.py                # SLURM: one task per rank
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from distkit import ArgumentParser, DistContext, UsageError, add_runtime_args, run_main
 from distkit.runtime import (choose_backend_and_device, local_world_size_from_env, seed_everything,
-                             use_world_of_one)
+                             use_launcher_env)
 from distkit.checkpoint import atomic_save
 from distkit.data import prepare_mnist
 from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_int, positive_float,
@@ -111,9 +112,10 @@ def join_process_group(args) -> DistContext:
     Every later script calls ``distkit.distributed(args)``, which does exactly these steps (plus
     one-line errors for more failure cases) and tears the group down at the end.
     """
-    if "RANK" not in os.environ:  # started as plain `python ddp_mnist.py`: rank 0 of a world of one
-        use_world_of_one()
     # torchrun starts one process per rank and tells each who it is through the environment.
+    # srun per task says the same in SLURM_* variables: use_launcher_env copies them into torchrun's
+    # (and prints "launcher: srun ..."); plain `python ddp_mnist.py` becomes rank 0 of a world of one.
+    use_launcher_env()
     rank = int(os.environ["RANK"])              # this process among all processes of the job
     local_rank = int(os.environ["LOCAL_RANK"])  # among the processes on this machine: picks the GPU
     world_size = int(os.environ["WORLD_SIZE"])

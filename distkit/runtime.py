@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .errors import UsageError  # noqa: F401  (re-exported: scripts import it from here)
 from .flags import positive_float
+from .slurm import is_srun_task, srun_rank_hint, srun_task
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -35,8 +36,11 @@ def env_int(name: str, default: int) -> int:
 
 
 def launched_rank() -> int:
-    """This process's global rank as the launcher set it, before any process group exists."""
-    return env_int("RANK", 0)
+    """This process's global rank as the launcher set it, before any process group exists:
+    torchrun's ``RANK``, else an ``srun`` task's ``SLURM_PROCID``, else 0."""
+    if os.environ.get("RANK"):
+        return env_int("RANK", 0)
+    return srun_rank_hint(os.environ) or 0
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -84,8 +88,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, timeout_s: float = DEFAULT
 def local_world_size_from_env() -> int:
     """How many ranks this node runs, as the launcher said.
 
-    torchrun sets ``LOCAL_WORLD_SIZE``; the ``deepspeed`` launcher sets ``LOCAL_SIZE`` instead.
-    Without either (``python script.py``) the node runs one rank.
+    torchrun sets ``LOCAL_WORLD_SIZE``; the ``deepspeed`` launcher sets ``LOCAL_SIZE`` instead;
+    :func:`use_launcher_env` sets ``LOCAL_WORLD_SIZE`` from SLURM's tasks on this node. Without any
+    (``python script.py``) the node runs one rank.
     """
     if os.environ.get("LOCAL_WORLD_SIZE"):
         return env_int("LOCAL_WORLD_SIZE", 1)
@@ -180,18 +185,50 @@ def use_world_of_one() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
 
 
+def use_launcher_env() -> str:
+    """Make torchrun's variables describe this process, whichever way it was started; returns the
+    launcher's name.
+
+    * ``torchrun`` (or any launcher that sets ``RANK``: the ``deepspeed`` launcher, ``mp.spawn``
+      workers): nothing to do. It wins over SLURM's variables, so ``srun`` per node + torchrun
+      (``slurm_ddp.sbatch``) works as before.
+    * ``srun`` per task (``srun --ntasks=4 python script.py``): ``RANK``, ``WORLD_SIZE``,
+      ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from ``SLURM_PROCID``, the step's task count, ``SLURM_LOCALID``
+      and the tasks on this node; ``MASTER_ADDR`` / ``MASTER_PORT`` (unless set) the step's first
+      host and a port derived from the job and step ids (:mod:`distkit.slurm`). Rank 0 prints
+      ``launcher: srun ...`` as the job's first line. A one-task step rendezvouses on loopback.
+    * neither (``python script.py``): a world of one on loopback (:func:`use_world_of_one`).
+    """
+    if os.environ.get("RANK"):
+        return "torchrun"
+    if is_srun_task(os.environ):
+        task = srun_task(os.environ)
+        if task.world_size == 1:  # nobody to meet: loopback and a free port, unless MASTER_* say otherwise
+            task = srun_task(os.environ, default_addr="127.0.0.1", default_port=_free_loopback_port())
+        os.environ.update(task.torchrun_env())
+        if task.rank == 0:
+            print(f"[rank 0] launcher: {task.describe()}", flush=True)
+        return "srun"
+    tasks = os.environ.get("SLURM_NTASKS", "")
+    if tasks.isdigit() and int(tasks) > 1:  # a batch script or salloc shell of a multi-task job
+        print(f"note: this SLURM job has {tasks} tasks but srun did not start this process: it runs "
+              "as a world of one (start one process per task with srun)", file=sys.stderr, flush=True)
+    use_world_of_one()
+    return "none"
+
+
 def init_distributed(*, backend: str = "auto", device: str = "auto",
                      timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0) -> DistContext:
     """Create the default process group from torchrun's environment variables.
 
     ``backend`` / ``device``: ``"auto"`` or a forced choice (see :func:`choose_backend_and_device`);
     ``timeout_s``: how long a collective may wait for a peer; ``seed``: the same on every rank.
-    Run without torchrun (``python script.py``), the script becomes a world of one process that
-    rendezvouses on loopback. Each rank binds GPU ``LOCAL_RANK`` when the device is CUDA.
-    Chapter 01's ``ddp_mnist.py`` writes these steps out in the open.
+    Started by ``srun`` (one task per rank), SLURM's variables say the same
+    (:func:`use_launcher_env`); run without a launcher (``python script.py``), the script becomes a
+    world of one process that rendezvouses on loopback. Each rank binds GPU ``LOCAL_RANK`` when the
+    device is CUDA. Chapter 01's ``ddp_mnist.py`` writes these steps out in the open.
     """
-    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-        use_world_of_one()
+    use_launcher_env()
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     world_size, local_world_size = env_int("WORLD_SIZE", 1), local_world_size_from_env()
 
