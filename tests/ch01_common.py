@@ -20,7 +20,8 @@ FAULTS = WORKERS / "ch01_faults.py"  # ddp_training.py with faults injected from
 # The README commands, as the needles each test finds its command with (launch.readme_command); the
 # comment names the file that runs it. test_ch01_tools.py checks they cover every README command.
 README_LOOKUPS = [
-    "ddp_mnist.py",  # test_ddp_mnist.py
+    (("ddp_mnist.py",), "srun"),  # test_ddp_mnist.py
+    ("srun", "--ntasks=4"), ("srun", "--nodes=2"), "slurm_ddp.sbatch",  # test_slurm.py
     "ddp_from_scratch.py", "--config", "--crash-at-step", "--crash-in-checkpoint-at-step",
     "--nnodes=2",  # test_ch01_ddp.py
     "validate_distributed.py", "ddp_benchmark.py", "launch_ddp.sh", "ddp_spawn.py",

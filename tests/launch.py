@@ -68,8 +68,10 @@ def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> di
 
     CPU-suite jobs (``gpu=False``) see no GPU at all (``CUDA_VISIBLE_DEVICES=""``), so they take the
     gloo/CPU path whatever machine runs them; GPU-suite jobs (``gpu=True``) see the machine's GPUs.
+    A SLURM job's variables are left out (pytest may run inside an allocation, and a script would
+    take them for its own); the tests of SLURM launches set their own.
     """
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
     env.update(OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -187,12 +189,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     assert not own_frames, "traceback from repository code:\n" + "\n".join(own_frames)
 
 
-_COMMAND_START = re.compile(r"^(torchrun|python|deepspeed|bash)\s")
+_COMMAND_START = re.compile(r"^(torchrun|python|deepspeed|bash|srun|sbatch)\s")
 
 
 def readme_commands(readme: Path) -> list[str]:
     """Shell commands a reader is told to run: lines in ```bash blocks that start with torchrun,
-    python, deepspeed or bash (continuation backslashes joined, comments dropped)."""
+    python, deepspeed, bash, srun or sbatch (continuation backslashes joined, comments dropped)."""
     commands, in_block, pending = [], False, ""
     for raw in readme.read_text().splitlines():
         line = raw.strip()

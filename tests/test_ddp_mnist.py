@@ -23,7 +23,7 @@ def test_ddp_mnist_readme_command_on_offline_sample(first_command_run):
     """The chapter's first command is the top README's quick start: conftest.py runs it once (real
     torchrun, default epochs, the offline sample) for both READMEs' tests."""
     # the same command (--standalone only asks for a private rendezvous port, which tests always get)
-    chapter = readme_command(README, "ddp_mnist.py").replace("--standalone ", "")
+    chapter = readme_command(README, "ddp_mnist.py", without="srun").replace("--standalone ", "")
     assert chapter == readme_command(REPO / "README.md", "ddp_mnist.py")
     folder, done = first_command_run
     results, checkpoint = folder / "results.jsonl", folder / "model.pt"
