@@ -205,11 +205,13 @@ class RingSelfAttention(nn.Module):
 
 
 def average_gradients(model: nn.Module, world_size: int) -> None:
-    """One all-reduce of every gradient, divided by the ranks: each rank's covered its tokens only."""
+    """One all-reduce of every gradient, divided by the ranks: each rank's covered its tokens only.
+    One flat copy of the gradients exists meanwhile (divided in place: no second copy)."""
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
-    for grad, piece in zip(grads, (flat / world_size).split([g.numel() for g in grads])):
+    flat /= world_size
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(piece.view_as(grad))
 
 

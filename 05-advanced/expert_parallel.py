@@ -183,12 +183,14 @@ def build_moe_model(cfg, num_experts: int, top_k: int, capacity_factor: float) -
 
 def reduce_gradients(params: list[nn.Parameter], group, world_size: int) -> None:
     """Sum these gradients over ``group`` (one flat all-reduce; none if ``group`` is None) and divide
-    by the job's ranks: every rank's loss is the mean over its own tokens."""
+    by the job's ranks: every rank's loss is the mean over its own tokens. One flat copy of the
+    gradients exists meanwhile (divided in place: no second copy)."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     if group is not None:
         dist.all_reduce(flat, group=group)
-    for grad, piece in zip(grads, (flat / world_size).split([g.numel() for g in grads])):
+    flat /= world_size
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(piece.view_as(grad))
 
 
@@ -249,8 +251,12 @@ def main():
         dist.all_gather_object(shards, mine, group=mesh["ep"].get_group())
         every_rank = [None] * ctx.world_size
         dist.all_gather_object(every_rank, routing)
+        # the step whose collectives the harness counted (the first after the warm-up): theory's
+        # prediction of the all-to-all bytes needs its routing (distkit.theory.knobs_of_record)
+        counted = [rank[args.warmup_steps] for rank in every_rank] if args.steps > args.warmup_steps else None
         record = harness.finish(args.results, extra={"losses": losses, "aux_losses": aux_losses,
-                                                     "routing_per_rank": every_rank})
+                                                     "routing_per_rank": every_rank,
+                                                     "counted_routing_per_rank": counted})
         if not ctx.is_main:
             return
         path = save_path(args.save)

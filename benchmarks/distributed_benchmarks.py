@@ -71,6 +71,18 @@ STRATEGY_COMMANDS: dict[str, tuple[str, list[str], int]] = {
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b")},
     "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py", ["--mode", "2d", "--tp", "2", "--save", "none"], 4),
     "hsdp": ("05-advanced/hybrid_parallelism.py", ["--mode", "hsdp", "--shard", "2", "--save", "none"], 4),
+    # the ring over all ranks, one layout (the script's default runs both, one record each)
+    "cp": ("05-advanced/context_parallel.py", ["--layout", "zigzag", "--save", "none"], 1),
+    # the GPT with MOE_EXPERTS experts per block, top-2, split over all ranks (ep = ranks)
+    "ep": ("05-advanced/expert_parallel.py", ["--num-experts", "{experts}", "--top-k", "2", "--save", "none"], 1),
+}
+MOE_EXPERTS = 8  # experts per block of the ep cells: they split over 1, 2, 4 and 8 ranks
+
+# Strategies whose script trains one architecture only: strategy -> (that --arch, why). The matrix
+# records the other architectures' cells as skipped with this reason.
+ONE_ARCH = {
+    "cp": ("gpt", "context_parallel.py swaps the small GPT's attention for ring attention (--arch gpt only)"),
+    "ep": ("gpt", "expert_parallel.py builds the small GPT with mixture-of-experts MLPs (--arch gpt only)"),
 }
 
 # --quick: the tiny model (with 4 blocks so the interleaved pipeline has 2 stages per rank), 2 ranks
@@ -238,8 +250,15 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
                 min_world = STRATEGY_COMMANDS[strategy][2]
                 world_here = max(world, min_world) if args.quick else world
                 where = place(world_here, args, gpus)
-                if world_here < min_world:
+                if strategy in ONE_ARCH and arch != ONE_ARCH[strategy][0]:
+                    reason = ONE_ARCH[strategy][1]
+                elif world_here < min_world:
                     reason = f"needs at least {min_world} ranks" + (" (a 2 x 2 mesh)" if min_world == 4 else "")
+                elif strategy == "cp" and cfg.seq_len % (2 * world_here):
+                    reason = (f"a ring of {world_here} ranks cuts each sequence into {2 * world_here} chunks; "
+                              f"{model_size} has {cfg.seq_len} tokens")
+                elif strategy == "ep" and MOE_EXPERTS % world_here:
+                    reason = f"{MOE_EXPERTS} experts per block do not split over {world_here} ranks"
                 elif strategy == "pp_interleaved_1f1b" and cfg.n_layer < 2 * world_here:
                     reason = (f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, "
                               f"{model_size} has {cfg.n_layer}")
@@ -287,7 +306,7 @@ def shown_command(cmd: list[str]) -> str:
 
 
 def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
-    flags = [f.format(scratch=scratch) for f in cell.flags]
+    flags = [f.format(scratch=scratch, experts=MOE_EXPERTS) for f in cell.flags]
     return [*launcher_argv(args, cell.world_size), cell.script, *flags, "--arch", cell.arch,
             "--model-size", cell.model_size,
             *(["--n-layer", str(cell.n_layer)] if cell.n_layer else []),
@@ -354,13 +373,15 @@ def run_cell(cell: Cell, args) -> list[dict]:
 
 
 def run_bandwidth(world: int, args, results_file: Path, gpus: int) -> dict:
-    """The chapter-04 bandwidth sweep at ``world`` ranks, its records appended to the results file."""
+    """The chapter-04 bandwidth sweep at ``world`` ranks, its records appended to the results file:
+    the collectives the strategies use (all_to_all: expert parallelism's dispatch and combine), which
+    ``distkit.planner`` fits its alpha-beta times to."""
     where = place(world, args, gpus)
     if isinstance(where, str):
         return {"world_size": world, "ok": False, "error": f"skipped: {where}", "note": None, "seconds": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench_bw_") as tmp:
         cmd = [*launcher_argv(args, world), "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
-               "reduce_scatter", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
+               "reduce_scatter", "all_to_all", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
                "--plot", str(Path(tmp) / "bw.png"), "--backend", where.backend, "--device", where.device]
         rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s, where.hide_gpus)
     return {"world_size": world, "ok": rc == 0, "error": None if rc == 0 else error_line(output),

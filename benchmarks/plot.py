@@ -35,6 +35,7 @@ FAMILIES = {
                                   "fsdp_full_shard", "fsdp_hybrid_shard", "hsdp"),
     "ZeRO (DeepSpeed)": ("zero0", "zero1", "zero2", "zero3", "zero3_offload"),
     "model parallel (TP, PP, 2D)": ("tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "fsdp_tp_2d"),
+    "context / expert parallel (CP, EP)": ("cp", "ep"),
 }
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
@@ -81,7 +82,9 @@ def model_size(record: dict) -> str:
     bench = record.get("benchmark") or {}
     size = bench.get("model_size") or record.get("model_size") or record.get("config", {}).get("model_size", "?")
     arch = (record.get("model") or {}).get("arch", "gpt")
-    return size if arch == "gpt" else f"{arch} {size}"  # the small GPT's sizes keep their plain names
+    # the small GPT's sizes keep their plain names; the Llama's and the mixture-of-experts GPT's
+    # (expert parallelism's model: another model, so its own panel) say what they are
+    return size if arch == "gpt" else f"{arch} {size}"
 
 
 def provenance(records: list[dict]) -> tuple[list[str], list[str], list[str]]:
@@ -277,8 +280,8 @@ def figure_throughput(records, source=""):
     for k, (size, rs) in enumerate(groups.items()):
         _grouped(axes[2 * k], rs, tokens_per_s, f"{size} model: tokens/s\n(whole job)")
         _grouped(axes[2 * k + 1], rs, mfu_percent, f"{size}: MFU %")
-        axes[2 * k + 1].set_title("model FLOPs utilisation: 6N + 12Lsd FLOPs per token x tokens/s per device "
-                                  "/ peak FLOP/s measured on the device", fontsize=9)
+        axes[2 * k + 1].set_title("model FLOPs utilisation: 6N + 12Lsd FLOPs per token (MoE: N active) x tokens/s "
+                                  "per device / peak FLOP/s measured on the device", fontsize=9)
     stamp(fig, records, source)
     return fig
 
@@ -357,7 +360,8 @@ def figure_scaling(records, source=""):
 
 def figure_bandwidth(bandwidth, source=""):
     fig, (ax,) = _figure(1, "Collective bus bandwidth vs message size (chapter 04 sweep)")
-    colours = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green"}
+    colours = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green",
+               "all_to_all": "tab:red"}
     worlds = sorted({r["world_size"] for r in bandwidth})
     for record in sorted(bandwidth, key=lambda r: (r["collective"], r["world_size"])):
         rows, k = record["rows"], worlds.index(record["world_size"])

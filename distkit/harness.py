@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_counter import CommCounter, bus_factor
-from .models import GPTConfig, LlamaModelConfig, config_from_dict
+from .models import CONFIG_CLASSES, GPTConfig, LlamaModelConfig, config_from_dict
 from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
 from .runtime import DistContext
 
@@ -529,9 +529,10 @@ class Harness:
         return getattr(getattr(self.model, "module", self.model), "cfg", None)
 
     def _model_config(self) -> GPTConfig | LlamaModelConfig | None:
-        """The transformer's config (:meth:`_declared_config` as a config object), else None."""
+        """The transformer's config (:meth:`_declared_config` as a config object, the mixture-of-experts
+        GPT's included: its FLOPs per token count its active experts), else None."""
         config = self._declared_config()
-        if isinstance(config, dict) and config.get("arch") in ("gpt", "llama"):
+        if isinstance(config, dict) and config.get("arch") in CONFIG_CLASSES:
             config = config_from_dict(config)
         return config if isinstance(config, (GPTConfig, LlamaModelConfig)) else None
 

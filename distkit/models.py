@@ -312,15 +312,84 @@ def _llama_class():
 def build_model(cfg: "GPTConfig | LlamaModelConfig") -> nn.Module:
     """The transformer ``cfg`` describes, with random weights from the current seed:
     :class:`TinyGPT` for a :class:`GPTConfig`, a Hugging Face Llama (``LlamaLM``) for a
-    :class:`LlamaModelConfig`. Both take tokens and return logits, and expose ``.cfg`` and ``.blocks``."""
+    :class:`LlamaModelConfig`. Both take tokens and return logits, and expose ``.cfg`` and ``.blocks``.
+    A mixture-of-experts config (:func:`is_moe`) is refused: its experts are sharded as they are built
+    (``05-advanced/expert_parallel.py``), and a dense model of its base shape would be the wrong model."""
+    if is_moe(cfg):
+        raise ValueError(f"build_model builds dense models; the {cfg.arch} model is built by "
+                         "05-advanced/expert_parallel.py (build_moe_model)")
     if isinstance(cfg, LlamaModelConfig):
         return _llama_class()(cfg)
     return TinyGPT(cfg)
 
 
+# ------------------------------------------------------------------ mixture of experts (MoE)
+@dataclass
+class GPTMoEConfig(GPTConfig):
+    """The small GPT with every block's MLP replaced by a mixture of experts, as
+    ``05-advanced/expert_parallel.py`` builds it: a router (``n_embd -> num_experts``, no bias) and
+    ``num_experts`` MLPs of the GPT's own shape per block; each token goes to its ``top_k`` experts,
+    and an expert takes at most ``ceil(capacity_factor x tokens x top_k / num_experts)`` of the
+    tokens one rank routes (the rest are dropped). Parameter names: ``blocks.N.mlp.router.weight``,
+    ``blocks.N.mlp.experts.E.fc_in.weight`` ..."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+
+    arch = "gpt_moe"
+
+
+@dataclass
+class LlamaMoEConfig(LlamaModelConfig):
+    """A Llama whose SwiGLU MLPs are mixtures of ``num_experts`` experts of the same shape with top-k
+    routing (Mixtral's layout, ``model.layers.N.mlp.router.weight``,
+    ``model.layers.N.mlp.experts.E.gate_proj.weight`` ...): for counting bytes and FLOPs on paper
+    (the planner's ``--experts``); no chapter trains it."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+
+    arch = "llama_moe"
+
+
+_MOE_OF = {GPTConfig: GPTMoEConfig, LlamaModelConfig: LlamaMoEConfig}
+
+
+def is_moe(cfg) -> bool:
+    """True for a mixture-of-experts config (:class:`GPTMoEConfig`, :class:`LlamaMoEConfig`)."""
+    return isinstance(cfg, (GPTMoEConfig, LlamaMoEConfig))
+
+
+def dense_config(cfg) -> "GPTConfig | LlamaModelConfig":
+    """The dense model an MoE config is built on (its experts one MLP again); a dense config itself."""
+    if not is_moe(cfg):
+        return cfg
+    base = next(dense for dense, moe in _MOE_OF.items() if isinstance(cfg, moe))
+    fields = cfg.to_dict()
+    for name in ("num_experts", "top_k", "capacity_factor"):
+        fields.pop(name)
+    return base(**fields)
+
+
+def with_experts(cfg, num_experts: int, top_k: int = 2, capacity_factor: float = 1.25):
+    """``cfg`` (the GPT or the Llama) with every block's MLP turned into ``num_experts`` experts of
+    the same shape, ``top_k`` of them per token. One-line :class:`distkit.UsageError` when a token
+    would pick more experts than exist."""
+    from .errors import UsageError
+
+    if top_k > num_experts:
+        raise UsageError(f"--top-k {top_k} is larger than --experts {num_experts}")
+    return _MOE_OF[type(dense_config(cfg))](**dense_config(cfg).to_dict(), num_experts=num_experts,
+                                              top_k=top_k, capacity_factor=capacity_factor)
+
+
 # Sizes per architecture; "tiny" keeps 4-rank CPU tests to seconds.
 MODEL_PRESETS: dict[str, dict] = {"gpt": GPT_PRESETS, "llama": LLAMA_PRESETS}
-CONFIG_CLASSES = {"gpt": GPTConfig, "llama": LlamaModelConfig}
+# Every architecture a record's ``model`` field can name (the MoE ones have no presets: a dense
+# preset with_experts).
+CONFIG_CLASSES = {"gpt": GPTConfig, "llama": LlamaModelConfig, "gpt_moe": GPTMoEConfig, "llama_moe": LlamaMoEConfig}
 
 
 def model_config(arch: str = "gpt", size: str = "small", **overrides) -> "GPTConfig | LlamaModelConfig":

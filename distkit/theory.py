@@ -31,12 +31,12 @@ import torch
 
 from .comm_counter import bus_factor
 from .record_format import upgrade_record
-from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict
+from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict, dense_config, is_moe
 
 # Every strategy the benchmark knows, in the order plots show them.
 STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard",
               "fsdp_hybrid_shard", "hsdp", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "tp",
-              "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "fsdp_tp_2d")
+              "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "fsdp_tp_2d", "cp", "ep")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,18 +44,57 @@ STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", 
 # ----------------------------------------------------------------------------------------------
 
 def param_shapes(cfg: GPTConfig | LlamaModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of the model ``cfg`` describes (the small GPT or the Llama),
-    built on the meta device: no memory, exact."""
+    """Name -> shape of every parameter of the model ``cfg`` describes (the small GPT or the Llama,
+    dense or with mixture-of-experts MLPs), built on the meta device: no memory, exact."""
     return dict(_shapes(cfg.arch, tuple(sorted(cfg.to_dict().items()))))
+
+
+# a block's MLP parameter: the GPT's blocks.N.mlp.*, the Llama's model.layers.N.mlp.*
+_MLP_PARAM = re.compile(r"^((?:blocks|model\.layers)\.\d+\.mlp\.)(.+)$")
 
 
 @functools.lru_cache(maxsize=64)
 def _shapes(arch: str, cfg_items: tuple, buffers: bool = False) -> tuple[tuple[str, tuple[int, ...]], ...]:
     # cached per configuration: a table of many records asks for the same few models again and again
+    cfg = config_from_dict({"arch": arch, **dict(cfg_items)})
+    if is_moe(cfg):
+        return _moe_shapes(cfg, buffers)
     with torch.device("meta"):
-        model = build_model(config_from_dict({"arch": arch, **dict(cfg_items)}))
+        model = build_model(cfg)
     tensors = model.named_buffers() if buffers else model.named_parameters()
     return tuple((name, tuple(t.shape)) for name, t in tensors)
+
+
+def _moe_shapes(cfg, buffers: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The dense model's shapes with each block's MLP replaced, in place, by the mixture of experts
+    of ``05-advanced/expert_parallel.py``: ``mlp.router.weight`` (num_experts x n_embd, no bias),
+    then ``mlp.experts.E.<the MLP's own parameter names>`` for E = 0 .. num_experts - 1 (the order
+    ``named_parameters`` gives the script's model)."""
+    dense = dense_config(cfg)
+    table = _shapes(dense.arch, tuple(sorted(dense.to_dict().items())), buffers)
+    if buffers:
+        return table
+    out: list[tuple[str, tuple[int, ...]]] = []
+    mlp: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # block prefix -> its MLP's (name, shape)
+    for name, shape in table:
+        match = _MLP_PARAM.match(name)
+        if not match:
+            out.append((name, shape))
+            continue
+        prefix = match.group(1)
+        if prefix not in mlp:  # the router and the experts take the MLP's place
+            mlp[prefix] = []
+            out.append((prefix, ()))
+        mlp[prefix].append((match.group(2), shape))
+    result = []
+    for name, shape in out:
+        if name not in mlp:
+            result.append((name, shape))
+            continue
+        result.append((f"{name}router.weight", (cfg.num_experts, cfg.n_embd)))
+        result += [(f"{name}experts.{e}.{leaf}", leaf_shape)
+                   for e in range(cfg.num_experts) for leaf, leaf_shape in mlp[name]]
+    return tuple(result)
 
 
 def buffer_bytes(cfg: GPTConfig | LlamaModelConfig) -> int:
@@ -78,10 +117,21 @@ def training_flops_per_token(cfg: GPTConfig | LlamaModelConfig) -> float:
     (2 matmuls of 2 s d FLOPs per token per layer, forward + backward = 3x), counted over the whole
     sequence as the convention has it (a causal kernel skips about half). Hardware FLOPs that
     activation recomputation adds are not model FLOPs, so checkpointing does not change this.
+
+    A mixture of experts (``gpt_moe``, ``llama_moe``) multiplies each token by its *active*
+    parameters: every dense matrix, the router, and ``top_k`` of the ``num_experts`` experts (the
+    Switch Transformer / Mixtral count), so N = the dense model's N + router + (top_k - 1) MLPs per
+    block. Choices dropped at an expert's capacity still count, as the causal half does: model
+    FLOPs are the model's, not what a given routing computed.
     """
     shapes = param_shapes(cfg)
     embeddings = {"tok_emb.weight", "pos_emb.weight", "model.embed_tokens.weight"}
-    matmul_params = sum(_numel(shape) for name, shape in shapes.items() if name not in embeddings)
+    active_experts = 0
+    if is_moe(cfg):  # of the experts' parameters, a token multiplies top_k / num_experts
+        experts = sum(_numel(shape) for name, shape in shapes.items() if ".experts." in name)
+        active_experts = experts // cfg.num_experts * cfg.top_k
+        shapes = {name: shape for name, shape in shapes.items() if ".experts." not in name}
+    matmul_params = active_experts + sum(_numel(shape) for name, shape in shapes.items() if name not in embeddings)
     if getattr(cfg, "tie_embeddings", False):  # the LM head is the embedding matrix: it multiplies
         matmul_params += cfg.vocab_size * cfg.n_embd
     return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
@@ -534,7 +584,9 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
     "comm_per_rank": [{collective: {"calls", "bytes", "bus_bytes"}}, ...], "param_count": Ψ}``
     (bytes and bus bytes as the module docstring defines them). ``knobs``: ``shard`` (HSDP
     shard-group size), ``tp`` (2-D mesh TP size), ``microbatches``, ``stage3_max_live_parameters``
-    (ZeRO-3's window of gathered parameters), ``stages_per_rank`` (interleaved pipeline).
+    (ZeRO-3's window of gathered parameters), ``stages_per_rank`` (interleaved pipeline), ``cp``
+    (context-parallel group size), ``ep`` (expert-parallel group size) and ``routing`` (expert
+    parallelism: rows each rank sent and received per MoE layer; balanced routing without it).
     """
     if strategy not in PREDICTORS:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
@@ -622,6 +674,8 @@ def activation_bytes_per_layer(cfg, micro_batch: int, ac: str) -> int:
     log-sum-exp a: none = 4sb*(8h + 2hg/a + 4I + a + 2). Selective keeps the input, the q/k/v/o
     projections' and the MLP's three matmul outputs, and O: 4sb*(5h + 2hg/a + 2I + a).
     """
+    if is_moe(cfg):  # balanced routing: k rows per token each way
+        return moe_activation_bytes_per_layer(cfg, micro_batch, ac)
     s, b, h, a = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_head
     if isinstance(cfg, LlamaModelConfig):
         kv, mlp = 2 * h * cfg.n_kv_head // a, cfg.intermediate_size
@@ -629,6 +683,44 @@ def activation_bytes_per_layer(cfg, micro_batch: int, ac: str) -> int:
     else:
         per_token = {"none": 16 * h + a + 4, "full": h, "selective": 11 * h + a}
     return 4 * s * b * per_token[ac]
+
+
+def _mlp_kept_per_row(cfg, ac: str) -> int:
+    """Floats a dense MLP keeps per token beyond its input (which the norm before it keeps): the
+    GPT's GELU input and output (8h; selective: fc_in's and fc_out's outputs, 5h), the Llama's
+    gate, SiLU, up and product (4I; selective: the three matmul outputs, 2I + h); none with full AC."""
+    h = cfg.n_embd
+    if ac == "full":
+        return 0
+    if isinstance(cfg, LlamaModelConfig):
+        return 4 * cfg.intermediate_size if ac == "none" else 2 * cfg.intermediate_size + h
+    return 8 * h if ac == "none" else 5 * h
+
+
+def moe_activation_bytes_per_layer(cfg, micro_batch: int, ac: str = "none", received_rows: float | None = None,
+                                   sent_rows: float | None = None) -> float:
+    """Bytes one mixture-of-experts block keeps from its forward for its backward, fp32
+    (``05-advanced/expert_parallel.py``'s layer; measured by MemTracker within 3% on the matrix's
+    tiny GPT-MoE cells, and tensor by tensor with ``saved_tensors_hooks``).
+
+    The dense block's (:func:`activation_bytes_per_layer`) without its MLP's inner tensors
+    (:func:`_mlp_kept_per_row`), plus, per token, the router's probabilities (E floats), its top-k
+    indices (k int64: 2k) and the capacity mask (k bools: k/4); per row an expert received: the
+    regrouped copy the expert reads (h), the expert's own inner tensors, and two int64 regrouping
+    indices (4); per row this rank sent and got back: the returned row and its gate-weighted copy
+    (2h: the multiply and the scatter-add back into the tokens each keep theirs), the gate weight
+    (1) and three int64 indices (6). Rows default to balanced routing, k per token each way (no
+    choice dropped). Full AC keeps the block's input only, as the dense block."""
+    dense = dense_config(cfg)
+    base = activation_bytes_per_layer(dense, micro_batch, ac)
+    if ac == "full":
+        return base
+    tokens = micro_batch * cfg.seq_len
+    received = cfg.top_k * tokens if received_rows is None else received_rows
+    sent = cfg.top_k * tokens if sent_rows is None else sent_rows
+    inner = _mlp_kept_per_row(dense, ac)
+    per_token = -inner + cfg.num_experts + 2 * cfg.top_k + cfg.top_k / 4
+    return base + 4 * (tokens * per_token + received * (cfg.n_embd + inner + 4) + sent * (2 * cfg.n_embd + 7))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,18 +731,28 @@ def config_of_record(record: dict) -> GPTConfig | LlamaModelConfig:
     """The model config a harness record was trained with (its ``model`` field; see
     :func:`distkit.harness.upgrade_record` for records written before that field existed)."""
     model = upgrade_record(record).get("model") or {}
-    if model.get("arch") not in ("gpt", "llama"):
+    if model.get("arch") not in ("gpt", "llama", "gpt_moe", "llama_moe"):
         raise ValueError(f"record of {record.get('strategy')!r} is not of a transformer: {record.get('model')}")
     return config_from_dict(model)
 
 
 def knobs_of_record(record: dict) -> dict[str, Any]:
-    """Strategy knobs (mesh shape, micro-batches ...) as :func:`predict` expects them."""
+    """Strategy knobs (mesh shape, micro-batches ...) as :func:`predict` expects them; for expert
+    parallelism also the rows each rank routed in the step the harness counted
+    (``counted_routing_per_rank``, written by ``05-advanced/expert_parallel.py``): ``routing``,
+    per rank, per MoE layer, (rows sent, rows received)."""
     config = record.get("config", {})
     knobs: dict[str, Any] = {}
     mesh = config.get("mesh") or {}
     if "tp" in mesh:
         knobs["tp"] = mesh["tp"]
+    if "ep" in mesh:
+        knobs["ep"] = mesh["ep"]
+    if config.get("cp"):
+        knobs["cp"] = config["cp"]
+    if record.get("counted_routing_per_rank"):
+        knobs["routing"] = [[(sum(layer["sent"]), sum(map(sum, layer["received"]))) for layer in rank]
+                            for rank in record["counted_routing_per_rank"]]
     if "shard" in mesh:
         knobs["shard"] = mesh["shard"]
     if config.get("hsdp_shard_size"):
@@ -849,3 +951,72 @@ def expert_parallel_comm(hidden: int, sent_rows: list[int], received_rows: list[
     if dp > 1:
         _add(comm, "all_reduce", 1, 4 * expert_numel, dp)
     return comm
+
+
+# ----------------------------------------------------------------------------------------------
+# The predictors of context and expert parallelism for the benchmark matrix (registered in
+# PREDICTORS here, below the formulas they use)
+# ----------------------------------------------------------------------------------------------
+
+def _predict_cp(strategy, shapes, cfg, n, batch, knobs):
+    """Context parallelism (``05-advanced/context_parallel.py --impl ring``): every rank a full fp32
+    AdamW replica (16 bytes per parameter, as DDP), a ring of ``cp`` ranks (default: all n) per
+    group of sequences, and the gradients all-reduced over all n ranks. With n / cp > 1 replicas
+    (data parallel x context parallel, the planner's layout) each ring attends its replica's share of
+    the batch; the chapter script runs cp = n: one ring, the whole global batch. A K/V block is as
+    wide as the key/value heads: the GPT's n_embd, a grouped-query Llama's n_embd x n_kv_head /
+    n_head."""
+    cp = int(knobs.get("cp", n))
+    if n % cp or batch % (n // cp):
+        raise ValueError(f"cp {cp} does not divide {n} ranks, or the batch {batch} the {n // cp} replicas")
+    kv_width = cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
+    comm = ring_attention_bytes(batch // (n // cp), cfg.seq_len, kv_width, cfg.n_layer, cp)
+    psi = sum(_numel(shape) for shape in shapes.values())
+    comm["all_reduce"] = _stat(1, 4 * psi, "all_reduce", n)
+    return _same_on_every_rank(n, _adamw_state(psi), comm)
+
+
+def moe_param_split(shapes: dict[str, tuple[int, ...]], num_experts: int) -> tuple[int, list[int]]:
+    """(dense parameters, parameters of each expert over all MoE layers) of an MoE model's shapes:
+    expert E's parameters are those named ``...experts.E....``; everything else (attention, norms,
+    routers, embeddings, head) is dense."""
+    per_expert = [0] * num_experts
+    dense = 0
+    for name, shape in shapes.items():
+        match = re.search(r"\.experts\.(\d+)\.", name)
+        if match:
+            per_expert[int(match.group(1))] += _numel(shape)
+        else:
+            dense += _numel(shape)
+    return dense, per_expert
+
+
+def _predict_ep(strategy, shapes, cfg, n, batch, knobs):
+    """Expert parallelism (``05-advanced/expert_parallel.py``) on a (dp, ep) mesh, rank = dp index x
+    ep + ep index: each rank holds the dense parameters and the num_experts / ep experts of its ep
+    index (fp32 AdamW, 16 bytes per parameter held); collectives from :func:`expert_parallel_comm`
+    with the rows it routed (``knobs["routing"]``, what the record counted: routing depends on the
+    data) or, without them, balanced routing: each rank's T = batch / n x seq_len tokens send k T
+    rows and receive k T (every expert gets T k / E of every rank, within its capacity when the
+    capacity factor is at least 1: nothing dropped)."""
+    if not is_moe(cfg):
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model (gpt_moe / llama_moe), got {cfg.arch}")
+    ep = int(knobs.get("ep", n))
+    if n % ep or cfg.num_experts % ep or batch % n:
+        raise ValueError(f"ep {ep} must divide {n} ranks and {cfg.num_experts} experts, and {n} ranks the "
+                         f"batch {batch}")
+    dp, local = n // ep, cfg.num_experts // ep
+    dense, per_expert = moe_param_split(shapes, cfg.num_experts)
+    held = [sum(per_expert[j * local:(j + 1) * local]) for j in range(ep)]  # by ep index
+    balanced = [(cfg.top_k * batch // n * cfg.seq_len,) * 2] * cfg.n_layer
+    routing = knobs.get("routing") or [balanced] * n
+    states, comms = [], []
+    for rank in range(n):
+        sent, received = zip(*routing[rank])
+        states.append(_adamw_state(dense + held[rank % ep]))
+        comms.append(expert_parallel_comm(cfg.n_embd, list(sent), list(received), cfg.num_experts, ep, dp,
+                                          dense_numel=dense, expert_numel=held[rank % ep]))
+    return states, comms
+
+
+PREDICTORS.update(cp=_predict_cp, ep=_predict_ep)

@@ -20,7 +20,7 @@ import pytest
 from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNER_LOOKUPS, README, STATE_TOLERANCE)
 from distkit import theory
 from distkit.errors import UsageError
-from distkit.models import gpt_config
+from distkit.models import gpt_config, model_config, with_experts
 from launch import (assert_one_line_error, assert_readme_covered, command_argv, job_env, launcher_argv, load_script,
                     parse_args_result, python, readme_command, run)
 
@@ -79,6 +79,60 @@ def test_predictions_are_consistent_across_strategies():
         theory.predict("no_such_strategy", cfg, 2, 16)
 
 
+def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
+    """The tiny GPT (width 64, 2 blocks, vocabulary 64, 32 tokens) with 8 experts top-2, counted here
+    by hand. An expert is the GPT's MLP: 64 x 256 + 256 + 256 x 64 + 64 = 33,088 parameters; a router
+    8 x 64 = 512. The dense GPT has 110,336 parameters, so the MoE's dense part is 110,336 - 2 MLPs +
+    2 routers = 45,184 and each expert holds 2 x 33,088 = 66,176 over the two blocks.
+
+    FLOPs per token (6N + 12 L d s): N counts the active parameters, the dense matrices (45,184 less
+    the 64 x 64 + 32 x 64 embedding tables) and 2 of the 8 experts: 6 x 171,392 + 12 x 2 x 64 x 32 =
+    1,077,504. Bug caught: all experts counted (3,459,840: the MoE's MFU 3.2 x too low).
+
+    Expert parallelism, 4 ranks, ep 2 x dp 2, batch 8 (T = 2 x 32 = 64 tokens per rank), balanced
+    routing (k T = 128 rows each way per layer): each rank holds the dense part and 4 experts, 16
+    bytes per parameter; per layer 5 all-to-alls of 8 x 8 count bytes + 2 x (128 + 128) x 64 x 4;
+    the dense gradients all-reduced over 4 ranks, the 4 experts' over the 2 dp ranks. A record's own
+    routing replaces the balanced rows. Context parallelism over 2 of 4 ranks (dp 2): each ring attends
+    4 sequences, 3 x 2 - 2 = 4 sends per layer of 2 x 4 x 16 x 64 x 4 bytes, the gradients all-reduced
+    over all 4 ranks. Bugs caught: experts replicated (DDP's state), the ring given the global batch."""
+    dense_cfg = model_config("gpt", "tiny")
+    cfg = with_experts(dense_cfg, 8, 2)
+    expert, router = 64 * 256 + 256 + 256 * 64 + 64, 8 * 64
+    assert sum(math.prod(s) for s in theory.param_shapes(dense_cfg).values()) == 110_336
+    dense = 110_336 - 2 * expert + 2 * router
+    assert theory.moe_param_split(theory.param_shapes(cfg), 8) == (45_184, [2 * expert] * 8)
+    assert sum(math.prod(s) for s in theory.param_shapes(cfg).values()) == dense + 16 * expert
+    active = dense - 64 * 64 - 32 * 64 + 2 * 2 * expert  # 2 blocks x top-2
+    assert theory.training_flops_per_token(cfg) == 6 * active + 12 * 2 * 64 * 32 == 1_077_504
+    all_experts = 6 * (dense - 64 * 64 - 32 * 64 + 16 * expert) + 12 * 2 * 64 * 32
+    assert all_experts == 3_459_840 and theory.training_flops_per_token(cfg) != all_experts
+
+    ep = theory.predict("ep", cfg, 4, 8, {"ep": 2})
+    held = dense + 4 * 2 * expert
+    assert ep["state_per_rank"] == [{"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}] * 4
+    a2a = 2 * (8 * 8 + 2 * (128 + 128) * 64 * 4)
+    for comm in ep["comm_per_rank"]:
+        assert comm == {"all_to_all": {"calls": 10, "bytes": a2a, "bus_bytes": a2a / 2},
+                        "all_reduce": {"calls": 2, "bytes": 4 * dense + 4 * 4 * 2 * expert,
+                                       "bus_bytes": 4 * dense * 1.5 + 4 * 4 * 2 * expert}}
+    ddp = theory.predict("ddp", cfg, 4, 8)["state_per_rank"][0]
+    assert sum(ddp.values()) - sum(ep["state_per_rank"][0].values()) == 16 * 4 * 2 * expert  # 4 experts not held
+    routed = [[(100, 90), (120, 130)]] + [[(128, 128)] * 2] * 3  # rank 0 routed unevenly
+    uneven = theory.predict("ep", cfg, 4, 8, {"ep": 2, "routing": routed})["comm_per_rank"]
+    assert uneven[0]["all_to_all"]["bytes"] == 2 * 8 * 8 + 2 * (100 + 90 + 120 + 130) * 64 * 4
+    assert uneven[1] == ep["comm_per_rank"][1]
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        theory.predict("ep", dense_cfg, 4, 8)
+
+    cp = theory.predict("cp", dense_cfg, 4, 8, {"cp": 2})
+    hop = 2 * 4 * 16 * 64 * 4
+    assert cp["comm_per_rank"][0] == {"send": {"calls": 8, "bytes": 8 * hop, "bus_bytes": 8 * hop},
+                                      "recv": {"calls": 8, "bytes": 8 * hop, "bus_bytes": 8 * hop},
+                                      "all_reduce": {"calls": 1, "bytes": 4 * 110_336, "bus_bytes": 4 * 110_336 * 1.5}}
+    assert cp["state_per_rank"] == theory.predict("ddp", dense_cfg, 4, 8)["state_per_rank"]
+
+
 # ---------------------------------------------------------------- the quick matrix (one launch)
 
 @pytest.fixture(scope="module")
@@ -113,6 +167,11 @@ def _check_bars(records):
 
 
 def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
+    """Every strategy of theory.STRATEGIES but ZeRO-0 (no chapter script) ran, timed steps after the
+    warm-up, counted collectives, and meets the bars against theory (bytes 1%, model state 5%):
+    context parallelism's ring and expert parallelism's all-to-alls (with the routing its record
+    counted) included. The expert-parallel cell trains the GPT with mixture-of-experts MLPs, and its
+    MFU counts the active experts' FLOPs (theory's count, not the dense GPT's nor all experts')."""
     results, stdout = quick_results
     records = [json.loads(line) for line in results.read_text().splitlines()]
     by_strategy = {r["strategy"]: r for r in records}
@@ -124,12 +183,16 @@ def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
         assert metrics["timed_steps"] >= 2 and metrics["step_time_s_median"] > 0  # warm-up excluded
         assert metrics["comm_per_step"], f"{record['strategy']}: no collective counted"
         # the model is the record's own (schema 2); the runner adds only what it knows about the cell
-        assert record["model"]["arch"] == "gpt" and record["model"]["n_layer"] == 4, record.get("model")
+        arch = "gpt_moe" if record["strategy"] == "ep" else "gpt"
+        assert record["model"]["arch"] == arch and record["model"]["n_layer"] == 4, record.get("model")
         assert record["benchmark"]["model_size"] == "tiny" and "gpt" not in record["benchmark"]
         # no GPU here: every cell ran where it was asked to (auto -> gloo on CPU), nothing to explain
         assert record["benchmark"]["placement"] == {"backend": "auto", "device": "auto",
                                                     "gpus_hidden": False, "note": None}
         assert (record["backend"], record["device"]) == ("gloo", "cpu")
+    moe = by_strategy["ep"]
+    assert moe["metrics"]["model_flops_per_token"] == theory.training_flops_per_token(theory.config_of_record(moe))
+    assert moe["metrics"]["mfu"] > 0 and len(moe["counted_routing_per_rank"]) == moe["world_size"]
     _check_bars(records)
 
 
@@ -227,9 +290,14 @@ def test_plot_draws_the_records_numbers(lookup, quick_results, tmp_path):
 
 # ---------------------------------------------------------------- committed results (no launch)
 
+# Strategies added after the committed matrix was last recorded: the matrix is re-recorded with them
+# (benchmarks/README.md gives the command); until then they may be missing from it, never failing in it.
+NOT_YET_RECORDED = {"cp", "ep"}
+
+
 def test_committed_cpu_results_meet_the_bars():
     ok = _raw_ok_records(COMMITTED_RESULTS)
-    assert {r["strategy"] for r in ok} >= set(theory.STRATEGIES) - {"zero0"}
+    assert {r["strategy"] for r in ok} >= set(theory.STRATEGIES) - {"zero0"} - NOT_YET_RECORDED
     _check_bars(ok)
 
 
@@ -266,7 +334,8 @@ def test_committed_figures_plot_the_records_numbers():
     records, _, _ = plot.load(COMMITTED_RESULTS)
     raw_all = _raw_ok_records(COMMITTED_RESULTS)
     labels = list(plot._by_model(records))  # the panels' order
-    assert set(labels) == {_model_label(r) for r in raw_all} == {"tiny", "llama tiny"}  # both models ran
+    assert set(labels) == {_model_label(r) for r in raw_all}
+    assert {"tiny", "llama tiny"} <= set(labels) <= {"tiny", "llama tiny", "gpt_moe tiny"}  # both models ran
 
     def bars(ax):
         return sorted(p.get_height() for p in ax.patches if isinstance(p, Rectangle) and p.get_height() > 0)
@@ -349,6 +418,33 @@ def test_cells_beyond_the_gpus_are_planned_on_cpu_not_skipped():
     assert {c.world_size for c in cells} == {1} and all(c.placement.backend == "nccl" for c in cells)
     cells, _ = bench.plan_cells(bench.parse_args(argv), gpus=0)
     assert all(c.placement == bench.Placement("auto", "auto") for c in cells) and len(cells) == 4
+
+
+def test_context_and_expert_parallel_cells_run_where_their_scripts_can():
+    """cp and ep run the GPT only: the Llama's cells are recorded as skipped with the reason, at every
+    world size; the GPT's run where the ring cuts the 32 tokens into 2 x cp chunks and the 8 experts
+    split over the ranks (2 and 4; 3 is skipped with its reason), with the matrix's flags: one CP
+    layout (the script's default runs two), the experts named, nothing saved. Bug caught: a Llama cell
+    launched into a script that refuses it (a failed cell instead of a skipped one), or a world size
+    that cannot split the sequence or the experts launched."""
+    bench = load_script(BENCH / "distributed_benchmarks.py")
+    argv = ["--arch", "gpt", "llama", "--strategies", "cp", "ep", "--world-sizes", "2", "3", "4",
+            "--global-batch-size", "24"]
+    cells, skipped = bench.plan_cells(bench.parse_args(argv), gpus=0)
+    assert {(c.arch, c.strategies, c.world_size) for c in cells} == {
+        ("gpt", (s,), n) for s in ("cp", "ep") for n in (2, 4)}
+    reasons = {(r["strategy"], r["model"]["arch"], r["world_size"]): r["error"] for r in skipped}
+    assert set(reasons) == {(s, "llama", n) for s in ("cp", "ep") for n in (2, 3, 4)} | {("cp", "gpt", 3),
+                                                                                       ("ep", "gpt", 3)}
+    assert reasons[("cp", "llama", 2)] == bench.ONE_ARCH["cp"][1] and "--arch gpt only" in reasons[("ep", "llama", 4)]
+    assert reasons[("cp", "gpt", 3)] == "a ring of 3 ranks cuts each sequence into 6 chunks; tiny has 32 tokens"
+    assert reasons[("ep", "gpt", 3)] == "8 experts per block do not split over 3 ranks"
+    args = bench.parse_args(argv)
+    for cell in cells:
+        command = bench.cell_command(cell, args, Path("/s"), Path("/r.jsonl"))
+        flags = " ".join(command[command.index(cell.script) + 1:])
+        want = "--layout zigzag --save none" if cell.strategies == ("cp",) else "--num-experts 8 --top-k 2 --save none"
+        assert flags.startswith(want + " --arch gpt "), flags
 
 
 def test_plot_keeps_cells_from_different_devices_apart(tmp_path):

@@ -255,7 +255,8 @@ def test_expert_parallel_bytes_equal_the_formula(ep_runs, ep_reference):
     """Every rank, the harness's step (step 1): per MoE layer 5 all-to-alls (counts: 8 experts x 8
     bytes; dispatch and the combine's gradient: the rows it sent; combine and the dispatch's gradient:
     the rows its experts received), x 64 wide x 4 bytes; one all-reduce of the dense gradients, and
-    with dp 2 one of its experts'. Rows from the reference's routing, not the script's."""
+    with dp 2 one of its experts'. Rows from the reference's routing, not the script's; and
+    theory.compare_record, given only the record (its counted routing), predicts every byte."""
     for nproc, (record, _) in ep_runs.items():
         _, final, _, routing = ep_reference[nproc]
         ep, dp, local = 2, nproc // 2, EP["num_experts"] // 2
@@ -272,6 +273,9 @@ def test_expert_parallel_bytes_equal_the_formula(ep_runs, ep_reference):
             formula = theory.expert_parallel_comm(64, sent, received, EP["num_experts"], ep, dp, dense, expert_numel)
             assert {k: (v["calls"], v["bytes"]) for k, v in formula.items()} == by_hand
             assert {k: (v["calls"], v["bytes"]) for k, v in comm.items()} == by_hand, (nproc, rank)
+        # the record says which routing the harness counted: theory predicts the cell from it alone
+        assert record["counted_routing_per_rank"] == [rank[1] for rank in record["routing_per_rank"]]
+        assert theory.compare_record(record)["comm_error"] == 0, nproc  # (its state: SGD here, theory's AdamW)
 
 
 def test_expert_parallel_token_counts_are_conserved(ep_runs, ep_reference):

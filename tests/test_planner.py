@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, theory
-from distkit.models import LlamaModelConfig, model_config
+from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.errors import UsageError
 from launch import (assert_one_line_error, command_argv, load_script, parse_args_result, python,
                     readme_command)
@@ -41,27 +41,32 @@ def test_busiest_rank_prediction_equals_predict(arch):
     """``theory.busiest_rank_prediction`` (linear in the ranks, what the planner calls) returns, for
     every strategy and 2, 3 and 4 ranks, exactly the state of :func:`theory.predict`'s busiest rank
     and that rank's collectives. Shapes chosen so dim 0 does not divide by 3 or 4 (vocabulary 66,
-    width 72: FSDP2's padding and ``torch.chunk``'s uneven shares). Bug caught: a fast path that
-    gives rank 0 the average share (Ψ/n) or the padded one, or forgets the HSDP all-reduce.
-    Negative control: the same call for rank 1 differs from rank 0 on these shapes."""
+    width 72: FSDP2's padding and ``torch.chunk``'s uneven shares). Expert parallelism runs on the
+    same shape with 12 experts per block (12 split over 2, 3 and 4 ranks), at ep = n and, with 4
+    ranks, ep 2 x dp 2. Bug caught: a fast path that gives rank 0 the average share (Ψ/n) or the
+    padded one, or forgets the HSDP all-reduce. Negative control: the same call for rank 1 differs
+    from rank 0 on these shapes."""
     cfg = model_config(arch, "tiny", vocab_size=66, n_embd=72, n_layer=4, **({"n_head": 6, "n_kv_head": 3}
                                                                              if arch == "llama" else {"n_head": 6}))
     shapes = theory.param_shapes(cfg)
     for n in (2, 3, 4):
         for strategy in theory.STRATEGIES:
-            knobs = {"tp": 2} if strategy == "fsdp_tp_2d" else {}
             if strategy in ("fsdp_hybrid_shard", "hsdp", "fsdp_tp_2d") and n != 4:
                 continue
             if strategy in ("tp", "tp_sp") and n == 4:  # 6 heads do not split over 4 ranks
                 continue
             if strategy == "fsdp_tp_2d" and arch == "llama":  # 3 kv heads do not split over tp=2
                 continue
-            want = theory.predict(strategy, cfg, n, 12, knobs)
-            got = theory.busiest_rank_prediction(strategy, cfg, n, 12, knobs)
-            totals = [sum(s.values()) for s in want["state_per_rank"]]
-            assert sum(got["state"].values()) == max(totals), (strategy, n)
-            assert got["state"] == want["state_per_rank"][got["rank"]], (strategy, n)
-            assert got["comm"] == want["comm_per_rank"][got["rank"]], (strategy, n)
+            cases = [({"tp": 2} if strategy == "fsdp_tp_2d" else {}, cfg)]
+            if strategy == "ep":  # an MoE of this shape, experts over all ranks and, at 4, over 2 of them
+                cases = [({"ep": ep}, with_experts(cfg, 12, 2)) for ep in ([n, 2] if n == 4 else [n])]
+            for knobs, model in cases:
+                want = theory.predict(strategy, model, n, 12, knobs)
+                got = theory.busiest_rank_prediction(strategy, model, n, 12, knobs)
+                totals = [sum(s.values()) for s in want["state_per_rank"]]
+                assert sum(got["state"].values()) == max(totals), (strategy, n)
+                assert got["state"] == want["state_per_rank"][got["rank"]], (strategy, n)
+                assert got["comm"] == want["comm_per_rank"][got["rank"]], (strategy, n)
     rank0, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=0)
     rank3, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=3)
     assert rank0 != rank3  # the control: the fast path does tell ranks apart
