@@ -18,7 +18,7 @@ import math
 from distkit import ArgumentParser, UsageError, run_main
 from distkit import planner
 from distkit.flags import positive_float, positive_int
-from distkit.models import MODEL_PRESETS, model_config
+from distkit.models import MODEL_PRESETS, model_config, with_experts
 
 MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
           for arch, presets in MODEL_PRESETS.items() for size in presets}
@@ -43,7 +43,13 @@ def parse_args(argv=None):
     model.add_argument("--vocab-size", type=positive_int, help="override: vocabulary")
     model.add_argument("--params", type=positive_float,
                        help="parameters wanted (e.g. 7e9): the shape keeps its width and gets as many blocks "
-                            "as come closest")
+                            "as come closest (with --experts: all experts counted)")
+    model.add_argument("--experts", type=positive_int,
+                       help="turn every block's MLP into this many experts of its shape with top-k routing (a "
+                            "mixture of experts: parameters grow, FLOPs per token count the active experts); "
+                            "makes the ep strategy possible")
+    model.add_argument("--top-k", type=positive_int,
+                       help="experts each token goes to (with --experts; default: 2)")
     job = parser.add_argument_group("job")
     job.add_argument("--global-batch", type=positive_int, default=None,
                      help="sequences per optimizer step (default: 1M tokens' worth)")
@@ -106,6 +112,10 @@ def build_plan(args) -> planner.Plan:
     elif args.kv_heads or args.intermediate_size:
         raise UsageError("--kv-heads and --intermediate-size describe a Llama; pick a llama --model")
     cfg = model_config(arch, size, **overrides)
+    if args.top_k and not args.experts:
+        raise UsageError("--top-k routes tokens to experts: give --experts N too")
+    if args.experts:
+        cfg = with_experts(cfg, args.experts, args.top_k or 2)
     if args.params:
         cfg = planner.with_params(cfg, args.params)
     if args.global_batch and args.global_batch_tokens:

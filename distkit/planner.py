@@ -38,7 +38,7 @@ from typing import Any, Iterable
 
 from . import theory
 from .errors import UsageError
-from .models import LlamaModelConfig
+from .models import LlamaModelConfig, is_moe
 
 GiB = 2 ** 30
 
@@ -154,14 +154,15 @@ AC_MODES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Plan:
-    """What to train: ``model`` (a GPT or Llama config of :mod:`distkit.models`; its ``seq_len`` is
-    the sequence length), ``global_batch`` sequences per optimizer step, ``micro_batch`` sequences
-    per GPU per forward (the rest is gradient accumulation), ``precision`` fp32 or bf16 (mixed:
-    bf16 weights, gradients and activations, fp32 master weights in the optimizer),
-    ``optimizer`` adamw (two moments) or sgd (with momentum: one), ``ac`` activation
-    checkpointing, ``offload`` whether CPU-offload configurations may be chosen, ``lora_rank`` and
-    ``lora_targets`` the adapters of the LoRA row, ``microbatches`` for the pipeline (None: as many
-    micro-batches of ``micro_batch`` as one replica's share of the batch holds)."""
+    """What to train: ``model`` (a GPT or Llama config of :mod:`distkit.models`, or its mixture of
+    experts, :func:`~distkit.models.with_experts`; its ``seq_len`` is the sequence length),
+    ``global_batch`` sequences per optimizer step, ``micro_batch`` sequences per GPU per forward
+    (the rest is gradient accumulation), ``precision`` fp32 or bf16 (mixed: bf16 weights,
+    gradients and activations, fp32 master weights in the optimizer), ``optimizer`` adamw (two
+    moments) or sgd (with momentum: one), ``ac`` activation checkpointing, ``offload`` whether
+    CPU-offload configurations may be chosen, ``lora_rank`` and ``lora_targets`` the adapters of
+    the LoRA row, ``microbatches`` for the pipeline (None: as many micro-batches of
+    ``micro_batch`` as one replica's share of the batch holds)."""
 
     model: Any
     global_batch: int
@@ -358,7 +359,7 @@ class Estimate:
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp_shard_grad_op", "fsdp_full_shard",
-              "fsdp_hybrid_shard", "fsdp_tp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "lora_fsdp")
+              "fsdp_hybrid_shard", "fsdp_tp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "cp", "ep", "lora_fsdp")
 
 
 def _invalid(name: str, layout: dict, note: str) -> Estimate:
@@ -609,6 +610,122 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     return worst
 
 
+def _after_backward_peak(est: Estimate, cluster: Cluster, flat_bytes: float) -> Estimate:
+    """``est`` with the moment after backward counted in its peak: every gradient, the optimizer
+    state and a flat copy of ``flat_bytes`` gradients being averaged (the chapter scripts' one flat
+    all-reduce per group of parameters, divided in place), the activations and the head's working
+    set gone."""
+    m = est.memory_bytes
+    m["peak"] = max(m["peak"], m["params"] + m["grads"] + m["optimizer"] + flat_bytes)
+    est.fits = m["peak"] <= cluster.capacity_bytes
+    return est
+
+
+def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
+    """Context parallelism (``05-advanced/context_parallel.py``: ring attention) over ``cp`` GPUs of a
+    node x ``gpus / cp`` data-parallel replicas. Every GPU holds the whole model state (as DDP,
+    theory's ``cp`` prediction) and 1/cp of each of its replica's micro-batch sequences: the
+    activations of s/cp tokens per sequence (theory's per-layer bytes at that length), plus, without
+    activation checkpointing, the copy of the ring's heads-major attention output that the output
+    projection keeps as its input (h per token; SDPA returns O in the projection's layout), and the
+    LM head's working set for its s/cp tokens.
+
+    Time: compute is the tokens' FLOPs over all GPUs (zig-zag balances the causal attention). The
+    ring passes one rank's K and V per hop, 3cp - 2 hops per layer per micro-batch (cp - 1 forward,
+    2cp - 1 backward with dK/dV); a hop's send and receive run at once, so its time is one send's
+    (alpha-beta, a group of 2: neighbours). On GPUs each hop hides under the attention of the block
+    in hand: exposed = ring - attention compute (its 12 L s d FLOPs per token, half of which a causal
+    kernel computes), never below 0; without overlap (CPU) all of it. The gradient all-reduce over
+    all GPUs is DDP's (hidden under backward on GPUs). After backward the chapter script averages
+    the gradients through one flat copy (:func:`_after_backward_peak`)."""
+    n, cfg = cluster.gpus, plan.model
+    name, dp = "cp", n // cp
+    layout, problem = _data_parallel_layout(plan, dp, name)
+    if problem:
+        return _invalid(name, {"cp": cp, "dp": dp}, problem)
+    layout["cp"] = cp
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    pred = theory.busiest_rank_prediction("cp", cfg, n, plan.global_batch, {"cp": cp})
+    state = state_bytes(pred["state"], plan)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    w = _act_dtype_bytes(plan)
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    attention_s = plan.tokens_per_step / n * 6 * cfg.n_layer * cfg.n_embd * cfg.seq_len / compute_rate(cluster, plan)
+    t_ring = _comm_seconds(cluster, pred["comm"], 2, cp > cluster.gpus_per_node, scale, calls_scale=accum,
+                           only=("send",))
+    t_grad = _comm_seconds(cluster, pred["comm"], n, n > cluster.gpus_per_node, scale, only=("all_reduce",))
+    if cluster.overlap:
+        exposed = max(0.0, t_ring - attention_s) + max(0.0, t_grad - compute_s * 2 / 3)
+    else:
+        exposed = t_ring + t_grad
+    local = replace(plan, model=replace(cfg, seq_len=cfg.seq_len // cp))  # what one rank holds of a sequence
+    tokens = micro * local.model.seq_len
+    act = activation_bytes(local, cfg.n_layer, micro)
+    if plan.ac == "none":  # the output projection's input: a copy of the ring's heads-major output
+        act += cfg.n_layer * tokens * cfg.n_embd * w
+    head = head_working_set(local, micro)
+    est = _finish(name, layout, plan, cluster, state, act, head, compute_s, t_ring + t_grad, exposed, head=head,
+                  accumulating=accum > 1)
+    return _after_backward_peak(est, cluster, state["grads"])
+
+
+def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None = None) -> Estimate:
+    """Expert parallelism (``05-advanced/expert_parallel.py``) for an MoE model (``--experts``): a
+    (dp, ep) mesh, ``ep`` GPUs sharing one copy of the experts, each holding num_experts / ep of them
+    with their gradients and optimizer state, the dense parameters (attention, norms, routers,
+    embeddings) replicated on all GPUs (theory's ``ep`` prediction). Every GPU routes its own share
+    of the batch: its activations are theory's MoE block bytes for the rows it sends and receives,
+    balanced routing in a plan (k rows per token each way), a record's own routing when ``routing``
+    is given (per rank, per layer, (sent, received); the estimate is then the rank that received
+    the most rows, the one deciding the fit).
+
+    Time: compute is the active parameters' FLOPs (theory's FLOPs per token). Each MoE layer runs 5
+    all-to-alls over the ep group per micro-batch (the counts, dispatch and combine forward and both
+    again backward), on the critical path: a token's expert output is needed before the block goes
+    on (alpha-beta with the all_to_all collective; a CPU calibration without an all_to_all sweep uses
+    all_reduce's fit). The dense gradients are all-reduced over all GPUs and the experts' over the dp
+    GPUs holding the same experts, as DDP does (hidden under backward on GPUs). After backward the
+    chapter script averages each group through one flat copy (:func:`_after_backward_peak`)."""
+    n, cfg = cluster.gpus, plan.model
+    name, dp = "ep", n // ep
+    layout, problem = _data_parallel_layout(plan, n, name)
+    if problem:
+        return _invalid(name, {"ep": ep, "dp": dp}, problem)
+    layout.update(dp=dp, ep=ep)
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    knobs = {"ep": ep, **({"routing": routing} if routing else {})}
+    pred = theory.predict("ep", cfg, n, plan.global_batch, knobs)
+    rank = 0
+    if routing:
+        rank = max(range(n), key=lambda r: sum(received for _, received in routing[r]))
+        layout["rank"] = rank
+    state = state_bytes(pred["state_per_rank"][rank], plan)
+    comm = pred["comm_per_rank"][rank]
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    w = _act_dtype_bytes(plan)
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    t_a2a = _comm_seconds(cluster, comm, ep, ep > cluster.gpus_per_node, scale, calls_scale=accum,
+                          only=("all_to_all",))
+    dense, per_expert = theory.moe_param_split(theory.param_shapes(cfg), cfg.num_experts)
+    held_experts = sum(per_expert[:cfg.num_experts // ep])
+    grad_w = 2 if plan.precision == "bf16" else 4
+    t_dense = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(dense, n, grad_w)}}, n,
+                            n > cluster.gpus_per_node)
+    t_experts = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(held_experts, dp, grad_w)}},
+                              dp, True) if dp > 1 else 0.0
+    t_grad = t_dense + t_experts
+    exposed = t_a2a + (max(0.0, t_grad - compute_s * 2 / 3) if cluster.overlap else t_grad)
+    if routing:  # the rows this rank routed, layer by layer (a record: one micro-batch)
+        act = sum(theory.moe_activation_bytes_per_layer(cfg, micro, plan.ac, received, sent)
+                  for sent, received in routing[rank]) * w / 4
+    else:
+        act = activation_bytes(plan, cfg.n_layer, micro)
+    head = head_working_set(plan, micro)
+    est = _finish(name, layout, plan, cluster, state, act, head, compute_s, t_a2a + t_grad, exposed, head=head,
+                  accumulating=accum > 1)
+    return _after_backward_peak(est, cluster, max(dense, held_experts) * grad_w)
+
+
 def _block_params(cfg) -> int:
     """Parameters of one transformer block (an FSDP unit as the chapters wrap it)."""
     return sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
@@ -621,14 +738,30 @@ OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_sh
                    "tp_sp": "tp", "fsdp_no_shard": "fsdp_shard_grad_op", "fsdp_tp": "fsdp_tp_2d"}
 
 
+# What a strategy's framework overhead grows with: its communication (a hook, a copy in and out per
+# collective call), except for the two strategies whose parallelism is Python work per token:
+# context parallelism's hand-written ring attention (a few small ops per chunk pair of every layer)
+# and expert parallelism's routing (top-k, capacity, regrouping the rows per layer). Measured on the
+# 2-core matrix, their extra time follows the compute a rank does (2 -> 4 ranks: about 0.8 and 0.6 x
+# compute for EP, 3.8 and 2.5 for CP), not their communication (EP 3.0 and 0.5 x communication).
+OVERHEAD_BASIS = {"cp": "compute_s", "ep": "compute_s"}
+
+
+def overhead_basis(strategy: str) -> str:
+    """The part of an estimate's time (``comm_s`` or ``compute_s``) whose seconds ``strategy``'s
+    framework overhead is calibrated per (:data:`OVERHEAD_BASIS`)."""
+    return OVERHEAD_BASIS.get(strategy, "comm_s")
+
+
 def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
     """``est`` plus the framework overhead the cluster measured for ``strategy`` (CPU calibration):
     its seconds per second of communication x this estimate's communication (a strategy's Python
-    work grows with its collectives: one hook, one copy in and out, per call)."""
+    work grows with its collectives: one hook, one copy in and out, per call); for context and
+    expert parallelism per second of compute instead (:data:`OVERHEAD_BASIS`)."""
     if not cl.overheads or not est.valid:
         return est
     strategy = strategy if strategy in cl.overheads else OVERHEAD_FAMILY.get(strategy, strategy)
-    seconds = cl.overheads.get(strategy, 0.0) * est.times["comm_s"]
+    seconds = cl.overheads.get(strategy, 0.0) * est.times[overhead_basis(strategy)]
     est.times["framework_s"] = seconds
     est.step_time_s += seconds
     est.tokens_per_s_per_gpu *= (est.step_time_s - seconds) / est.step_time_s
@@ -683,6 +816,20 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
         if not sizes:
             return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs")
         return _best([with_overhead(_pipeline(plan, cluster, strategy[3:], p), cluster, strategy) for p in sizes])
+    if strategy == "cp":  # rings of powers of two within a node, each rank two of the 2cp chunks
+        sizes = [c for c in _powers_of_two(min(cluster.gpus_per_node, n))
+                 if n % c == 0 and cfg.seq_len % (2 * c) == 0]
+        if not sizes:
+            return _invalid(strategy, {}, f"no CP size: needs 2+ GPUs in a node whose ring cuts the {cfg.seq_len} "
+                                          "tokens into 2 x cp equal chunks")
+        return _best([with_overhead(_context_parallel(plan, cluster, c), cluster, strategy) for c in sizes])
+    if strategy == "ep":  # expert groups of powers of two that split the experts
+        if not is_moe(cfg):
+            return _invalid(strategy, {}, "needs an MoE model (--experts)")
+        sizes = [e for e in _powers_of_two(n) if n % e == 0 and cfg.num_experts % e == 0]
+        if not sizes:
+            return _invalid(strategy, {}, f"no EP size: needs 2+ GPUs that split the {cfg.num_experts} experts")
+        return _best([with_overhead(_expert_parallel(plan, cluster, e), cluster, strategy) for e in sizes])
     return with_overhead(_dp_family(strategy, plan, cluster), cluster, strategy)
 
 
@@ -833,15 +980,22 @@ CPU = GPU("CPU rank (calibrated)", 0.0, {"fp32": 0.0}, 10e9, Link(1e9, 1e-3), Li
           "calibrated from this machine's records")
 
 
+def _base_arch(arch: str) -> str:
+    """The dense architecture a record's model is built on: ``gpt_moe`` -> ``gpt``."""
+    return arch.removesuffix("_moe")
+
+
 def _model_speed(records: list[dict], base: Cluster, arch: str | None, ranks: int,
                  calibration: Iterable[str]) -> float | None:
     """The compute efficiency of ``arch`` with ``ranks`` ranks on this machine: the fraction of the
     matmul rate that the ``calibration`` cells (plain data parallelism) of that model reach once
     their predicted communication is taken off, from the cells with the rank count nearest
     ``ranks`` (how many ranks share a core changes it: four ranks on two cores lose more to
-    switching than two). None when no such cell exists."""
+    switching than two). An MoE model's speed is its dense base's (``gpt_moe``: the GPT's cells).
+    None when no such cell exists."""
     cells = [r for r in records if r["strategy"] in calibration and r.get("model")
-             and r.get("metrics", {}).get("step_time_s_median") and (arch is None or r["model"]["arch"] == arch)]
+             and r.get("metrics", {}).get("step_time_s_median")
+             and (arch is None or _base_arch(r["model"]["arch"]) == _base_arch(arch))]
     if not cells:
         return None
     nearest = min({r["world_size"] for r in cells}, key=lambda w: (abs(w - ranks), w))
@@ -881,8 +1035,9 @@ def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
       ``calibration`` cells of ``arch`` (any model when None or unrecorded) at the nearest rank
       count (:func:`_model_speed`);
     * each other strategy's framework overhead (hooks, DTensor dispatch, DeepSpeed's
-      bookkeeping), in seconds per second of its predicted communication, from its cells (each
-      against its own model's speed);
+      bookkeeping), in seconds per second of its predicted communication (context and expert
+      parallelism: of its compute, :data:`OVERHEAD_BASIS`), from its cells (each against its own
+      model's speed);
     * no overlap (gloo and compute share the cores); memory unbounded (the machine's RAM is not
       what the matrix tests)."""
     import os
@@ -911,9 +1066,10 @@ def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
             est = estimate_record(rec, replace(base, efficiency=own))
         except ValueError:
             continue
-        if est.times["comm_s"]:
-            extra.setdefault(rec["strategy"], []).append(
-                (rec["metrics"]["step_time_s_median"] - est.step_time_s) / est.times["comm_s"])
+        basis = est.times[overhead_basis(rec["strategy"])]
+        if basis:
+            unexplained = rec["metrics"]["step_time_s_median"] - est.step_time_s
+            extra.setdefault(rec["strategy"], []).append(unexplained / basis)
     overheads = {k: max(0.0, statistics.median(v)) for k, v in extra.items()}
     return replace(base, efficiency=speed or 0.1, overheads=overheads)
 
@@ -925,7 +1081,8 @@ def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
 # A benchmark strategy -> the planner's estimate of it (layout fixed by the record, not chosen).
 def plan_of_record(record: dict) -> Plan:
     """The :class:`Plan` a benchmark record ran: fp32 AdamW, its model and global batch, no AC, a
-    data-parallel rank's share of the batch as one micro-batch (the pipeline: its micro-batches)."""
+    data-parallel rank's share of the batch as one micro-batch (the pipeline: its micro-batches;
+    context parallelism: a ring's whole share, 1/cp of each of its sequences on each rank)."""
     cfg = theory.config_of_record(record)
     config = record.get("config", {})
     batch = int(config["global_batch_size"])
@@ -935,13 +1092,16 @@ def plan_of_record(record: dict) -> Plan:
         dp = 1
     elif record["strategy"] == "fsdp_tp_2d":
         dp = record["world_size"] // int(knobs.get("tp", 2))
+    elif record["strategy"] == "cp":
+        dp = record["world_size"] // int(knobs.get("cp", record["world_size"]))
     return Plan(cfg, global_batch=batch, micro_batch=max(1, batch // dp), precision="fp32", optimizer="adamw",
                 microbatches=knobs.get("microbatches"))
 
 
 def estimate_record(record: dict, cl: Cluster) -> Estimate:
     """The planner's :class:`Estimate` of the cell a record measured, with the record's own layout
-    (mesh, micro-batches) rather than the planner's choice."""
+    (mesh, micro-batches, CP ring size, EP group size and, for expert parallelism, the routing the
+    record counted) rather than the planner's choice."""
     plan = plan_of_record(record)
     strategy = record["strategy"]
     knobs = theory.knobs_of_record(record)
@@ -959,6 +1119,10 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
         est = _tp_fsdp(plan, cl, int(knobs.get("tp", 2)))
     elif strategy.startswith("pp_"):
         est = _pipeline(plan, cl, strategy[3:], n * 1, stages_per_rank=int(knobs.get("stages_per_rank", 2)))
+    elif strategy == "cp":
+        est = _context_parallel(plan, cl, int(knobs.get("cp", n)))
+    elif strategy == "ep":  # the record's routing: the rows each rank sent and received
+        est = _expert_parallel(plan, cl, int(knobs.get("ep", n)), knobs.get("routing"))
     elif strategy in STRATEGIES:
         est = _dp_family(strategy, plan, cl)
     else:
@@ -978,18 +1142,25 @@ def validate(records: list[dict], cl: Cluster | None = None, calibration: Iterab
     :func:`cpu_cluster` calibrated with that model's own ``calibration`` cells (its speed on this
     machine, the way one measures a model before planning it) and every other strategy's framework
     overhead from the *other* architecture's cells (with one architecture: the other world
-    size's)."""
+    size's). A strategy with cells of one architecture only (context and expert parallelism run the
+    GPT alone) has no other architecture to learn from: its overhead comes from its own cells at the
+    other world size, still out of sample. The mixture-of-experts GPT counts as the GPT (its speed
+    from the GPT's calibration cells: :func:`_model_speed`)."""
     calibration = tuple(calibration)
     rows = []
     if cl is None:
         cells = [r for r in records if r.get("model")]
-        key = (lambda r: r["model"]["arch"]) if len({r["model"]["arch"] for r in cells}) > 1 \
-            else (lambda r: r["world_size"])
+        by_arch = len({_base_arch(r["model"]["arch"]) for r in cells}) > 1
+        key = (lambda r: _base_arch(r["model"]["arch"])) if by_arch else (lambda r: r["world_size"])
+        measured = [r for r in cells if (r.get("metrics") or {}).get("step_time_s_median")]
+        one_arch = {s for s in {r["strategy"] for r in measured}
+                    if len({key(r) for r in measured if r["strategy"] == s}) == 1} if by_arch else set()
         for group in sorted({key(r) for r in cells}):
             mine = [r for r in cells if key(r) == group]
             known = [r for r in records if not r.get("model") or key(r) != group or r["strategy"] in calibration]
             for arch, ranks in sorted({(r["model"]["arch"], r["world_size"]) for r in mine}):
-                fitted = cpu_cluster(known, ranks, arch, calibration)
+                own_other_size = [r for r in mine if r["strategy"] in one_arch and r["world_size"] != ranks]
+                fitted = cpu_cluster(known + own_other_size, ranks, arch, calibration)
                 rows += validate([r for r in mine if (r["model"]["arch"], r["world_size"]) == (arch, ranks)],
                                  fitted, calibration)
         return rows
@@ -1070,9 +1241,17 @@ def validation_table(rows: list[dict]) -> str:
 
 
 def describe(plan: Plan, cl: Cluster) -> str:
+    """The plan and the cluster in one line (an MoE says its experts and its active parameters)."""
     cfg = plan.model
-    psi = sum(math.prod(s) for s in theory.param_shapes(cfg).values())
-    return (f"{cfg.arch} {psi / 1e9:.2f}B params ({cfg.n_layer} layers, width {cfg.n_embd}), seq {cfg.seq_len}, "
+    shapes = theory.param_shapes(cfg)
+    psi = sum(math.prod(s) for s in shapes.values())
+    experts = ""
+    if is_moe(cfg):
+        dense, per_expert = theory.moe_param_split(shapes, cfg.num_experts)
+        active = dense + cfg.top_k * per_expert[0]
+        experts = f", {cfg.num_experts} experts top-{cfg.top_k}: {active / 1e9:.2f}B active"
+    return (f"{cfg.arch} {psi / 1e9:.2f}B params ({cfg.n_layer} layers, width {cfg.n_embd}{experts}), "
+            f"seq {cfg.seq_len}, "
             f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
             f"{plan.precision}, {plan.optimizer}, AC {plan.ac} | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
@@ -1080,8 +1259,8 @@ def describe(plan: Plan, cl: Cluster) -> str:
 
 def _layout_text(layout: dict) -> str:
     """``dp=8 tp=2 micro=1 accum=2``: the sizes that matter (1s left out, dp always shown)."""
-    names = {"dp": "dp", "shard": "shard", "tp": "tp", "pp": "pp", "micro_batch": "micro", "microbatches": "mbs",
-             "accumulation": "accum"}
+    names = {"dp": "dp", "shard": "shard", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "micro_batch": "micro",
+             "microbatches": "mbs", "accumulation": "accum"}
     return " ".join(f"{short}={layout[key]}" for key, short in names.items()
                     if key in layout and (key in ("dp", "micro_batch") or layout[key] not in (None, 1)))
 

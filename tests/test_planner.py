@@ -213,6 +213,66 @@ def test_recommendation_8b_on_8_gpus_excludes_ddp_and_offload():
     assert planner.recommend(estimates, small, allow_offload=True).best.name == "zero3_offload"
 
 
+def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
+    """Llama-3.2-1B at 65,536 tokens per sequence on 8 H100s (71.3 GiB usable), bf16, full AC, 16
+    sequences: every rank of DDP, ZeRO and FSDP holds whole sequences, and the LM head's working set
+    of one, 65,536 x (12 x 128,256 + 4 x 2,048) bytes = 94.4 GiB, does not fit anywhere. Context
+    parallelism over cp = 2 (the smallest ring that fits; larger ones are no faster) holds 32,768
+    tokens per sequence: by hand, model state 16 x 1,235,814,400 bytes (DDP's, every rank a replica),
+    activations 16 layers x 32,768 x 2,048 x 2 bytes (full AC keeps the block input) = 2 GiB,
+    temporaries the head's 32,768 x 1,547,264 bytes = 47.2 GiB; it is recommended. TP splits the
+    head too and fits (69.5 GiB) but is slower. Bugs caught: CP's activations or head not divided by
+    cp, or its state sharded as if CP were FSDP."""
+    cfg = replace(LLAMA_1B, seq_len=65536)
+    plan = planner.Plan(cfg, global_batch=16, ac="full")
+    cl = planner.cluster("h100", 8)
+    estimates = {e.name: e for e in planner.estimate_all(plan, cl)}
+    cp = estimates["cp"]
+    assert cp.layout["cp"] == 2 and cp.layout["dp"] == 4 and cp.fits
+    p = psi(cfg)
+    assert (cp.memory_bytes["params"], cp.memory_bytes["grads"], cp.memory_bytes["optimizer"]) == (2 * p, 2 * p, 12 * p)
+    assert cp.memory_bytes["activations"] == 16 * 32768 * 2048 * 2
+    assert cp.memory_bytes["temporaries"] == 32768 * (12 * 128256 + 4 * 2048)
+    ddp = estimates["ddp"].memory_bytes
+    assert ddp["activations"] == 2 * cp.memory_bytes["activations"] and not estimates["ddp"].fits
+    for name in ("ddp", "zero3", "fsdp_full_shard", "pp_1f1b"):
+        assert not estimates[name].fits, name
+    assert planner.recommend(list(estimates.values()), cl).best.name == "cp"
+    short = planner.estimate(planner.Plan(replace(cfg, seq_len=30), global_batch=16), cl, "cp")
+    assert not short.valid and short.note.startswith("no CP size")  # 30 tokens: no 2 x cp chunks for cp = 2
+
+
+def test_expert_parallel_needs_an_moe_and_splits_its_experts():
+    """The small GPT (width 128, 4 blocks) with 8 experts top-2 on 8 H100s, bf16: by hand an expert is
+    4 x (128 x 512 + 512 + 512 x 128 + 128) = 526,848 parameters over the blocks and the dense part
+    (attention, norms, 4 routers of 8 x 128, embeddings, head) 344,320. Expert parallelism over ep
+    GPUs holds the dense part and 8 / ep experts at 16 bytes each (bf16 AdamW); DDP on the same MoE
+    holds all 8. Each token's active experts are 2 (FLOPs), so the compute is that of 2 MLPs, not 8.
+    For the dense GPT, ep cannot run: "needs an MoE model (--experts)". Bugs caught: experts
+    replicated under ep, or counted at 1/ep also under DDP; all experts' FLOPs charged."""
+    dense_cfg = model_config("gpt", "small")
+    cfg = with_experts(dense_cfg, 8, 2)
+    expert, dense = 4 * (128 * 512 + 512 + 512 * 128 + 128), 344_320
+    assert psi(cfg) == dense + 8 * expert
+    plan = planner.Plan(cfg, global_batch=64)
+    cl = planner.cluster("h100", 8)
+    ep = planner.estimate(plan, cl, "ep")
+    assert ep.valid and ep.layout["ep"] in (2, 4, 8) and ep.layout["dp"] == 8 // ep.layout["ep"]
+    state = sum(ep.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+    assert state == 16 * (dense + 8 // ep.layout["ep"] * expert)
+    ddp = planner.estimate(plan, cl, "ddp")
+    assert sum(ddp.memory_bytes[k] for k in ("params", "grads", "optimizer")) == 16 * (dense + 8 * expert)
+    assert ep.times["compute_s"] == pytest.approx(ddp.times["compute_s"])  # the same active FLOPs
+    dense_compute = planner.estimate(planner.Plan(dense_cfg, global_batch=64), cl, "ddp").times["compute_s"]
+    extra = theory.training_flops_per_token(cfg) - theory.training_flops_per_token(dense_cfg)
+    assert extra == 6 * (4 * 8 * 128 + 4 * 131_712)  # per block a router and a second active MLP
+    assert ep.times["compute_s"] / dense_compute == pytest.approx(
+        theory.training_flops_per_token(cfg) / theory.training_flops_per_token(dense_cfg))
+    assert ep.times["exposed_comm_s"] > 0  # the all-to-alls sit on the critical path
+    no_moe = planner.estimate(planner.Plan(dense_cfg, global_batch=64), cl, "ep")
+    assert not no_moe.valid and no_moe.note == "needs an MoE model (--experts)"
+
+
 # ---------------------------------------------------------------- the CLI
 
 
@@ -239,6 +299,29 @@ def test_cli_json_schema(capsys):
     assert f"recommended: {out['recommended']}" in capsys.readouterr().out
 
 
+def test_cli_experts_make_a_mixture_of_experts(capsys):
+    """``--experts 8 --top-k 2`` on the Llama-3.1-8B shape (Mixtral's layout): every block's SwiGLU
+    MLP becomes 8 of itself. By hand: one MLP is 3 x 4,096 x 14,336 = 176,160,768 parameters and a
+    router 8 x 4,096, so the model has 8,030,261,248 + 32 x (7 x 176,160,768 + 32,768) =
+    47,491,321,856 parameters, 13,668,454,400 of them active (the dense part and 2 experts per
+    block); the ep strategy runs and is described by its layout."""
+    plan = load_script(BENCH / "plan.py")
+    plan.main(["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["model"]["arch"] == "llama_moe" and out["plan"]["model"]["num_experts"] == 8
+    mlp = 3 * 4096 * 14336
+    total = 8_030_261_248 + 32 * (7 * mlp + 8 * 4096)
+    cfg = with_experts(LLAMA_8B, 8, 2)
+    assert psi(cfg) == total == 47_491_321_856
+    plan.main(["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--strategies", "ep"])
+    printed = capsys.readouterr().out
+    active = total - 6 * 32 * mlp  # 6 of the 8 experts idle for a token
+    assert f"{total / 1e9:.2f}B params" in printed and f"8 experts top-2: {active / 1e9:.2f}B active" in printed
+    assert re.search(r"^ep +dp=\d+ ep=\d+ ", printed, re.M), printed
+    by_name = {s["name"]: s for s in out["strategies"]}
+    assert by_name["ep"]["valid"] and by_name["ep"]["layout"]["ep"] >= 2
+
+
 def test_cli_plot(tmp_path):
     plan = load_script(BENCH / "plan.py")
     path = tmp_path / "plan.png"
@@ -254,6 +337,9 @@ def test_cli_plot(tmp_path):
     (["--kv-heads", "4", "--model", "gpt-small"], "--kv-heads and --intermediate-size describe a Llama"),
     (["--gpu", "cpu", "--calibrate", "/nonexistent.jsonl"], "no records file /nonexistent.jsonl"),
     (["--validate", str(BENCH / "README.md")], "is not a file of JSON records"),
+    (["--top-k", "2"], "--top-k routes tokens to experts: give --experts N too"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3 is larger than --experts 2"),
+    (["--experts", "0"], "argument --experts: must be a positive integer, got 0"),
 ])
 def test_cli_bad_input_is_one_line(args, expected):
     """Bad flags end in one ``error:`` line and exit 2: argparse's own, or a ``UsageError`` raised by
@@ -342,7 +428,9 @@ def test_step_time_predictions_within_the_issue_bounds(committed_rows):
     counted): median error within 20%, worst within 50% (issue 16), and every cell predicted."""
     predicted = [r for r in committed_rows if not r["calibration"]]
     assert {r["strategy"] for r in committed_rows if r["calibration"]} == {"ddp"}
-    assert len(predicted) == len(committed_rows) - len({(r["arch"], r["world_size"]) for r in committed_rows})
+    # one calibration cell per model and rank count (the MoE GPT's are the GPT's)
+    models = {(r["arch"].removesuffix("_moe"), r["world_size"]) for r in committed_rows}
+    assert len(predicted) == len(committed_rows) - len(models)
     summary = planner.validation_summary(committed_rows)["step"]
     assert summary["cells"] == len(predicted)
     assert summary["median"] <= 0.20 and summary["worst"] <= 0.50, planner.validation_table(committed_rows)
