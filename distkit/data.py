@@ -12,6 +12,7 @@ import importlib.util
 import os
 import struct
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -107,15 +108,17 @@ def write_offline_sample(raw_dir: Path, sample: Path, seed: int = 0) -> None:
     images, labels = data[:, :784].reshape(-1, 28, 28), data[:, 784]
     n_train = min(OFFLINE_TRAIN, len(data) - OFFLINE_TEST)
     raw_dir.mkdir(parents=True, exist_ok=True)
-    tmp = raw_dir / ".offline-tmp"
-    tmp.mkdir(exist_ok=True)
+    # A folder of this process's own: local rank 0 of every node writes, and nodes (or two jobs) may
+    # share the file system. Each file is renamed into place whole (the same bytes whoever writes
+    # them), the marker first, so a process that sees all four files also sees the marker.
+    tmp = Path(tempfile.mkdtemp(prefix=".offline-tmp-", dir=raw_dir))
+    (tmp / OFFLINE_MARKER).write_text(f"written from {sample}: {n_train} train, "
+                                      f"{len(data) - n_train} test digits\n")
     for name, arr in zip(_RAW_FILES, (images[:n_train], labels[:n_train],
                                       images[n_train:], labels[n_train:])):
         _write_idx(tmp / name, arr)
-    for name in _RAW_FILES:  # rename into place only once all four exist
+    for name in (OFFLINE_MARKER, *_RAW_FILES):  # rename into place only once all four exist
         os.replace(tmp / name, raw_dir / name)
-    (raw_dir / OFFLINE_MARKER).write_text(f"written from {sample}: {n_train} train, "
-                                          f"{len(data) - n_train} test digits\n")
     tmp.rmdir()
 
 
