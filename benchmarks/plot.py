@@ -62,7 +62,10 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
         (cells if ok else problems)[key] = record
         (problems if ok else cells).pop(key, None)
     order = {name: i for i, name in enumerate(theory.STRATEGIES)}
-    sort = lambda r: (model_size(r), order.get(r["strategy"], 99), r["world_size"])  # noqa: E731
+
+    def sort(r):  # by model (a mixture of experts after the dense models), strategy, world size
+        return "_moe " in model_size(r), model_size(r), order.get(r["strategy"], 99), r["world_size"]
+
     return sorted(cells.values(), key=sort), sorted(problems.values(), key=sort), list(bandwidth.values())
 
 
