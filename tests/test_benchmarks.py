@@ -21,8 +21,8 @@ from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNE
 from distkit import theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config, model_config, with_experts
-from launch import (assert_one_line_error, assert_readme_covered, command_argv, job_env, launcher_argv, load_script,
-                    parse_args_result, python, readme_command, run)
+from launch import (REPO, assert_one_line_error, assert_readme_covered, command_argv, job_env, launcher_argv,
+                    load_script, parse_args_result, python, readme_command, run)
 
 # The README's commands, as the tests find them (launch.readme_command). The --quick matrix runs as
 # written: its 5 steps are the fewest the byte bars allow, because the counted step must come after
@@ -87,7 +87,9 @@ def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
 
     FLOPs per token (6N + 12 L d s): N counts the active parameters, the dense matrices (45,184 less
     the 64 x 64 + 32 x 64 embedding tables) and 2 of the 8 experts: 6 x 171,392 + 12 x 2 x 64 x 32 =
-    1,077,504. Bug caught: all experts counted (3,459,840: the MoE's MFU 3.2 x too low).
+    1,077,504. Bug caught: all experts counted (3,459,840: the MoE's MFU 3.2 x too low). The names,
+    order and shapes are those of the model expert_parallel.py trains (a renamed or biased router, or
+    experts named otherwise, would leave theory's dense/expert split wrong).
 
     Expert parallelism, 4 ranks, ep 2 x dp 2, batch 8 (T = 2 x 32 = 64 tokens per rank), balanced
     routing (k T = 128 rows each way per layer): each rank holds the dense part and 4 experts, 16
@@ -102,6 +104,10 @@ def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
     assert sum(math.prod(s) for s in theory.param_shapes(dense_cfg).values()) == 110_336
     dense = 110_336 - 2 * expert + 2 * router
     assert theory.moe_param_split(theory.param_shapes(cfg), 8) == (45_184, [2 * expert] * 8)
+    # the names, order and shapes of the model 05-advanced/expert_parallel.py trains (before sharding)
+    script = load_script(REPO / "05-advanced" / "expert_parallel.py")
+    trained = script.build_moe_model(dense_cfg, 8, 2, 1.25)
+    assert list(theory.param_shapes(cfg).items()) == [(k, tuple(v.shape)) for k, v in trained.named_parameters()]
     assert sum(math.prod(s) for s in theory.param_shapes(cfg).values()) == dense + 16 * expert
     active = dense - 64 * 64 - 32 * 64 + 2 * 2 * expert  # 2 blocks x top-2
     assert theory.training_flops_per_token(cfg) == 6 * active + 12 * 2 * 64 * 32 == 1_077_504
