@@ -13,9 +13,9 @@ SLURM commands with small flags appended:
   ``tests/fork_launcher.py``, torchrun's environment with forked ranks, as most tests' do); the
   negative control, the same ``srun`` with the SLURM variables distkit reads removed, runs two
   worlds of one (the original bug);
-* ``sbatch --wait`` of ``slurm_ddp.sbatch`` (two nodes, CPU overrides) trains and checkpoints, and a
-  second copy, requeued with ``scontrol requeue`` once its step-4 checkpoint exists, resumes from a
-  checkpoint and ends bit-identical to the first;
+* ``sbatch --wait`` of ``slurm_ddp.sbatch`` (two nodes, CPU overrides) trains and checkpoints;
+  requeued with ``scontrol requeue`` once its step-4 checkpoint exists, it runs again, resumes from a
+  checkpoint and ends bit-identical to an uninterrupted torchrun of the same flags;
 * a bad allocation and inconsistent SLURM variables each end with one line and a non-zero exit.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch01_common import CHAPTER, README, TINY
+from ch01_common import CHAPTER, README, TINY, readme_argv
 from distkit.checkpoint import safe_load
 from distkit.errors import UsageError
 from distkit.harness import read_records
@@ -271,14 +271,19 @@ SRUN_TWO_NODES = ("srun", "--nodes=2")
 SBATCH = ("slurm_ddp.sbatch",)
 
 
-def sbatch_argv(folder: Path, *options: str) -> list[str]:
+def training_flags(folder: Path) -> list[str]:
+    """ddp_training.py's tiny run, checkpoints every 2 steps (--find-unused-parameters: DDP keeps one
+    bucket order, so a resumed run repeats the arithmetic exactly; see ch01_common.training_flags)."""
+    return [*TINY, "--steps", str(STEPS), "--find-unused-parameters", "--grad-accum-steps", "2",
+            "--checkpoint-every", "2", "--log-every", "10", "--checkpoint-dir", str(folder / "ck"),
+            "--log-dir", str(folder / "logs"), "--results", str(folder / "results.jsonl")]
+
+
+def sbatch_argv(folder: Path) -> list[str]:
     """The README's sbatch command, waiting for the job, its log in ``folder``, tiny training flags."""
     argv = shlex.split(readme_command(README, *SBATCH))
     script = argv.index("01-ddp-basics/slurm_ddp.sbatch")
-    return [*argv[:script], "--wait", f"--output={folder / 'slurm-%j.out'}", *options, argv[script],
-            *TINY, "--steps", str(STEPS), "--find-unused-parameters", "--grad-accum-steps", "2",
-            "--checkpoint-every", "2", "--log-every", "10", "--checkpoint-dir", str(folder / "ck"),
-            "--log-dir", str(folder / "logs"), "--results", str(folder / "results.jsonl")]
+    return [*argv[:script], "--wait", f"--output={folder / 'slurm-%j.out'}", argv[script], *training_flags(folder)]
 
 
 def job_log(folder: Path) -> str:
@@ -329,9 +334,10 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[Path, object]]:
     # the SLURM variables distkit reads, removed inside each task: what distkit did before it read them
     strip = " ".join(f"env -u {name}" if i == 0 else f"-u {name}" for i, name in enumerate(SLURM_VARIABLES))
     specs = {
-        # the two sbatch jobs share the nodes (one CPU of each node apiece) and run side by side
-        "sbatch": lambda f: run(sbatch_argv(f), env=cluster_env(cluster, f, SBATCH_PARTITION="two"), timeout=600),
         "requeued": lambda f: requeued_job(cluster, f),
+        # the uninterrupted reference: the README's torchrun command of ddp_training.py, 2 ranks, same flags
+        "uninterrupted": lambda f: run([*readme_argv("--config", nproc=2), *training_flags(f)], env=job_env(f),
+                                       timeout=600),
         "srun4": lambda f: run(srun_argv(srun4, *mnist_flags(f)), env=cluster_env(cluster, f, **overcommit(4)),
                                timeout=600),
         "torchrun4": lambda f: torchrun(MNIST, *mnist_flags(f), nproc=4, tmp_path=f, timeout=600),
@@ -417,30 +423,26 @@ def final_params(folder: Path) -> dict[str, torch.Tensor]:
     return safe_load(folder / "ck" / f"step_{STEPS:06d}.pt")["model"]
 
 
-def test_sbatch_trains_and_checkpoints_on_two_nodes(jobs):
-    folder, out = job(jobs, "sbatch")
-    log = job_log(folder)
-    job_id = submitted_id(out.stdout)
-    # SLURM's own word for where it ran: the script prints SLURM_JOB_NODELIST
-    assert f"job {job_id} run 1 on {HOST},{HOST}-2: 2 node(s) x 1 worker(s)" in log, log[-3000:]
-    assert "world size 2 | backend gloo" in log and "done: loss" in log
-    assert f"after {STEPS} steps (resumed at 0)" in log
-    assert sorted(p.name for p in (folder / "ck").glob("step_*.pt"))[-1] == f"step_{STEPS:06d}.pt"
-    (record,) = read_records(folder / "results.jsonl")
-    assert record["world_size"] == 2
-
-
-def test_requeued_sbatch_resumes_and_ends_identical(jobs):
-    clean, _ = job(jobs, "sbatch")
+def test_sbatch_trains_checkpoints_and_resumes_after_requeue(jobs):
+    """``sbatch --wait`` on two nodes, requeued once its step-4 checkpoint exists: run 1 trained and
+    checkpointed on both nodes, SLURM killed it and started run 2 (same job id), which resumed from a
+    checkpoint and ended bit-identical to an uninterrupted torchrun of the same flags."""
     folder, out = job(jobs, "requeued")
+    clean, _ = job(jobs, "uninterrupted")
     log = job_log(folder)
     job_id = submitted_id(out.stdout)
-    assert "DUE TO JOB REQUEUE" in log, log[-3000:]
-    # run 2: SLURM_RESTART_COUNT, set by SLURM in a requeued job
-    assert f"job {job_id} run 1 on" in log and f"job {job_id} run 2 on" in log
-    resumed = re.search(rf"resumed from {re.escape(str(folder / 'ck'))}/step_(\d+)\.pt at step (\d+)", log)
+    # SLURM's own word for where each run ran: the script prints SLURM_JOB_NODELIST and, from
+    # SLURM_RESTART_COUNT, which run it is
+    for run_number in (1, 2):
+        assert f"job {job_id} run {run_number} on {HOST},{HOST}-2: 2 node(s) x 1 worker(s)" in log, log[-3000:]
+    first_run, second_run = log.split(f"job {job_id} run 2 on")
+    assert "world size 2 | backend gloo" in first_run and "step_000004.pt" in first_run
+    assert "DUE TO JOB REQUEUE" in first_run and "done: loss" not in first_run
+    resumed = re.search(rf"resumed from {re.escape(str(folder / 'ck'))}/step_(\d+)\.pt at step (\d+)", second_run)
     assert resumed and 4 <= int(resumed.group(2)) < STEPS, log[-3000:]  # it stopped mid-run
-    assert f"after {STEPS} steps (resumed at {int(resumed.group(2))})" in log
+    assert "done: loss" in second_run and f"after {STEPS} steps (resumed at {int(resumed.group(2))})" in second_run
+    (record,) = read_records(folder / "results.jsonl")  # only the run that finished writes one
+    assert record["world_size"] == 2
     # the whole state came back (optimizer, scheduler, RNG, data position): the same arithmetic
     clean_params, params = final_params(clean), final_params(folder)
     assert all(torch.equal(params[k], clean_params[k]) for k in clean_params)
