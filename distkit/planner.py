@@ -278,7 +278,11 @@ def collective_time(cluster: Cluster, collective: str, group: int, calls: float,
     if group <= 1 or (calls == 0 and bus_bytes == 0):
         return 0.0
     if cluster.collectives:
-        name = "all_reduce" if collective in ("send", "recv", "broadcast") else collective
+        # A point-to-point send or receive is what an all-to-all between two ranks does (one message
+        # each way): its measured fit at 2 ranks, when the sweep has it; else the all-reduce's.
+        name = {"send": "all_to_all", "recv": "all_to_all", "broadcast": "all_reduce"}.get(collective, collective)
+        if name == "all_to_all" and collective in ("send", "recv"):
+            group = 2
         fits = {g: v for (c, g), v in cluster.collectives.items() if c == name} or \
                {g: v for (c, g), v in cluster.collectives.items() if c == "all_reduce"}
         alpha, beta = fits[min(fits, key=lambda g: (abs(g - group), -g))]

@@ -379,20 +379,14 @@ def committed_rows():
     return _matrix_rows()
 
 
-# Where the activation model misses the issue's 10% (measured on a local 2/4-rank GPT + Llama matrix,
-# 2-core CPU; the peak stays within 15% everywhere): DeepSpeed ZeRO-3 keeps tensors of its own through
-# backward (-12.6% on the tiny GPT at 4 ranks), SHARD_GRAD_OP's Llama files part of its unsharded
-# parameters under activations (-10.5%), and GPipe's Llama stages hold more per micro-batch than the
-# stage input and output the model adds (-11%), and the Llama's TP at 4 ranks saves less of the replicated
-# head than the model counts (+10.6%).
-# The committed matrix (quiet machine, GPT and Llama, --n-layer 8) adds two open misses (issue 16 is
-# not resolved): the interleaved 1F1B schedule at 4 ranks holds more micro-batches in flight than the
-# model counts (+37% on the GPT, +39% on the Llama; its peak +32%/+33%), and ZeRO-3 offload on the GPT
-# at 4 ranks files part of its activations elsewhere (+31%); ZeRO-1's GPT peak at 4 ranks is +15.2%.
-# Listed at their measured size, so any other cell leaving the bound, or these growing, still fails.
-KNOWN_ACTIVATION_MISSES = {"zero3": 0.15, "zero3_offload": 0.32, "fsdp_shard_grad_op": 0.12, "pp_gpipe": 0.12,
-                           "tp": 0.12, "pp_interleaved_1f1b": 0.40}
-KNOWN_PEAK_MISSES = {"pp_interleaved_1f1b": 0.34, "zero1": 0.16}
+# The one cell where the activations at MemTracker's peak miss the issue's 10%: DeepSpeed ZeRO-3 with
+# CPU offload on the GPT at 4 ranks (+31%; its peak is within 4%). Its step peaks in backward, after
+# some blocks' activations are freed, while the offload machinery holds buffers MemTracker files
+# under temporaries (and its parameter partitions too: 0 bytes of "parameters"); the same strategy
+# on the Llama, and at 2 ranks, peaks where the planner says. Listed at its measured size, so any
+# other cell leaving the bound, or this one growing, still fails.
+KNOWN_ACTIVATION_MISSES = {("zero3_offload", "gpt", 4): 0.32}
+KNOWN_PEAK_MISSES: dict = {}
 
 
 def test_predictions_of_the_committed_matrix_stay_in_the_issue_bounds(committed_rows):
@@ -408,8 +402,9 @@ def test_predictions_of_the_committed_matrix_stay_in_the_issue_bounds(committed_
     tracked = [r for r in committed_rows if r.get("activations_error") is not None]
     assert len(tracked) == len(committed_rows), "cells without MemTracker's peak by category: re-record the matrix"
     for row in tracked:
-        assert abs(row["activations_error"]) <= KNOWN_ACTIVATION_MISSES.get(row["strategy"], 0.10), row
-        assert abs(row["peak_error"]) <= KNOWN_PEAK_MISSES.get(row["strategy"], 0.15), row
+        cell = (row["strategy"], row["arch"], row["world_size"])
+        assert abs(row["activations_error"]) <= KNOWN_ACTIVATION_MISSES.get(cell, 0.10), row
+        assert abs(row["peak_error"]) <= KNOWN_PEAK_MISSES.get(cell, 0.15), row
 
 
 def test_negative_control_double_counted_activations_leave_the_bound(committed_rows, monkeypatch):
