@@ -13,6 +13,8 @@ BYTES_TOLERANCE = 0.01   # the issue's bar: communication bytes within 1% of dis
 STATE_TOLERANCE = 0.05   # model-state bytes within 5%
 # The README's planner commands (section "Planning"), run by tests/test_planner.py; the README
 # coverage check needs them next to test_benchmarks.py's own lookups.
-PLANNER_LOOKUPS = {"plan_8b_8xh100": ("plan.py", "--gpus 8 "), "plan_8b_64xh100": ("plan.py", "--gpus 64 "),
+# A lookup is needles, or (needles, without), as readme_command takes them.
+PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gib"),
+                   "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"), "plan_8b_64xh100": ("plan.py", "--gpus 64 "),
                    "plan_1b_4xl4": ("plan.py", "--gpu l4"), "plan_validation": ("plan.py", "--validate")}
 
