@@ -291,3 +291,34 @@ def parse_args_result(module, *args: str) -> subprocess.CompletedProcess:
     finally:
         sys.argv = argv
     return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), "")
+
+
+def run_jobs(specs: dict, tmp_path_factory) -> dict:
+    """Run every job of a test file two at a time (the jobs of one file share a module fixture):
+    ``specs`` maps a name to a function of a fresh folder; returns ``{name: (folder, result or the
+    AssertionError it raised)}``, so a failed job fails the tests that use it (:func:`job`), not
+    the others. Each job's wall time is printed (shown with ``pytest -s``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = {name: tmp_path_factory.mktemp(name) for name in specs}
+
+    def attempt(name):
+        start = time.monotonic()
+        try:
+            result = specs[name](folders[name])
+        except AssertionError as exc:
+            result = exc
+        print(f"{name}: {time.monotonic() - start:.1f} s")
+        return result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(specs, pool.map(attempt, specs)))
+    return {name: (folders[name], results[name]) for name in specs}
+
+
+def job(jobs: dict, name: str):
+    """``(folder, result)`` of a job that :func:`run_jobs` ran; re-raises its failure."""
+    folder, result = jobs[name]
+    if isinstance(result, BaseException):
+        raise result
+    return folder, result

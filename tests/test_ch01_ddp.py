@@ -12,7 +12,6 @@ import math
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from ch01_common import (CHAPTER, README, STEPS, TINY, TOLERANCE, final_params, 
                          readme_argv, restart_env, single_process_params, training_flags)
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from launch import load_script, free_port, job_env, readme_command, run
+from launch import load_script, free_port, job, job_env, readme_command, run, run_jobs
 
 def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
     """ddp_training.py with 4 ranks, 2 micro-batches per step, checkpoints every 2 steps, no faults."""
@@ -66,24 +65,7 @@ def jobs(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """Every job of this file, two at a time: ``{name: (folder, result or the exception it raised)}``."""
     specs = {"uninterrupted": uninterrupted, "scratch": scratch, "killed_rank": killed_rank,
              "torn_checkpoint": torn_checkpoint, "two_agents": two_agents}
-    folders = {name: tmp_path_factory.mktemp(name) for name in specs}
-
-    def attempt(name):
-        try:
-            return specs[name](folders[name])
-        except AssertionError as exc:  # a failed job fails the tests that use it, not the others
-            return exc
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(specs, pool.map(attempt, specs)))
-    return {name: (folders[name], results[name]) for name in specs}
-
-
-def job(jobs, name: str):
-    folder, result = jobs[name]
-    if isinstance(result, BaseException):
-        raise result
-    return folder, result
+    return run_jobs(specs, tmp_path_factory)
 
 
 def test_ddp_and_ddp_from_scratch_match_single_process(jobs):

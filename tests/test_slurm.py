@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,7 @@ from distkit.errors import UsageError
 from distkit.harness import read_records
 from distkit.slurm import (SLURM_VARIABLES, expand_hostlist, parse_tasks_per_node, rendezvous_port,
                            srun_task)
-from launch import REPO, assert_one_line_error, job_env, readme_command, run, torchrun
+from launch import REPO, assert_one_line_error, job, job_env, readme_command, run, run_jobs, torchrun
 from slurm_cluster import INSTALL_HINT, missing_binaries
 
 MNIST = CHAPTER / "ddp_mnist.py"
@@ -348,27 +347,7 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[Path, object]]:
         "worlds_of_one": lambda f: run(srun_argv(srun2.replace("python", f"{strip} python"), *mnist_flags(f)),
                                        env=cluster_env(cluster, f), timeout=600),
     }
-    folders = {name: tmp_path_factory.mktemp(name) for name in specs}
-
-    def attempt(name):
-        start = time.monotonic()
-        try:
-            result = specs[name](folders[name])
-        except AssertionError as exc:  # a failed job fails the tests that use it, not the others
-            result = exc
-        print(f"{name}: {time.monotonic() - start:.1f} s")
-        return result
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(specs, pool.map(attempt, specs)))
-    return {name: (folders[name], results[name]) for name in specs}
-
-
-def job(jobs, name: str):
-    folder, result = jobs[name]
-    if isinstance(result, BaseException):
-        raise result
-    return folder, result
+    return run_jobs(specs, tmp_path_factory)
 
 
 def accuracy(out: str) -> float:
