@@ -280,9 +280,10 @@ def collective_time(cluster: Cluster, collective: str, group: int, calls: float,
     if cluster.collectives:
         # A point-to-point send or receive is what an all-to-all between two ranks does (one message
         # each way): its measured fit at 2 ranks, when the sweep has it; else the all-reduce's.
-        name = {"send": "all_to_all", "recv": "all_to_all", "broadcast": "all_reduce"}.get(collective, collective)
-        if name == "all_to_all" and collective in ("send", "recv"):
-            group = 2
+        if collective in ("send", "recv"):
+            name, group = "all_to_all", 2
+        else:
+            name = "all_reduce" if collective == "broadcast" else collective
         fits = {g: v for (c, g), v in cluster.collectives.items() if c == name} or \
                {g: v for (c, g), v in cluster.collectives.items() if c == "all_reduce"}
         alpha, beta = fits[min(fits, key=lambda g: (abs(g - group), -g))]
@@ -307,12 +308,17 @@ def _comm_seconds(cluster: Cluster, comm: dict, group: int, spans_nodes: bool, s
     return total
 
 
+def core_share(cluster: Cluster) -> float:
+    """The share of a core one rank computes with: CPU ranks that outnumber a node's ``cores`` run
+    at cores / ranks-per-node of one each; a GPU (no ``cores``) is all its own."""
+    return min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
+
+
 def compute_rate(cluster: Cluster, plan: Plan) -> float:
-    """Achieved FLOP/s of one GPU (one rank): efficiency x peak of the precision; CPU ranks sharing
-    ``cores`` run at cores / ranks-per-node of a core each when they oversubscribe them."""
+    """Achieved FLOP/s of one GPU (one rank): efficiency x peak of the precision, at the rank's
+    :func:`core_share` on CPU."""
     peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
-    share = min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
-    return cluster.efficiency * peak * share
+    return cluster.efficiency * peak * core_share(cluster)
 
 
 def _flops_per_token(plan: Plan, lora: bool = False) -> float:
@@ -575,8 +581,7 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     # ranks that share fewer cores than there are ranks (compute_s already runs each at its share of
     # a core) lend an idle stage's core to the busy ones, so the step is the longer of the critical
     # path at a whole core and the machine's total work over its cores.
-    share = min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
-    bubble_s = max(compute_s * share / (1 - bubble), compute_s) - compute_s
+    bubble_s = max(compute_s * core_share(cluster) / (1 - bubble), compute_s) - compute_s
     w = _act_dtype_bytes(plan)
     # The stage that decides the fit: the first holds the most micro-batches in flight (1F1B: p - r
     # on rank r, GPipe: all m everywhere), the last the LM head and its working set, another rank
@@ -1019,8 +1024,7 @@ def with_measured_speed(cl: Cluster, records: list[dict], arch: str | None = Non
     """``cl`` with the compute efficiency its ``calibration`` cells measured (the model's speed on
     this machine, :func:`_model_speed`) instead of an assumed one: how a GPU's planner is calibrated
     from a one-GPU benchmark run. One line of error when the records hold no such cell."""
-    train = [r for r in records if r.get("model") and r.get("metrics", {}).get("step_time_s_median")]
-    speed = _model_speed(train, replace(cl, efficiency=1.0), arch, cl.gpus, tuple(calibration))
+    speed = _model_speed(records, replace(cl, efficiency=1.0), arch, cl.gpus, tuple(calibration))
     if speed is None:
         raise UsageError(f"no {'/'.join(calibration)} cell{' of the ' + arch if arch else ''} among the records "
                          "to measure the model's speed")
@@ -1061,11 +1065,15 @@ def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
     base = Cluster(gpu, ranks, ranks, efficiency=1.0, usable_memory=1.0, overlap=False, collectives=fits,
                    cores=cores)
     speed = _model_speed(train, base, arch, ranks, calibration) or _model_speed(train, base, None, ranks, calibration)
+    speeds: dict[tuple, float] = {}  # each model's speed at each rank count, measured once
     extra: dict[str, list[float]] = {}
     for rec in train:
         if rec["strategy"] in calibration:
             continue
-        own = _model_speed(train, base, rec["model"]["arch"], rec["world_size"], calibration) or speed or 0.1
+        key = (_base_arch(rec["model"]["arch"]), rec["world_size"])
+        if key not in speeds:
+            speeds[key] = _model_speed(train, base, *key, calibration) or speed or 0.1
+        own = speeds[key]
         try:
             est = estimate_record(rec, replace(base, efficiency=own))
         except ValueError:
