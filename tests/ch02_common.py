@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from launch import REPO, command_argv, job_env, readme_command, run
+from launch import REPO, command_argv, job_env, lookup_command, run
 
 from distkit.models import TinyGPT, build_model, gpt_config, model_config
 from workers.reference import train_one_process
@@ -54,9 +54,7 @@ LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL
 
 def command(lookup) -> str:
     """The one README command a lookup above names."""
-    if len(lookup) == 2 and isinstance(lookup[0], tuple):
-        return readme_command(README, *lookup[0], without=lookup[1])
-    return readme_command(README, *lookup)
+    return lookup_command(README, lookup)
 
 
 def readme_argv(lookup, *extra, nproc: int | None = None) -> list[str]:

@@ -228,20 +228,29 @@ def readme_command(readme: Path, *needles: str, without: str | None = None) -> s
     return found[0]
 
 
+def lookup_parts(lookup) -> tuple[tuple, str | None]:
+    """``(needles, without)`` of a lookup: a string (one needle), a tuple of needles, or
+    ``(needles_tuple, without)``."""
+    if isinstance(lookup, str):
+        return (lookup,), None
+    if len(lookup) == 2 and isinstance(lookup[0], tuple):
+        return lookup[0], lookup[1]
+    return tuple(lookup), None
+
+
+def lookup_command(readme: Path, lookup) -> str:
+    """The one command of ``readme`` that a lookup (:func:`lookup_parts`) names."""
+    needles, without = lookup_parts(lookup)
+    return readme_command(readme, *needles, without=without)
+
+
 def assert_readme_covered(readme: Path, lookups: list) -> None:
     """Every command of ``readme`` is matched by exactly one lookup, and every lookup by exactly one
     command. A lookup is a string (a needle), a tuple of needles, or ``(needles_tuple, without)``,
     exactly as the tests pass them to :func:`readme_command`; so a command added to a README without
     a test, or a lookup that no longer finds its command, fails."""
-    def parts(lookup):
-        if isinstance(lookup, str):
-            return (lookup,), None
-        if len(lookup) == 2 and isinstance(lookup[0], tuple):
-            return lookup[0], lookup[1]
-        return tuple(lookup), None
-
     def matches(command, lookup):
-        needles, without = parts(lookup)
+        needles, without = lookup_parts(lookup)
         return all(n in command for n in needles) and (without is None or without not in command)
 
     commands = readme_commands(readme)

@@ -17,8 +17,7 @@ from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, theory
 from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.errors import UsageError
-from launch import (assert_one_line_error, command_argv, load_script, parse_args_result, python,
-                    readme_command)
+from launch import assert_one_line_error, command_argv, load_script, lookup_command, parse_args_result, python
 
 GiB = 2 ** 30
 LLAMA_1B = model_config("llama", "llama-3.2-1b")
@@ -452,9 +451,7 @@ def test_readme_planner_commands_print_their_recorded_output(name, capsys):
     and launches nothing), prints exactly the output recorded for its block (the torchvision note
     aside, which goes to stderr): a planner change that alters an answer without re-recording the
     README fails here, not only in ``distkit.records check``."""
-    lookup = PLANNER_LOOKUPS[name]
-    needles, without = lookup if isinstance(lookup[0], tuple) else (lookup, None)
-    argv = command_argv(readme_command(README, *needles, without=without))
+    argv = command_argv(lookup_command(README, PLANNER_LOOKUPS[name]))
     assert argv[1].endswith("benchmarks/plan.py")
     load_script(BENCH / "plan.py").main(argv[2:])
     printed = capsys.readouterr().out
