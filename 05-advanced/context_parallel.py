@@ -46,6 +46,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
 from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.runtime import reduce_gradients
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -204,17 +205,6 @@ class RingSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def average_gradients(model: nn.Module, world_size: int) -> None:
-    """One all-reduce of every gradient, divided by the ranks: each rank's covered its tokens only.
-    One flat copy of the gradients exists meanwhile (divided in place: no second copy)."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(piece.view_as(grad))
-
-
 def kept_activations(harness: Harness, kept: int | None) -> int | None:
     """On the harness's memory-tracked step, the activation bytes alive at the end of forward (what
     backward will need: it grows with the tokens a rank holds), by MemTracker; else ``kept``."""
@@ -257,7 +247,7 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
                     loss = lm_loss(model(inputs, positions), targets)
                     kept = kept_activations(harness, kept)
                     loss.backward()
-            average_gradients(model, ctx.world_size)
+            reduce_gradients(model.parameters(), dist.group.WORLD, ctx.world_size)  # each rank: its tokens only
             optimizer.step()
         total = loss.detach().clone()  # the mean over this rank's tokens; every rank has as many
         dist.all_reduce(total)

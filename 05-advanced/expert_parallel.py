@@ -50,6 +50,7 @@ from distkit.flags import (add_checkpoint_args, add_training_args, check_global_
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MLP, TinyGPT, TokenTask, add_model_args, lm_loss, model_config_from_args, rank_slice
+from distkit.runtime import reduce_gradients
 
 
 def parse_args():
@@ -179,19 +180,6 @@ def build_moe_model(cfg, num_experts: int, top_k: int, capacity_factor: float) -
         block.mlp = MoE(cfg, num_experts, top_k, capacity_factor)
         block.mlp.apply(TinyGPT._init_weights)
     return model
-
-
-def reduce_gradients(params: list[nn.Parameter], group, world_size: int) -> None:
-    """Sum these gradients over ``group`` (one flat all-reduce; none if ``group`` is None) and divide
-    by the job's ranks: every rank's loss is the mean over its own tokens. One flat copy of the
-    gradients exists meanwhile (divided in place: no second copy)."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    flat /= world_size
-    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(piece.view_as(grad))
 
 
 def main():

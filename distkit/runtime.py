@@ -285,6 +285,21 @@ def distributed(args: argparse.Namespace) -> Iterator[DistContext]:
         shutdown_distributed(success=ok)
 
 
+def reduce_gradients(params, group, world_size: int) -> None:
+    """Sum the gradients of ``params`` over ``group`` with one all-reduce of a flat copy (none when
+    ``group`` is None) and divide them by ``world_size``, the job's ranks: each rank's loss is the
+    mean over its own tokens. The copy is divided in place, so one flat copy exists meanwhile.
+    Chapter 05's context parallelism averages every gradient over all ranks with it; its expert
+    parallelism sums the dense and the expert gradients over different groups."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= world_size
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA) alike on every rank."""
     random.seed(seed)
