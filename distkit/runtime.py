@@ -256,8 +256,29 @@ def init_distributed(*, backend: str = "auto", device: str = "auto",
     return DistContext(rank, local_rank, world_size, local_world_size, backend, device, timeout_s)
 
 
+# Every process group that destroy_process_group let go of, still referenced: see destroy_groups.
+_RETIRED_GROUPS: list = []
+
+
+def destroy_groups() -> None:
+    """``dist.destroy_process_group()`` (every group shut down and forgotten by torch.distributed),
+    keeping one reference to each group until the process ends.
+
+    Why: a gloo group's C++ destructor joins its worker threads, and a worker may still be freeing
+    the last collective it ran, which takes the GIL to release a tensor Python created. When the
+    group's last reference is one a C++ object holds (DDP's Reducer, freed with the model after the
+    teardown, when the script's function returns), that destructor runs with the GIL held and the
+    two threads wait for each other forever: seen as a finished rank that never exits, about 1 in 50
+    two-rank launches on a busy 2-core machine (the class of bug of pytorch/pytorch#56297). Kept
+    referenced here, no group is destructed while the process runs; scripts end with
+    :func:`exit_without_finalizers`, which runs no destructors.
+    """
+    _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+    dist.destroy_process_group()
+
+
 def shutdown_distributed(success: bool = True) -> None:
-    """Tear the process group down.
+    """Tear the process group down (every group: :func:`destroy_groups`).
 
     After a clean run every rank meets at a barrier first: without it, gloo ranks that exit while a
     peer is still sending sometimes abort with ``terminate called without an active exception``.
@@ -267,7 +288,7 @@ def shutdown_distributed(success: bool = True) -> None:
         return
     if success:
         dist.barrier()
-    dist.destroy_process_group()
+    destroy_groups()
 
 
 @contextmanager
@@ -393,6 +414,6 @@ def exit_without_finalizers(code: int) -> None:
 def _abandon_process_group() -> None:
     try:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_groups()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import importlib
 import json
 import os
@@ -97,6 +98,9 @@ def _rank(script: str, args: list[str], env: dict[str, str]) -> None:
     """In the forked child: become rank ``env['RANK']`` running ``python script args``; never returns."""
     code = 0
     try:
+        # a rank still running when its launcher is told to stop (a test's timeout) prints where
+        # each of its threads is, before it is killed: see run_job
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         os.environ.update(env)
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -148,7 +152,14 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
             for pid in ranks:
                 os.kill(pid, signal.SIGKILL)
         if client is not None and select.select([client], [], [], 0)[0] and not client.recv(1):
-            for pid in ranks:  # the launching process is gone (killed by a test's timeout)
+            # the launching process is gone (killed by a test's timeout): the ranks still running
+            # show their stacks (a hang's diagnosis, in the test's output), then die
+            print(f"fork_launcher: the job was stopped from outside; ranks {sorted(ranks.values())} were "
+                  "still running, their threads' stacks:", file=sys.stderr, flush=True)
+            for pid in ranks:
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            for pid in ranks:
                 os.kill(pid, signal.SIGKILL)
             client = None
         pid, status = os.waitpid(-1, os.WNOHANG)

@@ -116,9 +116,16 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # SIGUSR1 first: ranks forked by tests/fork_launcher.py print their threads' stacks (the
+        # hang's diagnosis, kept in the message below); anything else in the group just ends
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(1.5)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {shlex.join(cmd)}\n{out[-4000:]}") from None
+        raise AssertionError(f"timed out after {timeout}s: {shlex.join(cmd)}\n{out[-8000:]}") from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{out[-6000:]}")
