@@ -91,7 +91,12 @@ def parse_args(argv=None):
                      help="instead of planning: predicted vs measured for every cell of a benchmark results file "
                           "(distributed_benchmarks.py --bandwidth), the time calibrated on the other "
                           "architecture's cells")
+    out.add_argument("--only-misses", action="store_true",
+                     help="with --validate: list only the cells whose error leaves the bounds (model state exact, "
+                          "activations 10%%, peak 15%%, step time 50%%), then the summary")
     args = parser.parse_args(argv)
+    if args.only_misses and not args.validate:
+        parser.error("--only-misses needs --validate RESULTS")
     if args.usable_memory is not None and args.usable_memory > 1:
         parser.error(f"argument --usable-memory: must be at most 1, got {args.usable_memory:g}")
     if args.efficiency is not None and args.efficiency > 1:
@@ -148,7 +153,7 @@ def main(argv=None) -> None:
         rows = planner.validate(planner.read_matrix(args.validate))
         if not rows:
             raise UsageError(f"{args.validate} holds no training cell with a model to validate")
-        print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows))
+        print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows, args.only_misses))
         return
     plan, cluster = build_plan(args), build_cluster(args)
     estimates = planner.estimate_all(plan, cluster, args.strategies or planner.STRATEGIES)

@@ -45,7 +45,8 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
   ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes`` (what
   ``peak_memory_kind`` says: ``cuda_max_allocated``, ``cpu_mem_tracker``, or ``cpu_peak_rss`` where
   MemTracker could not run, e.g. compiled code), ``peak_memory_by_category`` (MemTracker's peak
-  folded into :data:`MEMORY_CATEGORIES`, or None), ``peak_rss_bytes``, ``model_state_bytes`` and
+  folded into :data:`MEMORY_CATEGORIES`, plus ``activations_high_water``, the activations' own
+  largest size in the step; or None), ``peak_rss_bytes``, ``model_state_bytes`` and
   ``comm_per_step``; for transformers also
   throughput as practitioners report it: ``tokens_per_s_per_device``, ``model_flops_per_token``
   (:func:`distkit.theory.training_flops_per_token`), ``peak_flops_per_s`` (measured on each rank's
@@ -195,10 +196,24 @@ def _step_trackers():
             del tracker.memory_tracking[module]
         tracker._forwarded.add(module)
 
+    def note_high_water(tracker) -> None:
+        """After each op: each category's own high-water mark in the step (its largest size at any
+        moment, which need not be the moment of the total's peak)."""
+        for device, snapshot in tracker._curr_mem_snap.items():
+            highs = tracker.high_water.setdefault(device, {})
+            for kind, size in snapshot.items():
+                if size > highs.get(kind, 0):
+                    highs[kind] = size
+
     class StepMemTracker(MemTracker):
         def __init__(self):
             super().__init__()
             self._forwarded = weakref.WeakSet()
+            self.high_water: dict = {}
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            note_high_water(self)
 
         def _pre_fw_hook(self, module, inputs):
             if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
@@ -209,6 +224,11 @@ def _step_trackers():
         def __init__(self, mod, optm=None):
             super().__init__(mod, optm)
             self._forwarded = weakref.WeakSet()
+            self.high_water: dict = {}
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            note_high_water(self)
 
         def __enter__(self):
             # before FSDP's own pre-forward, which FSDPMemTracker wraps
@@ -225,12 +245,20 @@ def _step_trackers():
 
 def peak_by_category(tracker) -> dict[str, int]:
     """A tracker's peak snapshot, summed over devices and folded into :data:`MEMORY_CATEGORIES`,
-    plus ``total`` (MemTracker's own total at the peak)."""
+    plus ``total`` (MemTracker's own total at the peak) and ``activations_high_water``: the
+    activations' own largest size during the step (:func:`memory_tracker`'s trackers note it after
+    every op). The two differ where the step peaks in backward, after some blocks' activations are
+    freed: the planner's validation compares its activation bytes with the high-water mark; the
+    peak's parts say what was alive together."""
     peak = {name: 0 for name in MEMORY_CATEGORIES} | {"total": 0}
     for snapshot in tracker.get_tracker_snapshot("peak").values():
         for name, kinds in MEMORY_CATEGORIES.items():
             peak[name] += sum(snapshot.get(kind, 0) for kind in kinds)
         peak["total"] += snapshot["Total"]
+    highs = getattr(tracker, "high_water", None)
+    if highs is not None:
+        peak["activations_high_water"] = sum(sum(h.get(kind, 0) for kind in MEMORY_CATEGORIES["activations"])
+                                             for h in highs.values())
     return peak
 
 

@@ -463,3 +463,24 @@ def test_compiled_code_stays_compiled_after_the_harness_instruments_a_step():
     step(broken)
     assert runs["graph"] == 1, runs
     torch._dynamo.reset()
+
+
+def test_memory_tracker_notes_the_activations_high_water_mark():
+    """The activations' own high-water mark in a step, next to their size at the step's peak: a
+    two-layer MLP (8 x 64 x 64 x 16, fp32) holds its first layer's output and the ReLU's output
+    together for a moment in forward (2 x 8 x 64 x 4 B = 4096 B, by hand), then drops the first
+    (ReLU saves only its output). Bug caught: the high-water mark read from the peak snapshot (the
+    peak of the total is in backward, with fewer activations alive), or a category summed twice."""
+    from distkit.harness import memory_tracker, peak_by_category
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.randn(8, 64)
+    tracker = memory_tracker(model, optimizer, externals=[inputs])
+    with tracker:
+        model(inputs).sum().backward()
+        optimizer.step()
+    peak = peak_by_category(tracker)
+    assert peak["activations_high_water"] == 2 * 8 * 64 * 4
+    assert peak["activations_high_water"] >= peak["activations"]
