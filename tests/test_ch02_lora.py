@@ -30,7 +30,7 @@ import torch
 from ch02_common import CHAPTER, LORA, README, check_ok, command, readme_argv, run_all
 from launch import WORKERS, launcher_argv, load_script, parse_args_result, assert_one_line_error
 
-from distkit.harness import read_records
+from distkit.harness import MEMORY_CATEGORIES, read_records
 from distkit.models import build_model, import_transformers, model_config
 from workers.reference import train_one_process
 
@@ -193,7 +193,7 @@ def test_per_rank_bytes_match_the_formula(launches, reference):
     assert comm["reduce_scatter"]["bytes"] == 4 * adapter
     assert record["metrics"]["peak_memory_kind"] == "cpu_mem_tracker"
     for peak in record["metrics"]["peak_memory_by_category_per_rank"]:
-        assert sum(v for k, v in peak.items() if k != "total") == peak["total"]
+        assert sum(peak[k] for k in MEMORY_CATEGORIES) == peak["total"]
         assert peak["params"] >= totals["params"] and peak["optimizer"] >= totals["optimizer"]
     # the printout shows the record's numbers
     assert f"rank-0 adapters: params {4 * adapter // n:,} B, grads {4 * adapter // n:,} B" in output

@@ -1,9 +1,9 @@
 """A finished rank exits: distkit's teardown never lets a process group be destructed while the
 process runs (tests/workers/teardown.py).
 
-The bug this guards against was a CI failure: a two-rank ddp_training.py job printed its last line
-and then one rank never exited. Its stacks (gdb, reproduced 3 times in about 140 launches on a busy
-2-core machine): the main thread in ``ProcessGroupGloo::~ProcessGroupGloo`` joining gloo's worker
+The bug this guards against was a CI failure: a two-rank ddp_training.py job, forked by the suite's
+fork server, printed its last line and then one rank never exited. Its stacks (gdb, reproduced 3
+times in about 140 launches on a busy 2-core machine): the main thread in ``ProcessGroupGloo::~ProcessGroupGloo`` joining gloo's worker
 thread, called from ``Reducer::~Reducer`` as the function holding the DDP model returned, with the GIL
 held; the worker thread in ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject``,
 waiting for the GIL. ``destroy_process_group`` had dropped torch.distributed's references, so DDP's
@@ -12,7 +12,10 @@ to every group until the process ends with ``os._exit``.
 
 The deadlock needs an unlucky schedule, so the test observes what makes it possible: whether freeing
 the model runs the group's destructor (gloo's worker threads end). Negative control: the plain
-``barrier`` + ``destroy_process_group`` teardown, where they do.
+``barrier`` + ``destroy_process_group`` teardown, where they do (and which hung in 4 of 120 launches
+three at a time, before the worker waited a second before freeing the model). Both run where the
+Reducer holds the group's last reference: with ``torch.distributed.fsdp`` imported, as in the fork
+server (tests/workers/teardown.py says why).
 """
 from __future__ import annotations
 
