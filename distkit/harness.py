@@ -196,40 +196,32 @@ def _step_trackers():
             del tracker.memory_tracking[module]
         tracker._forwarded.add(module)
 
-    def note_high_water(tracker) -> None:
-        """After each op: each category's own high-water mark in the step (its largest size at any
-        moment, which need not be the moment of the total's peak)."""
-        for device, snapshot in tracker._curr_mem_snap.items():
-            highs = tracker.high_water.setdefault(device, {})
-            for kind, size in snapshot.items():
-                if size > highs.get(kind, 0):
-                    highs[kind] = size
+    activation_kinds = MEMORY_CATEGORIES["activations"]
 
-    class StepMemTracker(MemTracker):
-        def __init__(self):
-            super().__init__()
+    class StepTracking:
+        """What both step trackers add to torch's: the modules already forwarded in the step, and
+        the activations' own high-water mark per device (their largest size at any moment of the
+        step, which need not be the moment of the total's peak), noted after each op."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             self._forwarded = weakref.WeakSet()
-            self.high_water: dict = {}
+            self.activations_high_water: dict = {}
 
         def _update_peak_stats(self, peak_state):
             super()._update_peak_stats(peak_state)
-            note_high_water(self)
+            for device, snapshot in self._curr_mem_snap.items():
+                size = sum(snapshot.get(kind, 0) for kind in activation_kinds)
+                if size > self.activations_high_water.get(device, 0):
+                    self.activations_high_water[device] = size
 
+    class StepMemTracker(StepTracking, MemTracker):
         def _pre_fw_hook(self, module, inputs):
             if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
                 forget_if_called_again(self, module)
             super()._pre_fw_hook(module, inputs)
 
-    class StepFSDPMemTracker(FSDPMemTracker):
-        def __init__(self, mod, optm=None):
-            super().__init__(mod, optm)
-            self._forwarded = weakref.WeakSet()
-            self.high_water: dict = {}
-
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            note_high_water(self)
-
+    class StepFSDPMemTracker(StepTracking, FSDPMemTracker):
         def __enter__(self):
             # before FSDP's own pre-forward, which FSDPMemTracker wraps
             self._forget_handle = self._root_mod.register_forward_pre_hook(
@@ -255,10 +247,9 @@ def peak_by_category(tracker) -> dict[str, int]:
         for name, kinds in MEMORY_CATEGORIES.items():
             peak[name] += sum(snapshot.get(kind, 0) for kind in kinds)
         peak["total"] += snapshot["Total"]
-    highs = getattr(tracker, "high_water", None)
+    highs = getattr(tracker, "activations_high_water", None)
     if highs is not None:
-        peak["activations_high_water"] = sum(sum(h.get(kind, 0) for kind in MEMORY_CATEGORIES["activations"])
-                                             for h in highs.values())
+        peak["activations_high_water"] = sum(highs.values())
     return peak
 
 
