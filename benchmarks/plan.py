@@ -92,8 +92,8 @@ def parse_args(argv=None):
                           "(distributed_benchmarks.py --bandwidth), the time calibrated on the other "
                           "architecture's cells")
     out.add_argument("--only-misses", action="store_true",
-                     help="with --validate: list only the cells whose error leaves the bounds (model state exact, "
-                          "activations 10%%, peak 15%%, step time 50%%), then the summary")
+                     help="with --validate: list only the cells whose error leaves the bounds "
+                          f"({planner.validation_bounds_text().replace('%', '%%')}), then the summary")
     args = parser.parse_args(argv)
     if args.only_misses and not args.validate:
         parser.error("--only-misses needs --validate RESULTS")

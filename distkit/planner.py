@@ -1229,6 +1229,13 @@ def validation_summary(rows: list[dict]) -> dict:
 VALIDATION_BOUNDS = {"state": 0.0, "activations": 0.10, "peak": 0.15, "step": 0.50}
 
 
+def validation_bounds_text() -> str:
+    """:data:`VALIDATION_BOUNDS` in words: "model state exact, activations 10%, peak 15%, step time 50%"."""
+    names = {"state": "model state", "step": "step time"}
+    return ", ".join(f"{names.get(key, key)} {f'{100 * bound:g}%' if bound else 'exact'}"
+                     for key, bound in VALIDATION_BOUNDS.items())
+
+
 def validation_misses(row: dict) -> list[str]:
     """The quantities of one validation row whose error leaves :data:`VALIDATION_BOUNDS` (the step
     time of a calibration cell is not a prediction)."""
@@ -1262,8 +1269,7 @@ def validation_table(rows: list[dict], only_misses: bool = False) -> str:
                            + (", the calibration cells left out" if k == "step" else "") + ")"
                            for k, v in s.items() if v["cells"]))
     if only_misses:
-        lines.append(f"{len(shown)} of {len(rows)} cells outside the bounds (model state exact, activations "
-                     "10%, peak 15%, step time 50%)")
+        lines.append(f"{len(shown)} of {len(rows)} cells outside the bounds ({validation_bounds_text()})")
     return "\n".join(lines)
 
 
