@@ -53,13 +53,18 @@ def fork_server(folder: Path):
         yield socket_path
     finally:
         os.environ.pop("FORK_LAUNCHER_SERVER", None)
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server, grace_s=10)
         log.close()
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """End a background process: SIGTERM, then SIGKILL if it is still there after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> dict[str, str]:

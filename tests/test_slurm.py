@@ -38,7 +38,7 @@ from distkit.errors import UsageError
 from distkit.harness import read_records
 from distkit.slurm import (SLURM_VARIABLES, expand_hostlist, parse_tasks_per_node, rendezvous_port,
                            srun_task)
-from launch import REPO, assert_one_line_error, job, job_env, readme_command, run, run_jobs, torchrun
+from launch import REPO, assert_one_line_error, job, job_env, readme_command, run, run_jobs, stop, torchrun
 from slurm_cluster import INSTALL_HINT, missing_binaries
 
 MNIST = CHAPTER / "ddp_mnist.py"
@@ -225,12 +225,7 @@ def cluster(tmp_path_factory):
             time.sleep(0.2)
         yield folder / "cluster"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, grace_s=60)
 
 
 def cluster_env(cluster: Path, folder: Path, **extra: str) -> dict[str, str]:
