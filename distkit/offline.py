@@ -37,6 +37,8 @@ NODE_REQUIREMENTS = "requirements-node.txt"
 # The node's torch and what comes with it (its CUDA libraries, triton) are never in the folder.
 TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-(toolkit|bindings|pathfinder))$")
 SUPPORTED_TORCH = ((2, 11), (2, 13))  # oldest and newest torch minor release this repository was checked on
+# What only the notebooks need: --no-notebooks leaves it out (a GPU node that runs the GPU suite)
+NOTEBOOK_TOOLS = {"jupyter", "nbclient", "nbformat", "jupytext", "ipykernel"}
 # glibc versions of the manylinux tags pip may take for the node (pip matches each tag exactly)
 GLIBC_MINORS = range(17, 40)
 
@@ -49,16 +51,17 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirement_lines(path: Path = REQUIREMENTS) -> list[str]:
+def requirement_lines(path: Path = REQUIREMENTS, notebooks: bool = True) -> list[str]:
     """The pinned requirements of ``requirements.txt`` without torch, torchvision and the editable
-    ``-e .`` (the node keeps its own torch; the repository is installed from its checkout)."""
+    ``-e .`` (the node keeps its own torch; the repository is installed from its checkout), and
+    without the notebook tools unless ``notebooks``."""
     lines = []
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith("-"):
             continue
         name = re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0]
-        if not TORCH_FAMILY.match(canonical(name)):
+        if not TORCH_FAMILY.match(canonical(name)) and (notebooks or canonical(name) not in NOTEBOOK_TOOLS):
             lines.append(line)
     return lines
 
@@ -116,13 +119,39 @@ def build_pure_wheels(dest: Path) -> None:
         raise OfflineError(f"built wheels tied to this machine, not portable to the node: {', '.join(impure)}")
 
 
-def resolve_closure(requirements: Path, dest: Path, target: list[str], torch_version: str) -> list[str]:
+def read_freeze(path: str | None) -> dict[str, str]:
+    """``pip list --format=freeze`` output as {canonical name: version}; {} without a file."""
+    if path is None:
+        return {}
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise OfflineError(f"--have {path}: cannot read it ({e.strerror})") from None
+    pins = [line.split("==", 1) for line in text.splitlines() if "==" in line and not line.startswith("#")]
+    return {canonical(name.strip()): version.strip() for name, version in pins}
+
+
+def resolve_closure(requirements: Path, dest: Path, target: list[str], torch_version: str,
+                    prefer: dict[str, str] | None = None) -> list[str]:
     """Every package (``name==version``) that ``requirements`` needs on the node, its dependencies'
     dependencies included, resolved for the node's Python and platform with the node's torch pinned;
-    torch and its CUDA libraries are then left out. Only metadata is fetched here."""
+    torch and its CUDA libraries are then left out. Only metadata is fetched here. ``prefer``: versions
+    the node already has, kept for every package our requirements do not pin (if they resolve)."""
+    if prefer:
+        pinned = {canonical(re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0]) for line in requirement_lines()}
+        kept = [f"{name}=={version}" for name, version in prefer.items()
+                if name not in pinned and not TORCH_FAMILY.match(name)]
+        try:
+            return _resolve(requirements, dest, target, [f"torch=={torch_version}", *kept])
+        except OfflineError:
+            pass  # the node's versions do not fit together with ours: resolve freely
+    return _resolve(requirements, dest, target, [f"torch=={torch_version}"])
+
+
+def _resolve(requirements: Path, dest: Path, target: list[str], constraint_lines: list[str]) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         constraints = Path(tmp) / "constraints.txt"
-        constraints.write_text(f"torch=={torch_version}\n")
+        constraints.write_text("\n".join(constraint_lines) + "\n")
         report = Path(tmp) / "report.json"
         pip("install", "--dry-run", "--ignore-installed", "--report", str(report), "--only-binary=:all:",
             *target, "--target", str(Path(tmp) / "target"), "--find-links", str(dest),
@@ -145,18 +174,26 @@ def download(args: argparse.Namespace) -> None:
         raise OfflineError(f"--dest {dest}: already holds wheels; give an empty or new folder")
     target = platform_args(args.python_version, args.platform or default_platforms())
     requirements = dest / NODE_REQUIREMENTS
-    requirements.write_text("\n".join(requirement_lines()) + "\n")
+    requirements.write_text("\n".join(requirement_lines(notebooks=not args.no_notebooks)) + "\n")
+    have = read_freeze(args.have)
     print(f"[1/4] our pinned requirements for Python {args.python_version} (sources built into wheels)")
     pip("download", "--no-deps", *target, "--dest", str(dest), "--requirement", str(requirements))
     build_pure_wheels(dest)
     print(f"[2/4] resolving their dependencies beside torch {args.torch}")
-    closure = resolve_closure(requirements, dest, target, args.torch)
-    print(f"[3/4] downloading {len(closure)} wheels")
+    closure = resolve_closure(requirements, dest, target, args.torch, have)
+    # what the node already has at that very version stays out of the folder
+    missing = [pin for pin in closure if have.get(canonical(pin.split("==")[0])) != pin.split("==")[1]]
+    print(f"[3/4] downloading {len(missing)} wheels"
+          + (f" ({len(closure) - len(missing)} the node has)" if have else ""))
+    for built in dest.glob("*.whl"):  # our pins the node already has need no wheel either
+        name, version = built.name.split("-")[:2]
+        if have.get(canonical(name)) == version:
+            built.unlink()
     pip("download", "--no-deps", "--only-binary=:all:", *target, "--dest", str(dest),
-        "--find-links", str(dest), *closure)
+        "--find-links", str(dest), *missing)
     print(f"[4/4] torchvision {torchvision}, built for torch {args.torch}, in case the node has none")
-    pip("download", "--no-deps", "--only-binary=:all:", *target, "--dest", str(dest),
-        f"torchvision=={torchvision}")
+    if have.get("torchvision", "").split("+")[0] != torchvision:
+        pip("download", "--no-deps", "--only-binary=:all:", *target, "--dest", str(dest), f"torchvision=={torchvision}")
     manifest = {"python_version": args.python_version, "torch": args.torch, "torchvision": torchvision,
                 "packages": closure, "date": time.strftime("%Y-%m-%d")}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -235,6 +272,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     down.add_argument("--python-version", default=here, help=f"the node's Python (default: this one, {here})")
     down.add_argument("--torch", default="2.13.0",
                       help="the node's torch release, for torchvision and the resolution (default: 2.13.0)")
+    down.add_argument("--have", metavar="FILE",
+                      help="the node's 'python -m pip list --format=freeze': leave out what it already has")
+    down.add_argument("--no-notebooks", action="store_true",
+                      help="leave out the notebook tools (a node that runs the scripts and the GPU suite only)")
     down.add_argument("--platform", action="append",
                       help="a wheel platform tag the node accepts, repeatable (default: manylinux "
                            "x86_64, glibc 2.17 to 2.39)")

@@ -10,6 +10,7 @@ fork from one process that imported torch once), and holds the one launch two te
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,61 @@ def _runs_gpu_tests(config) -> bool:
     return "gpu" in markexpr and "notgpu" not in markexpr
 
 
+# The GPU suite runs in this order, most likely to find a defect first, so that a run cut short by its
+# time box (a lent GPU is held for minutes) has already answered the questions that matter most.
+# Node ids below tests/, matched as prefixes; every other GPU test follows in file order. Tests that
+# need more GPUs than the machine has skip at once wherever they are.
+GPU_ORDER = [
+    # 1. the quick start (the reader's first command) at world size 1
+    "test_ddp_mnist.py::test_ddp_mnist_on_one_gpu_with_nccl",
+    # 2. each chapter's default command at world size 1
+    "test_ch01_gpu.py::test_ddp_training_on_one_gpu_matches_single_process",
+    "test_ch02_gpu.py::test_basics_on_one_gpu",
+    "test_ch03_gpu.py::test_gpu_zero_stages_memory_and_equivalence[1]",
+    "test_ch04_gpu.py::test_collective_ops_on_one_gpu",
+    "test_ch05_gpu.py::test_tensor_parallel_on_one_gpu",
+    "test_ch05_gpu.py::test_pipeline_schedules_on_one_gpu",
+    "test_llama_gpu.py::test_ddp_training_trains_the_llama_on_gpus[1gpu]",
+    "test_benchmarks_gpu.py::test_single_gpu_matrix_runs_on_nccl_and_matches_theory",
+    # 3. the numbers a reading of the GPU path found wrong
+    "test_gpu_numbers.py",
+]
+# Every GPU test has a timeout (pytest-timeout), so a hang costs that test and not the run; the ones
+# that compile or train the 1B model name a longer one with @pytest.mark.timeout.
+GPU_TEST_TIMEOUT_S = 150
+
+
+def pytest_addoption(parser):
+    parser.addoption("--time-box", type=float, default=None, metavar="SECONDS",
+                     help="skip every test that would start after the session has run this long, saying "
+                          "so (the GPU check's time box on a lent GPU)")
+
+
 def pytest_configure(config):
+    config.distkit_started = time.monotonic()
     if not _runs_gpu_tests(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA in this process
+
+
+def gpu_rank(nodeid: str) -> int:
+    """Where a GPU test runs in GPU_ORDER (len(GPU_ORDER) for the rest)."""
+    name = nodeid.split("tests/", 1)[-1]
+    return next((i for i, prefix in enumerate(GPU_ORDER) if name.startswith(prefix)), len(GPU_ORDER))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _runs_gpu_tests(config):
+        return
+    items.sort(key=lambda item: gpu_rank(item.nodeid))  # stable: file order within a rank
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S))
+
+
+def pytest_runtest_setup(item):
+    box = item.config.getoption("time_box")
+    if box is not None and time.monotonic() - item.config.distkit_started > box:
+        pytest.skip(f"the session's time box ({box:.0f} s) was spent before this test started")
 
 
 def pytest_xdist_auto_num_workers(config):

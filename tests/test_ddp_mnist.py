@@ -80,15 +80,16 @@ def test_ddp_mnist_runs_with_one_and_two_processes(tmp_path):
 
 @pytest.mark.gpu
 def test_ddp_mnist_on_one_gpu_with_nccl(tmp_path):
-    """`python ddp_mnist.py` on a GPU host picks NCCL on cuda:0 by itself; the epoch totals and the
-    test counts (all-reduced) must live on the GPU, which is what crashed before."""
+    """The quick start at world size 1 (``torchrun --nproc_per_node=1``, the real torchrun) on a GPU
+    host picks NCCL on cuda:0 by itself; the epoch totals and the test counts (all-reduced) must live
+    on the GPU. The GPU suite runs this test first."""
     from launch import job_env, require_gpus
 
     require_gpus(1)
     results = tmp_path / "r.jsonl"
-    run = python(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--epochs", "2",
-                 "--results", results, "--save", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
-                 env=job_env(tmp_path, gpu=True), timeout=600)
+    run = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", "--epochs", "2",
+                   "--results", results, "--save", tmp_path / "m.pt", "--log-file", tmp_path / "log.txt",
+                   nproc=1, env=job_env(tmp_path, gpu=True), timeout=140, launcher="torchrun")
     assert "world size 1 | backend nccl (cuda)" in run.stdout, run.stdout[-2000:]
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", run.stdout).group(1))
     assert accuracy >= 85.0, run.stdout[-2000:]  # 2 epochs on the 4k offline sample, one rank

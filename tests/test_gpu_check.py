@@ -1,0 +1,76 @@
+"""The GPU check's CPU side: what can be checked of it on a machine without a GPU.
+
+* ``python benchmarks/gpu_check.py`` (the top README's command) says "no GPU" in one line and exits 0;
+* ``pytest -m gpu`` collects cleanly, in the order ``tests/conftest.py`` sets (the quick start first,
+  then each chapter's default command), every GPU test with a timeout, and every entry of
+  ``GPU_ORDER`` names a test that exists (a renamed test would otherwise drop silently to the end);
+* ``--time-box`` skips what would start after the box, saying so; without it, the same tests skip
+  for the reason they always do here (no GPU): the negative control.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from conftest import GPU_ORDER, gpu_rank
+from launch import REPO, job_env, readme_command
+
+GPU_CHECK = "benchmarks/gpu_check.py"
+
+
+def pytest_gpu(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    """``pytest -m gpu ARGS`` in a fresh process, GPUs hidden (this machine's answer either way). Its
+    temporary folder has a short path: the fork server's Unix socket lives there (108 bytes at most)."""
+    basetemp = tempfile.mkdtemp(prefix="gpu-suite-")
+    try:
+        return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                               "--basetemp", basetemp, *args], cwd=REPO, env=job_env(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(basetemp, ignore_errors=True)
+
+
+def test_the_gpu_check_says_no_gpu_in_one_line(tmp_path):
+    command = readme_command(REPO / "README.md", GPU_CHECK)
+    assert command == f"python {GPU_CHECK}"
+    done = subprocess.run([sys.executable, GPU_CHECK], cwd=REPO, env=job_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 0 and len(lines) == 1 and lines[0].startswith("no GPU"), done.stdout + done.stderr
+
+
+COLLECT = """
+import sys, pytest
+class Report:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print("item", item.nodeid, item.get_closest_marker("timeout") is not None)
+sys.exit(pytest.main(["-m", "gpu", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+                      "--basetemp", sys.argv[1]], plugins=[Report()]))
+"""
+
+
+def test_the_gpu_suite_is_ordered_and_every_test_has_a_timeout(tmp_path):
+    """Collected as ``pytest -m gpu`` collects it, with each item's id and whether it has a timeout."""
+    done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect")], cwd=REPO,
+                          env=job_env(tmp_path), capture_output=True, text=True, timeout=300)
+    items = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("item ")]
+    ids = [nodeid for nodeid, _ in items]
+    assert done.returncode == 0 and len(ids) > 40, done.stdout[-3000:]
+    assert [nodeid for nodeid, timed in items if timed != "True"] == []
+    for prefix in GPU_ORDER:
+        assert any(i.split("tests/", 1)[-1].startswith(prefix) for i in ids), f"GPU_ORDER names no test: {prefix}"
+    ranks = [gpu_rank(i) for i in ids]
+    assert ranks == sorted(ranks), "collected out of GPU_ORDER"
+    assert ids[0].endswith("test_ddp_mnist.py::test_ddp_mnist_on_one_gpu_with_nccl")  # the quick start first
+
+
+def test_the_time_box_skips_what_would_start_after_it(tmp_path):
+    target = "tests/test_ch04_gpu.py"
+    boxed = pytest_gpu(target, "-n", "0", "-rs", "--time-box", "0", tmp_path=tmp_path)
+    assert boxed.returncode == 0 and "time box (0 s) was spent" in boxed.stdout, boxed.stdout[-2000:]
+    assert "needs 1 GPU" not in boxed.stdout
+    plain = pytest_gpu(target, "-n", "0", "-rs", tmp_path=tmp_path)  # negative control: no box
+    assert "time box" not in plain.stdout and "this machine has 0" in plain.stdout, plain.stdout[-2000:]
