@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, atomic_write_json, temporary_prefix
 from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int
-from distkit.harness import Harness
+from distkit.harness import Harness, device_clock
 from distkit.logs import progress, setup_logging
 from distkit.models import (TokenTask, add_model_args, build_model, import_transformers, lm_loss,
                             model_config_from_args, rank_slice)
@@ -238,12 +238,14 @@ def train(args, ctx):
     model.to_empty(device=ctx.device)  # uninitialised memory: every value comes from the checkpoint
 
     # 2b. Rank 0 broadcasts one tensor at a time (copied to the shards' device first, so NCCL gets
-    # GPU tensors); every rank keeps its own slice. Ranks != 0 pass an empty dict.
-    t0 = time.perf_counter()
+    # GPU tensors); every rank keeps its own slice. Ranks != 0 pass an empty dict. Timed with
+    # device_clock: on a GPU the copies, broadcasts and RoPE kernels run asynchronously, and a plain
+    # clock would stop before they have.
+    t0 = device_clock(ctx.device)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del state  # rank 0's full copy is no longer needed
     reinit_rope_buffers(model)
-    log.info(f"loaded into {ctx.world_size} ranks' FSDP2 shards in {time.perf_counter() - t0:.2f} s")
+    log.info(f"loaded into {ctx.world_size} ranks' FSDP2 shards in {device_clock(ctx.device) - t0:.2f} s")
 
     # 3. Train (the optimizer is created after fully_shard: it holds, and shards state for, DTensors).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -276,24 +278,24 @@ def train(args, ctx):
                          "logits": torch.cat(gathered).cpu()}, args.dump_logits)
 
     # 4a. Sharded checkpoint: every rank writes its shards in parallel; nobody holds the whole model.
-    t0 = time.perf_counter()
+    t0 = device_clock(ctx.device)
     dcp_dir = os.path.join(args.checkpoint_dir, "dcp")
     save_dcp(model, optimizer, dcp_dir, args.steps, cfg, ctx)
     if ctx.is_main:
         files = sorted(os.listdir(dcp_dir))
         size = sum(os.path.getsize(os.path.join(dcp_dir, f)) for f in files)
         log.info(f"sharded DCP checkpoint (model + optimizer, to resume): {dcp_dir} | {len(files)} files "
-                 f"| {size:,} B | {time.perf_counter() - t0:.2f} s")
+                 f"| {size:,} B | {device_clock(ctx.device) - t0:.2f} s")
     # 4b. Export: all-gather every shard (collective), each tensor moved to CPU memory on rank 0
     # at once (cpu_offload=True; the other ranks get an empty dict); rank 0 writes the folder.
-    t0 = time.perf_counter()
+    t0 = device_clock(ctx.device)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:
         save_hf_folder(full, cfg, args.hf_out)
         files = sorted(os.listdir(args.hf_out))
         size = sum(os.path.getsize(os.path.join(args.hf_out, f)) for f in files)
         log.info(f"Hugging Face folder (weights only, for from_pretrained): {args.hf_out} | "
-                 f"{', '.join(files)} | {size:,} B | {time.perf_counter() - t0:.2f} s")
+                 f"{', '.join(files)} | {size:,} B | {device_clock(ctx.device) - t0:.2f} s")
     dist.barrier()
 
 

@@ -24,7 +24,7 @@ from distkit.deepspeed import (EVAL_BATCH, EVAL_STEP, check_batch, import_deepsp
                                release_engine, resolve_auto, strategy_name, zero_harness, zero_stage)
 from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_float, non_negative_int,
                            positive_int, save_path)
-from distkit.harness import describe_model
+from distkit.harness import append_record, describe_model
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
@@ -168,6 +168,11 @@ def main():
                 log.info(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} (rank 0's micro-batch)")
             if args.save_every and (step + 1) % args.save_every == 0:
                 last_tag = save(step + 1)
+        # The measurement ends with the training steps: the final checkpoint and the evaluation (the
+        # whole eval batch on every rank) are not training steps. The record gets the eval loss and is
+        # written once the evaluation has run.
+        record = harness.finish(None, extra={"eval_loss": None, "final_loss": loss_value,
+                                             "steps": args.steps, "resumed_from": start_step})
         if last_tag != f"step{args.steps}":
             last_tag = save(args.steps)
 
@@ -183,9 +188,9 @@ def main():
             atomic_save({"model": state_dict, "model_config": describe_model(cfg), "strategy": strategy,
                          "steps": args.steps, "eval_loss": eval_loss, "seed": args.seed}, fp32_out)
             log.info(f"consolidated fp32 state dict ({len(state_dict)} tensors) -> {fp32_out}")
-        record = harness.finish(args.results, extra={"eval_loss": eval_loss, "final_loss": loss_value,
-                                                      "steps": args.steps, "resumed_from": start_step})
         if ctx.is_main:
+            record["eval_loss"] = eval_loss
+            append_record(args.results, record)
             metrics = record["metrics"]
             state = metrics["model_state_bytes_per_rank"][0]
             rate = metrics["tokens_per_s"] or 0.0

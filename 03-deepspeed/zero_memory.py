@@ -108,9 +108,11 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
             loss = lm_loss(engine(inputs), targets)
             engine.backward(loss)
             engine.step()
-    weights = full_weights(deepspeed, engine)
     record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
                                                  "script": "zero_memory"})
+    # Only after the measurement: at ZeRO-3 gathering the weights materialises the whole model on
+    # every rank for a moment, which no training step does.
+    weights = full_weights(deepspeed, engine)
     release_engine(engine)  # freed for good by the next clean_slate's gc.collect()
     return record, weights, weakref.ref(engine)
 
@@ -152,8 +154,9 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
             "paper_mixed_precision_total": sum(theory.zero_paper_bytes(psi, world_size, stage).values()),
             "deepspeed_estimator_device_bytes": estimator,
             "peak_rss_bytes_max": max(record["metrics"]["peak_rss_bytes_per_rank"]),
-            # GPU: torch.cuda.max_memory_allocated (model state + buckets + activations + gathered
-            # layers); CPU: peak RSS of the process (interpreter and libraries included).
+            # GPU: torch.cuda.max_memory_allocated over the training steps (model state + buckets +
+            # activations + gathered layers); CPU: what peak_memory_kind says (MemTracker's peak of
+            # the instrumented step, or the process's peak RSS).
             "peak_memory_bytes_max": max(record["metrics"]["peak_memory_bytes_per_rank"]),
             "peak_memory_kind": record["metrics"]["peak_memory_kind"],
             "engine_settings": record["config"]["engine_settings"],
@@ -316,8 +319,9 @@ def main():
         if ctx.is_main:
             table = build_rows(records, weights_by_strategy, cfg, ctx.world_size)
             command = launch_command(ctx.world_size)
-            upsert(args.record, {"name": "zero_memory", **provenance(command), "backend": ctx.backend,
-                                 "steps": args.steps, "table": table})
+            # The machine as this run used it: a --device cpu run on a GPU host is labelled a CPU run.
+            upsert(args.record, {"name": "zero_memory", **provenance(command, device=ctx.device),
+                                 "backend": ctx.backend, "steps": args.steps, "table": table})
             if Path(args.record).resolve() == RECORD:
                 log.info(f"wrote {args.record}; redraw the README table and plot with: "
                          f"python -m distkit.records render 03-deepspeed")

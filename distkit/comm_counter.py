@@ -1,4 +1,5 @@
-"""Counting the collectives that really run, by kind, with their bytes on the wire.
+"""Counting what really runs: the collectives, by kind, with their bytes on the wire, and the
+matrix multiplications, by the dtype they run in.
 
 :class:`CommCounter` is a ``TorchDispatchMode``: while active it sees every ``c10d`` operation
 (DDP's C++ bucket all-reduce, FSDP's all-gather and reduce-scatter, DTensor's functional
@@ -8,12 +9,19 @@ harness (:mod:`distkit.harness`) runs one on its communication-counting step.
 Each collective's ``bytes`` is the payload (the tensor handed to the collective; the *total*
 buffer for gathers/scatters, as nccl-tests counts it) and ``bus_bytes`` the bytes each rank sends
 on the wire in a ring/bandwidth-optimal algorithm: payload x :func:`bus_factor`.
+
+:class:`MatmulCounter`, on the same step, adds up the FLOPs of the matrix multiplications and
+attention kernels by the dtype of their operands: the dtype the training computes in, which the
+harness measures the device's peak FLOP/s in (the denominator of MFU). It sees what autocast,
+FSDP's ``MixedPrecisionPolicy`` or a DeepSpeed bf16/fp16 engine really hand the kernels, since a
+dispatch mode runs below autocast's casts.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -152,3 +160,77 @@ class CommCounter(TorchDispatchMode):
     def summary(self, steps: int = 1) -> dict[str, dict]:
         """Per-step averages: ``{collective: {"calls", "bytes", "bus_bytes"}}``."""
         return {name: stat.as_dict(steps) for name, stat in sorted(self.stats.items())}
+
+
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, key_seq_dim: int, backward: bool) -> int:
+    """An attention kernel's matmul FLOPs, as torch's flop counter counts them: forward, the scores
+    (Q K^T) and the output (P V), 2 b h s_q s_k d each; backward five such products (the scores
+    recomputed, then the gradients of P, V, Q and K). Counted from the query's size, so grouped-query
+    attention (fewer key/value heads) needs no special case."""
+    return (10 if backward else 4) * query.numel() * key.shape[key_seq_dim]
+
+
+@functools.cache
+def _matmul_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas of the ops that do a training step's matrix multiplications, by op packet:
+    torch's own (``torch.utils.flop_counter``) for mm, addmm, bmm and baddbmm, and
+    :func:`_attention_flops` for the attention kernels (torch 2.11's own formulas reject grouped-query
+    shapes). Convolutions and fp8 ``_scaled_mm`` are left out: the peak is measured with a plain
+    matmul in the dtype found."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    formulas = {packet: flop_counter.flop_registry[packet] for packet in
+                (aten.mm, aten.addmm, aten.bmm, aten.baddbmm) if packet in flop_counter.flop_registry}
+    # (batch, heads, seq, dim) kernels and (batch, seq, heads, dim) ones; backward ops take the
+    # output's gradient first, then query and key
+    layouts = {-2: ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"],
+               1: ["_flash_attention", "_efficient_attention"]}
+    for seq_dim, names in layouts.items():
+        for name in names:
+            forward = name + ("_forward" if seq_dim == 1 else "")
+            for op_name, backward in ((forward, False), (name + "_backward", True)):
+                packet = getattr(aten, op_name, None)
+                if packet is not None:
+                    formulas[packet] = _attention_formula(1 if backward else 0, seq_dim, backward)
+    return formulas
+
+
+def _attention_formula(first: int, seq_dim: int, backward: bool) -> Callable[..., int]:
+    """The formula of one attention op: its query is argument ``first``, its key the next."""
+    def formula(*args, **kwargs) -> int:
+        return _attention_flops(args[first], args[first + 1], seq_dim, backward)
+    return formula
+
+
+class MatmulCounter(TorchDispatchMode):
+    """Adds up the FLOPs of every matrix multiplication (and attention kernel) dispatched while
+    active, by the dtype of its operands: ``with MatmulCounter() as mm: ...``, then
+    ``mm.flops_by_dtype`` (``{torch.bfloat16: ...}``) and :meth:`dominant_dtype`.
+
+    The operand is the first multiplied tensor (addmm's and baddbmm's first argument is the term
+    added, e.g. a bias). DTensors are let through as :class:`CommCounter` lets them, so a sharded
+    model's local matmuls are counted with their local shapes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops_by_dtype: dict[torch.dtype, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        formula = _matmul_formulas().get(packet)
+        if formula is not None:
+            operand = args[1] if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) else args[0]
+            self.flops_by_dtype[operand.dtype] += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+    def dominant_dtype(self) -> torch.dtype | None:
+        """The dtype that did the most multiplication FLOPs, or None when none ran."""
+        counted = {dtype: flops for dtype, flops in self.flops_by_dtype.items() if flops > 0}
+        return max(counted, key=counted.get) if counted else None

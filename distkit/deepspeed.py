@@ -363,6 +363,16 @@ def engine_settings(engine) -> dict[str, object]:
     return settings
 
 
+def config_precision(config: dict) -> str:
+    """What the engine trains in, as the config says: ``bf16`` or ``fp16`` when that section is
+    enabled, else ``fp32`` (the record's ``precision``; the harness observes the matmuls' dtype for
+    MFU by itself)."""
+    for name in ("bf16", "fp16"):
+        if (config.get(name) or {}).get("enabled"):
+            return name
+    return "fp32"
+
+
 def zero_harness(ctx, engine, client_optimizer: torch.optim.Optimizer, ds_config: dict,
                  config_path: str | os.PathLike, *, param_count: int, warmup_steps: int,
                  lr: float) -> ZeroHarness:
@@ -376,7 +386,8 @@ def zero_harness(ctx, engine, client_optimizer: torch.optim.Optimizer, ds_config
                           # GPU peaks are exact (max_memory_allocated); tracking a ZeRO-3 engine keeps it
                           # referenced after the run, which that peak would count in the next engine's
                           track_memory=ctx.device.type != "cuda",
-                          config={"global_batch_size": ds_config["train_batch_size"], "precision": "fp32",
+                          config={"global_batch_size": ds_config["train_batch_size"],
+                                  "precision": config_precision(ds_config),
                                   "zero_stage": zero_stage(ds_config),
                                   "offload": offload_devices(ds_config),
                                   "deepspeed_config": Path(config_path).name, "lr": lr,

@@ -5,7 +5,11 @@ Three measurements, one JSON record per run:
 * **time**: a step timer that skips warm-up steps; on GPU it synchronises the device so a step's
   time includes its kernels, on CPU it reads ``time.perf_counter``. A run's step time is the median timed step
   of its slowest rank; throughput is what one step processes / that step time (one definition).
-* **memory per rank**: on GPU ``torch.cuda.max_memory_allocated``. On CPU the peak that
+* **memory per rank**: on GPU the largest ``torch.cuda.max_memory_allocated`` of the harness's own
+  steps: the peak statistic is reset as each step begins (it then starts from what is allocated at
+  that moment, so the model state, optimizer state and anything else held between steps count) and
+  read as it ends, both outside the timed region. Work between or after the steps (an evaluation, a
+  checkpoint, gathering the full weights) does not count. On CPU the peak that
   ``torch.distributed._tools.mem_tracker.MemTracker`` measures on the instrumented step: the bytes of
   every tensor storage alive at the step's peak, by category (parameters, gradients, optimizer state,
   activations, temporaries and communication buffers), exactly, where the process's peak RSS (kept
@@ -50,7 +54,12 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
   ``comm_per_step``; for transformers also
   throughput as practitioners report it: ``tokens_per_s_per_device``, ``model_flops_per_token``
   (:func:`distkit.theory.training_flops_per_token`), ``peak_flops_per_s`` (measured on each rank's
-  device by :func:`measure_peak_flops` at the end of the run, the slowest rank's) and ``mfu``);
+  device by :func:`measure_peak_flops` at the end of the run, the slowest rank's), ``peak_flops_dtype``
+  (the dtype it was measured in: the one the training's matmuls ran in, observed by a
+  :class:`~distkit.comm_counter.MatmulCounter` on the instrumented step) and ``mfu``; and for every
+  run ``float32_matmul_precision`` (``torch.get_float32_matmul_precision()``: "highest" = TF32 off for
+  float32 matmuls, torch's default; "high" lets them use TF32, which changes both an fp32 peak and the
+  numerics);
 * anything the script adds (``losses``, ``predicted`` ...).
 
 :func:`read_records` returns records in this schema whatever version wrote them
@@ -75,14 +84,15 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from .comm_counter import CommCounter, bus_factor
+from .comm_counter import CommCounter, MatmulCounter, bus_factor
 from .models import CONFIG_CLASSES, GPTConfig, LlamaModelConfig, config_from_dict
 from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
 from .runtime import DistContext
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
-__all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "RECORD_SCHEMA", "RegionTimer", "StepTimer",
-           "append_record", "bus_factor", "describe_model", "fresh_memory_peak", "is_compiled", "machine_info",
+__all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "MatmulCounter", "RECORD_SCHEMA", "RegionTimer",
+           "StepTimer", "append_record", "bus_factor", "describe_model", "device_clock", "fresh_memory_peak",
+           "is_compiled", "machine_info",
            "make_record", "measure_peak_flops", "memory_tracker", "model_state_bytes", "peak_by_category",
            "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss", "throughput_metrics",
            "upgrade_record"]
@@ -296,16 +306,45 @@ def fresh_memory_peak(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        _cuda_window_peaks.pop(_cuda_index(device), None)
     else:
         reset_peak_rss()
 
 
+# CUDA has one peak statistic per device, which the harness resets at every step to measure the step
+# alone: what it had reached since the last fresh_memory_peak is folded in here first, so that
+# peak_memory_bytes still covers the whole window (scripts read it for their own figures).
+_cuda_window_peaks: dict[int, int] = {}
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def restart_cuda_peak(device: torch.device) -> None:
+    """Reset CUDA's peak statistic (it restarts at what is allocated now), keeping the window's peak
+    for :func:`peak_memory_bytes`."""
+    index = _cuda_index(device)
+    _cuda_window_peaks[index] = max(_cuda_window_peaks.get(index, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory since the last :func:`fresh_memory_peak`: ``torch.cuda.max_memory_allocated`` on
-    CUDA, this process's peak RSS on CPU."""
+    CUDA (the harness's per-step resets included), this process's peak RSS on CPU. The harness's own
+    record reports the peak of its steps alone (:meth:`Harness.local_metrics`)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return max(_cuda_window_peaks.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished the work queued so far (CUDA is
+    synchronised first): the clock to time code that launches kernels with. CUDA kernels run
+    asynchronously, so a plain clock read after such code stops before its kernels have run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class RegionTimer:
@@ -382,19 +421,14 @@ class StepTimer:
         self.seen = 0
         self.times: list[float] = []
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @contextmanager
     def time(self) -> Iterator[None]:
         """Time the enclosed step (recorded once past the warm-up)."""
-        self._sync()
-        start = time.perf_counter()
+        start = device_clock(self.device)
         yield
-        self._sync()
+        elapsed = device_clock(self.device) - start
         if self.seen >= self.warmup_steps:
-            self.times.append(time.perf_counter() - start)
+            self.times.append(elapsed)
         self.seen += 1
 
 
@@ -455,8 +489,17 @@ class Harness:
     model's parameter count when the module cannot tell (a ZeRO-3 parameter's ``numel()`` is 0
     once partitioned; a pipeline rank holds only its stages); by default counted from ``model``.
     ``state_modules``: the modules whose parameters, gradients and optimizer state this rank holds
-    (a pipeline rank's stages); by default ``model``. ``compute_dtype``: the dtype the matmuls run
-    in (bfloat16 under mixed precision), which the peak FLOP/s behind MFU is measured in.
+    (a pipeline rank's stages); by default ``model``.
+
+    MFU's peak FLOP/s is measured in the dtype the training's matmuls ran in: a
+    :class:`~distkit.comm_counter.MatmulCounter` on the instrumented step adds up their FLOPs by
+    dtype and the one with the most wins (bfloat16 under autocast, FSDP's ``MixedPrecisionPolicy``
+    or a bf16 DeepSpeed engine; float32 when no instrumented step ran). ``compute_dtype`` overrides
+    that observation. The record says which dtype it was (``peak_flops_dtype``).
+
+    Peak memory on CUDA is that of the steps alone (:meth:`step` resets CUDA's peak statistic as a
+    step begins and reads it as it ends, outside the timed region), so what a script does between or
+    after its steps is not counted; :func:`peak_memory_bytes` still gives the whole window.
     """
 
     ctx: DistContext
@@ -469,13 +512,15 @@ class Harness:
     model_config: GPTConfig | dict[str, Any] | None = None
     param_count: int | None = None
     state_modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None
-    compute_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype | None = None
     track_memory: bool = True
     memory_tracker: Any = field(init=False, default=None)
     _memory_peak: dict[str, int] | None = field(init=False, default=None)
     _timer: StepTimer = field(init=False)
     _comm: CommCounter = field(init=False)
+    _matmuls: MatmulCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
+    _cuda_step_peak: int | None = field(init=False, default=None)
     _steps: int = field(init=False, default=0)
     _timed_samples: float = field(init=False, default=0.0)
     _timed_tokens: float = field(init=False, default=0.0)
@@ -484,6 +529,7 @@ class Harness:
     def __post_init__(self) -> None:
         self._timer = StepTimer(self.ctx.device, warmup_steps=0)
         self._comm = CommCounter()
+        self._matmuls = MatmulCounter()
         # GPU peak memory counts from here: whatever an earlier configuration in this process left
         # for the garbage collector or the CUDA cache must not count against this one. (CPU peak RSS
         # is per process; scripts that run several configurations call fresh_memory_peak themselves.)
@@ -495,38 +541,59 @@ class Harness:
         """Wrap one training step (forward, backward, optimizer step)."""
         index = self._steps
         self._steps += 1
-        if index < self.warmup_steps + self.comm_steps:
+        with self._step_memory_peak():
             if index < self.warmup_steps:
                 yield
-            else:
-                module = self._state_module()
-                compiled = is_compiled(module)
-                with ExitStack() as instruments:
-                    if compiled:
-                        # Dynamo runs code under a dispatch mode eagerly and keeps it eager for the
-                        # rest of the process; under the force_eager stance it is not consulted at all,
-                        # so the compiled code is used again on the timed steps. The collectives
-                        # (module hooks, the DDP reducer, DTensor) are the same in eager.
-                        instruments.enter_context(torch.compiler.set_stance("force_eager"))
-                    instruments.enter_context(self._comm)
-                    if index == self.warmup_steps and self.track_memory and not compiled:
-                        self.memory_tracker = memory_tracker(module, self.optimizer, self.memory_externals())
-                        instruments.enter_context(self.memory_tracker)
+            elif index < self.warmup_steps + self.comm_steps:
+                with self._instruments(first=index == self.warmup_steps):
                     yield
-                if self.memory_tracker is not None:
-                    self._memory_peak = peak_by_category(self.memory_tracker)
-                    self.memory_tracker = None
                 self._comm_done += 1
+            else:
+                with self._timer.time():
+                    yield
+                self._timed_samples += samples
+                self._timed_tokens += tokens
+        if index < self.warmup_steps + self.comm_steps:
             # Gradients and optimizer state exist after a step; keep the largest sample. Only on
             # untimed steps: walking every tensor must not add to a measured step.
             current = self.state_bytes()
             if sum(current.values()) >= sum(self._state_bytes.values()):
                 self._state_bytes = current
-        else:
-            with self._timer.time():
-                yield
-            self._timed_samples += samples
-            self._timed_tokens += tokens
+
+    @contextmanager
+    def _step_memory_peak(self) -> Iterator[None]:
+        """On CUDA, the peak of this step alone: reset CUDA's peak statistic as the step begins (it
+        restarts at what is allocated now, so state held across steps counts) and keep the largest
+        reading as steps end. Outside the step timer's region: timing is unaffected."""
+        if self.ctx.device.type != "cuda":
+            yield
+            return
+        restart_cuda_peak(self.ctx.device)
+        yield
+        peak = torch.cuda.max_memory_allocated(self.ctx.device)
+        self._cuda_step_peak = max(self._cuda_step_peak or 0, peak)
+
+    @contextmanager
+    def _instruments(self, first: bool) -> Iterator[None]:
+        """An instrumented step: collectives and matmul dtypes counted, memory tracked on the first."""
+        module = self._state_module()
+        compiled = is_compiled(module)
+        with ExitStack() as instruments:
+            if compiled:
+                # Dynamo runs code under a dispatch mode eagerly and keeps it eager for the
+                # rest of the process; under the force_eager stance it is not consulted at all,
+                # so the compiled code is used again on the timed steps. The collectives
+                # (module hooks, the DDP reducer, DTensor) and the matmuls' dtypes are the same in eager.
+                instruments.enter_context(torch.compiler.set_stance("force_eager"))
+            instruments.enter_context(self._comm)
+            instruments.enter_context(self._matmuls)
+            if first and self.track_memory and not compiled:
+                self.memory_tracker = memory_tracker(module, self.optimizer, self.memory_externals())
+                instruments.enter_context(self.memory_tracker)
+            yield
+        if self.memory_tracker is not None:
+            self._memory_peak = peak_by_category(self.memory_tracker)
+            self.memory_tracker = None
 
     def _state_module(self) -> torch.nn.Module | None:
         """``state_modules`` (several modules as one ``ModuleList``), else ``model``: what this rank
@@ -566,19 +633,31 @@ class Harness:
         """This rank's timed step durations in seconds (what the record's median is taken over)."""
         return list(self._timer.times)
 
+    def compute_dtype_for_peak(self) -> torch.dtype:
+        """The dtype MFU's peak FLOP/s is measured in: ``compute_dtype`` if given, else the dtype of
+        most matmul FLOPs on the instrumented step(s), else float32 (no instrumented step ran)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return self._matmuls.dominant_dtype() or torch.float32
+
     def local_metrics(self) -> dict[str, Any]:
         """This rank's numbers (no communication)."""
         times = self._timer.times
         peak, kind = peak_memory_bytes(self.ctx.device), "cpu_peak_rss"
         if self.ctx.device.type == "cuda":
             kind = "cuda_max_allocated"
+            if self._cuda_step_peak is not None:  # the steps alone (before any step: the window's)
+                peak = self._cuda_step_peak
         elif self._memory_peak is not None:
             peak, kind = self._memory_peak["total"], "cpu_mem_tracker"
         # Measured after the run on every rank at once (ranks sharing CPU cores measure their share);
         # only for transformers, whose FLOPs per token are known.
-        flops = measure_peak_flops(self.ctx.device, self.compute_dtype) if self._model_config() else None
+        dtype = self.compute_dtype_for_peak()
+        flops = measure_peak_flops(self.ctx.device, dtype) if self._model_config() else None
         return {
             "peak_flops_per_s": flops,
+            "peak_flops_dtype": str(dtype).removeprefix("torch.") if flops else None,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "timed_steps": len(times),
             "time_s": sum(times),
             "step_time_s_median": statistics.median(times) if times else None,
@@ -623,6 +702,7 @@ class Harness:
             "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
             "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],
             "comm_per_step": per_rank[0]["comm_per_step"],
+            "float32_matmul_precision": per_rank[0]["float32_matmul_precision"],
         }
         param_count = self.param_count if self.param_count is not None else _param_count(self.model)
         model_config = self._declared_config()
@@ -630,10 +710,12 @@ class Harness:
         if transformer is not None:
             from .theory import training_flops_per_token
 
-            peaks = [m["peak_flops_per_s"] for m in per_rank if m["peak_flops_per_s"]]
+            measured = [m for m in per_rank if m["peak_flops_per_s"]]
+            slowest = min(measured, key=lambda m: m["peak_flops_per_s"]) if measured else None
             metrics.update(throughput_metrics(metrics["tokens_per_s"], self.ctx.world_size,
                                               training_flops_per_token(transformer),
-                                              min(peaks) if peaks else None))
+                                              slowest["peak_flops_per_s"] if slowest else None))
+            metrics["peak_flops_dtype"] = slowest["peak_flops_dtype"] if slowest else None
         record = make_record(self.ctx, self.strategy, model=model_config, param_count=param_count,
                              config=self.config, metrics=metrics, extra=extra)
         if results_file is not None:

@@ -207,7 +207,9 @@ class TokenTask:
         """Inputs and targets of step ``step``: ``batch_size`` sequences, wrapping around the data."""
         index = (step * batch_size + torch.arange(batch_size)) % len(self.tokens)
         seqs = self.tokens[index]
-        return seqs[:, :-1], seqs[:, 1:]
+        # contiguous: a pipeline stage checks its inputs' strides against the micro-batch it was
+        # built for (torch 2.11 refuses the (S+1, 1) strides of a slice)
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

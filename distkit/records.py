@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance  # noqa: F401
+from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance, run_device  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 # Folders never scanned for Markdown: scratch output, data, virtual environments.
@@ -134,7 +134,6 @@ def capture(command: str, name: str, timeout_s: float | None = None,
     each other) and two of them never write one record file at once.
     """
     env = dict(os.environ, DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
-    record_machine = machine()
     with open(LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Other work on the machine slows a recorded run down; keep how busy it was (1-min load).
@@ -147,11 +146,13 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         except subprocess.TimeoutExpired as e:
             raise RecordError(f"{command!r} ran past {timeout_s:g} s") from e
         seconds = time.perf_counter() - started
-        # The chapter scripts pick NCCL where there are GPUs and gloo where there are none.
-        backend = "nccl" if record_machine.get("gpu_count") else "gloo"
-        record = {"name": name, **provenance(command), "backend": backend, "returncode": proc.returncode,
-                  "wall_s": round(seconds, 1), "load_1min": load,
-                  "output": clean_output(proc.stdout.decode(errors="replace"))}
+        output = clean_output(proc.stdout.decode(errors="replace"))
+        # The machine as the command used it (a CPU run on a GPU host is labelled with the CPU); the
+        # chapter scripts use NCCL on GPUs and gloo on the CPU.
+        device = run_device(command, output)
+        record = {"name": name, **provenance(command, device=device),
+                  "backend": "nccl" if device == "cuda" else "gloo", "returncode": proc.returncode,
+                  "wall_s": round(seconds, 1), "load_1min": load, "output": output}
         if into is not None:
             upsert(into, record)
     return record

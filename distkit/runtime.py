@@ -28,6 +28,15 @@ from .slurm import is_srun_task, srun_rank_hint, srun_task
 
 DEFAULT_TIMEOUT_S = 300
 
+# torch 2.13 renamed the flat-buffer collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single; the old names now warn). torch 2.11, which many
+# clusters still ship, has only the old names. The chapters call the new ones; on an older torch they
+# are the old functions under the new names. This is the one place the two versions differ.
+if not hasattr(dist, "all_gather_single"):
+    dist.all_gather_single = dist.all_gather_into_tensor
+if not hasattr(dist, "reduce_scatter_single"):
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor
+
 
 def env_int(name: str, default: int) -> int:
     """An integer environment variable (as torchrun sets RANK, LOCAL_RANK, WORLD_SIZE ...)."""

@@ -42,9 +42,18 @@ GPU_ORDER = [
     # 3. the numbers a reading of the GPU path found wrong
     "test_gpu_numbers.py",
 ]
-# Every GPU test has a timeout (pytest-timeout), so a hang costs that test and not the run; the ones
-# that compile or train the 1B model name a longer one with @pytest.mark.timeout.
+# Every GPU test has a timeout (pytest-timeout), so a hang costs that test and not the run. The tests
+# below do several times the work of one small launch (compilations, the 1B model, a matrix of
+# cells, several DeepSpeed engines), so their limit is longer.
 GPU_TEST_TIMEOUT_S = 150
+GPU_LONG_TESTS = {
+    "test_llama_gpu.py::test_activation_checkpointing_and_compile_on_gpus": 240,
+    "test_llama_gpu.py::test_llama_3_2_1b_counts_on_meta_and_steps_on_one_gpu": 240,
+    "test_benchmarks_gpu.py::test_single_gpu_matrix_runs_on_nccl_and_matches_theory": 240,
+    "test_benchmarks_gpu.py::test_planner_predicts_the_single_gpu_cells": 240,
+    "test_ch03_gpu.py::test_gpu_zero_stages_memory_and_equivalence": 240,
+    "test_ch03_gpu.py::test_gpu_train_resume_consolidate_and_generate": 240,
+}
 
 
 def pytest_addoption(parser):
@@ -71,7 +80,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: gpu_rank(item.nodeid))  # stable: file order within a rank
     for item in items:
         if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S))
+            name = item.nodeid.split("tests/", 1)[-1]
+            limit = next((s for prefix, s in GPU_LONG_TESTS.items() if name.startswith(prefix)), GPU_TEST_TIMEOUT_S)
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 def pytest_runtest_setup(item):

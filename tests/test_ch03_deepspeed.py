@@ -382,8 +382,9 @@ def test_kernel_inject_without_a_policy_is_one_line(tmp_path):
 
 def test_deepspeed_launcher_ranks_without_gpus_are_one_line(tmp_path):
     """The deepspeed launcher tells ranks their node size in LOCAL_SIZE (not LOCAL_WORLD_SIZE):
-    asking for CUDA for 2 local ranks on a machine with none is one line naming both counts."""
+    asking for CUDA for 2 local ranks on a machine with none is one line naming both counts (it blames
+    --backend nccl where torch is a CUDA build, whose NCCL is there without a GPU, else --device cuda)."""
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", "--num_gpus=2",
             str(CHAPTER / "deepspeed_train.py"), "--device", "cuda", "--model-size", "tiny"]
     result = run(argv, env=job_env(tmp_path), check=False, timeout=180)
-    assert_one_line_error(result, "--device cuda: 2 local ranks need 2 GPUs but this machine has 0")
+    assert_one_line_error(result, ": 2 local ranks need 2 GPUs but this machine has 0")

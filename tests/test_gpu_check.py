@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-from conftest import GPU_ORDER, gpu_rank
+from conftest import GPU_LONG_TESTS, GPU_ORDER, gpu_rank
 from launch import REPO, job_env, readme_command
 
 GPU_CHECK = "benchmarks/gpu_check.py"
@@ -60,8 +60,8 @@ def test_the_gpu_suite_is_ordered_and_every_test_has_a_timeout(tmp_path):
     ids = [nodeid for nodeid, _ in items]
     assert done.returncode == 0 and len(ids) > 40, done.stdout[-3000:]
     assert [nodeid for nodeid, timed in items if timed != "True"] == []
-    for prefix in GPU_ORDER:
-        assert any(i.split("tests/", 1)[-1].startswith(prefix) for i in ids), f"GPU_ORDER names no test: {prefix}"
+    for prefix in [*GPU_ORDER, *GPU_LONG_TESTS]:
+        assert any(i.split("tests/", 1)[-1].startswith(prefix) for i in ids), f"names no test: {prefix}"
     ranks = [gpu_rank(i) for i in ids]
     assert ranks == sorted(ranks), "collected out of GPU_ORDER"
     assert ids[0].endswith("test_ddp_mnist.py::test_ddp_mnist_on_one_gpu_with_nccl")  # the quick start first

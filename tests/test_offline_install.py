@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, job_env, run
+from launch import REPO, job_env, readme_command, run
 
 OFFLINE = REPO / "distkit" / "offline.py"
 TORCH = torch.__version__.split("+")[0]
@@ -133,3 +133,17 @@ def test_torchvision_is_matched_to_the_nodes_torch():
         ["0.26.0", "0.27.1", "0.28.0"]
     pins = offline.requirement_lines()
     assert not [p for p in pins if p.split("==")[0] in ("torch", "torchvision")] and "deepspeed==0.19.8" in pins
+
+
+def test_the_readme_commands_are_the_pair_tested_here():
+    """The README's two commands parse, name the node's Python and torch, and install the folder the
+    first one writes; the test above runs the same pair with this machine's Python and torch."""
+    import shlex
+
+    offline = load_offline()
+    download = shlex.split(readme_command(REPO / "README.md", "distkit/offline.py download"))
+    install = shlex.split(readme_command(REPO / "README.md", "distkit/offline.py install"))
+    assert download[:2] == install[:2] == ["python", "distkit/offline.py"]
+    args = offline.parse_args(download[2:])
+    assert (args.python_version, args.torch) == ("3.12", "2.11.0")
+    assert offline.parse_args(install[2:]).folder == args.dest

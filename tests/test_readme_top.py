@@ -11,10 +11,12 @@ from launch import REPO, assert_readme_covered, readme_command
 README = REPO / "README.md"
 QUICK_START = "01-ddp-basics/ddp_mnist.py"
 RECORDS_COMMANDS = ["python -m distkit.records render", "python -m distkit.records check"]
+# "On an offline GPU node" and the GPU check: tests/test_offline_install.py and tests/test_gpu_check.py
+OFFLINE_COMMANDS = ["distkit/offline.py download", "distkit/offline.py install", "benchmarks/gpu_check.py"]
 
 
 def test_every_readme_command_has_a_test():
-    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS])
+    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, *OFFLINE_COMMANDS])
     for command in RECORDS_COMMANDS:  # exactly these, with no folder: the whole repository
         assert readme_command(README, command) == command
 
