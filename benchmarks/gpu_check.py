@@ -11,10 +11,11 @@ the whole fits a short lease of one GPU:
    at world size 1, then the rest; every test has its own timeout), its JUnit XML and log kept;
 2. the quick start at world size 1 (``torchrun --nproc_per_node=1 01-ddp-basics/ddp_mnist.py``);
 3. device-to-device copy bandwidth (bytes read plus bytes written, per second);
-4. tokens/s, MFU and peak memory of the tiny Llama and of ``llama-3.2-1b`` with activation
-   checkpointing none/full/selective, eager and compiled (``05-advanced/activation_checkpointing.py``);
+4. tokens/s, MFU and peak memory of the tiny Llama with activation checkpointing none/full/selective,
+   eager and compiled (``05-advanced/activation_checkpointing.py``);
 5. the planner's one-GPU check: the large GPT at world size 1 under every strategy one GPU runs,
-   predicted by ``distkit.planner`` with the GPU's speed taken from the DDP cell.
+   predicted by ``distkit.planner`` with the GPU's speed taken from the DDP cell;
+6. the same as 4 for ``llama-3.2-1b`` (last: the longest, and the first cut when time runs out).
 
 Every command's output is stored as an output record (``outputs.jsonl``: command, machine, torch,
 date; ``python -m distkit.records``), every measured run as a harness record, and ``gpu_check.json``
@@ -37,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # the GPU suite's share of the time box; the measurements get the rest, in the order below
-SUITE_BOX_S, MEASURE_BOX_S = 330, 150
+SUITE_BOX_S, MEASURE_BOX_S = 300, 210
 LLAMA_AC = ("05-advanced/activation_checkpointing.py --arch llama --ac none full selective --compile off on "
             "--backend nccl")
 PLANNER_STRATEGIES = ("ddp", "fsdp_full_shard", "fsdp_no_shard", "tp", "pp_1f1b")
@@ -65,12 +66,12 @@ def measurements(out: Path) -> list[tuple[str, str, float]]:
         ("copy_bandwidth", f"{here} benchmarks/gpu_check.py --copy-bandwidth", 30),
         ("llama_tiny_ac", f"{torchrun} --nproc_per_node=1 {LLAMA_AC} --model-size tiny "
                           f"--steps 10 --results {out}/ac_llama.jsonl", 120),
-        ("llama_1b_ac", f"{torchrun} --nproc_per_node=1 {LLAMA_AC} --model-size llama-3.2-1b "
-                        f"--seq-len 1024 --global-batch-size 4 --steps 6 --results {out}/ac_llama.jsonl", 300),
         ("planner_1gpu", f"{here} benchmarks/distributed_benchmarks.py --world-sizes 1 --strategies "
                          f"{' '.join(PLANNER_STRATEGIES)} --model-size large --n-layer 12 --global-batch-size 32 "
                          f"--steps 8 --results {out}/planner_cells.jsonl && {here} benchmarks/gpu_check.py "
                          f"--validate-planner {out}/planner_cells.jsonl", 150),
+        ("llama_1b_ac", f"{torchrun} --nproc_per_node=1 {LLAMA_AC} --model-size llama-3.2-1b "
+                        f"--seq-len 1024 --global-batch-size 4 --steps 6 --results {out}/ac_llama.jsonl", 300),
     ]
 
 

@@ -74,8 +74,24 @@ def gpu_rank(nodeid: str) -> int:
     return next((i for i, prefix in enumerate(GPU_ORDER) if name.startswith(prefix)), len(GPU_ORDER))
 
 
+# Seconds each CPU-suite file takes on a 2-core machine (its tests added up; measured on 2026-11-26).
+# The two workers take whole files, longest first (pyproject.toml's --no-loadscope-reorder keeps this
+# order): a long file left for the end would run alone while the other worker idles. A file missing
+# here runs last; a stale figure costs only time.
+CPU_FILE_SECONDS = {
+    "test_notebooks.py": 163, "test_offline_install.py": 133, "test_slurm.py": 90, "test_benchmarks.py": 92,
+    "test_ch03_deepspeed.py": 72, "test_ch02_fsdp.py": 68, "test_ch05_advanced.py": 66,
+    "test_llama_equivalence.py": 54, "test_ch01_tools.py": 47, "test_ch01_ddp.py": 36, "test_readme_top.py": 35,
+    "test_ddp_mnist.py": 35, "test_ch02_hf.py": 33, "test_ch04_readme.py": 29, "test_gpu_check.py": 27,
+    "test_ch05_negative.py": 25, "test_bad_input.py": 20, "test_ch05_ac.py": 20, "test_ch05_cp_ep.py": 16,
+    "test_ch02_negative.py": 15, "test_ch02_lora.py": 13, "test_records.py": 10, "test_planner.py": 10,
+}
+
+
 def pytest_collection_modifyitems(config, items):
     if not _runs_gpu_tests(config):
+        # stable: file order within a file's tests is kept
+        items.sort(key=lambda item: -CPU_FILE_SECONDS.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], 0))
         return
     items.sort(key=lambda item: gpu_rank(item.nodeid))  # stable: file order within a rank
     for item in items:
