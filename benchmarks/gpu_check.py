@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -115,15 +114,13 @@ def validate_planner(results: str) -> None:
 
 
 def machine() -> dict:
-    """The GPU and the software stack this check ran on."""
+    """The GPU and the software stack this check ran on (the harness's record of a machine)."""
     import torch
 
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip().splitlines()
-    return {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count(),
-            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
-            "driver": driver[0] if driver else None, "cuda": torch.version.cuda, "torch": torch.__version__,
-            "python": platform.python_version(), "cpu_cores": os.cpu_count(), "platform": platform.platform()}
+    from distkit.harness import machine_info
+
+    return {**machine_info(torch.device("cuda", 0)),
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory}
 
 
 def suite_outcomes(junit: Path) -> list[dict]:
@@ -208,7 +205,7 @@ def main(argv=None) -> int:
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    print(f"[gpu_check] {summary['machine']['gpu']} | driver {summary['machine']['driver']} | CUDA "
+    print(f"[gpu_check] {summary['machine']['device_name']} | driver {summary['machine']['driver']} | CUDA "
           f"{summary['machine']['cuda']} | torch {summary['machine']['torch']}")
     if not args.skip_suite:
         summary["suite"] = run_suite(out, args.suite_box)

@@ -407,9 +407,26 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
         info["gpu_count"] = torch.cuda.device_count()
+        # GPU figures depend on the CUDA runtime torch was built with and on the driver
+        info["cuda"] = torch.version.cuda
+        info["driver"] = nvidia_driver()
     else:
         info["device_name"] = f"{cores}-core CPU"
     return info
+
+
+@functools.cache
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it (None where nvidia-smi is missing)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 class StepTimer:
