@@ -29,6 +29,7 @@ from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
+from distkit.paths import check_outputs
 
 
 HERE = Path(__file__).resolve().parent
@@ -220,6 +221,7 @@ def readme_figures(out_dir: Path) -> str:
 
 
 def driver(args) -> None:
+    check_outputs(None, args, files=["results", "plot"])  # before the first job, not after the last
     args.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     # One backend and device for every world size, chosen for the largest: with "auto" each job
     # would choose alone, and on a 2-GPU node a 1- and 2-rank NCCL job would be compared with a

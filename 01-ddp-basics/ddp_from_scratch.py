@@ -30,6 +30,7 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -94,6 +95,7 @@ def main():
     args = parse_args()
     wall_start = time.perf_counter()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         gpt = model_config_from_args(args)
         if args.global_batch_size % ctx.world_size:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import ArgumentParser, DistContext, UsageError, add_runtime_args, run_main
+from distkit.paths import check_outputs
 from distkit.runtime import (choose_backend_and_device, local_world_size_from_env, seed_everything,
                              use_launcher_env)
 from distkit.checkpoint import atomic_save
@@ -156,6 +157,7 @@ def main():
 
 def train(args, ctx: DistContext, wall_start: float) -> None:
     """Data, model, DDP, the epochs, the checkpoint and the record: the rest of the script."""
+    check_outputs(ctx, args, files=["log_file", "results", "save"])  # before the first byte is written
     log = setup_logging(ctx.rank, args.log_file)
     log.info(f"world size {ctx.world_size} | backend {ctx.backend} | device {ctx.device.type} "
              f"| per-rank batch {args.batch_size} -> global batch {args.batch_size * ctx.world_size}")

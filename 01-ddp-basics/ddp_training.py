@@ -35,6 +35,7 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 from distkit.runtime import launched_rank
 
 
@@ -279,6 +280,7 @@ def train(args: argparse.Namespace) -> None:
     wall_start = time.perf_counter()
     with distributed(args) as ctx:
         args = share_args(args, ctx)
+        check_outputs(ctx, args, files=["results"], dirs=["checkpoint_dir", "log_dir"])
         log = setup_logging(ctx.rank, os.path.join(args.log_dir, "train.log"), per_rank_dir=args.log_dir)
         gpt = model_config_from_args(args)
         micro = args.global_batch_size // ctx.world_size // args.grad_accum_steps

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit.flags import positive_int
+from distkit.paths import check_outputs
 from distkit.records import machine_label
 
 HERE = Path(__file__).resolve().parent
@@ -193,6 +194,7 @@ def main() -> None:
 
     def run() -> None:
         if args.measure:
+            check_outputs(None, args, files=["record"])
             measure(args.repeats, Path(args.record))
         path = Path(args.record)
         if not path.is_file():

@@ -31,6 +31,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
+from distkit.paths import check_outputs
 from distkit.theory import fsdp_prediction, param_shapes
 from distkit.models import (TokenTask, add_model_args, build_model, model_config_from_args, lm_loss,
                             rank_slice)
@@ -153,6 +154,7 @@ def trace_one_step(model, optimizer, inputs, targets, ctx):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         shard_trace_and_train(args, ctx)
 
 

@@ -38,6 +38,7 @@ from distkit.flags import check_global_batch, add_checkpoint_args, add_training_
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
+from distkit.paths import check_outputs
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -239,6 +240,8 @@ def folder_bytes(folder):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["dump_loaded"],
+                      dirs=["checkpoint_dir"] if args.checkpoint_format != "none" else [])
         train_and_checkpoint(args, ctx)
 
 
@@ -294,7 +297,8 @@ def train_and_checkpoint(args, ctx):
             loaded = get_model_state_dict(model, options=FULL)
             if ctx.is_main:
                 atomic_save(loaded, args.dump_loaded)
-    log.info(f"world size {ctx.world_size} | {args.model_size} GPT | steps {start_step} -> {args.steps}")
+    model_name = f"{args.model_size} {'Llama' if cfg.arch == 'llama' else 'GPT'}"
+    log.info(f"world size {ctx.world_size} | {model_name} | steps {start_step} -> {args.steps}")
 
     task = TokenTask(cfg, seed=args.seed)
     for step in progress(range(start_step, args.steps), ctx.rank, desc="train"):

@@ -32,11 +32,13 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, atomic_write_json, temporary_prefix
-from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int
+from distkit.flags import (check_global_batch, add_checkpoint_args, add_training_args, positive_int,
+                           set_flag_default)
 from distkit.harness import Harness, device_clock
 from distkit.logs import progress, setup_logging
 from distkit.models import (TokenTask, add_model_args, build_model, import_transformers, lm_loss,
                             model_config_from_args, rank_slice)
+from distkit.paths import check_outputs
 
 # What config.json must agree on with the flags (LlamaConfig attribute -> the flag that sets it).
 CHECKED = {"vocab_size": "--vocab-size", "hidden_size": "--n-embd", "num_hidden_layers": "--n-layer",
@@ -69,7 +71,8 @@ def parse_args(argv=None):
     group.add_argument("--dump-logits", default=None, metavar="PATH",
                        help="rank 0 saves the trained model's logits on the first global batch (to check an export)")
     add_model_args(parser)
-    parser.set_defaults(arch="llama")
+    set_flag_default(parser, "arch", "llama", "the architecture; a Hugging Face Llama folder loads into "
+                     "--arch llama only")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if args.arch != "llama":
@@ -197,6 +200,9 @@ def save_dcp(model, optimizer, folder, step, cfg, ctx):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        creates_hf_in = args.create_hf_in and not os.path.exists(args.hf_in)  # then --hf-in is written too
+        check_outputs(ctx, args, files=["results", "dump_logits"],
+                      dirs=["hf_out", "checkpoint_dir", *(["hf_in"] if creates_hf_in else [])])
         train(args, ctx)
 
 

@@ -27,11 +27,13 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, safe_load
-from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_float, positive_int, save_path
+from distkit.flags import (check_global_batch, add_checkpoint_args, add_training_args, positive_float, positive_int,
+                           save_path, set_flag_default)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import (TokenTask, add_model_args, build_model, config_from_dict, import_transformers,
                             lm_loss, model_config_from_args, rank_slice)
+from distkit.paths import check_outputs
 from distkit.theory import fsdp_padded_numel, param_shapes
 
 import_transformers()  # before peft: it imports transformers, which needs the repository's workaround
@@ -58,7 +60,8 @@ def parse_args(argv=None):
     add_checkpoint_args(parser, save="none", helps={
         "save": "rank 0 writes the trained adapters only (not the base) to this file; 'none' skips it"})
     add_model_args(parser, default_size="tiny")
-    parser.set_defaults(arch="llama")
+    set_flag_default(parser, "arch", "llama", "the architecture; LoRA here adapts the Llama's q_proj/k_proj/... "
+                     "layers: --arch llama only")
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     if args.arch != "llama":
@@ -189,6 +192,7 @@ def load_adapters(path, device="cpu"):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)

@@ -32,6 +32,7 @@ from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
+from distkit.paths import check_outputs
 from distkit.theory import fsdp_padded_numel, fsdp_prediction, param_shapes
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
@@ -214,11 +215,13 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)
         task = TokenTask(cfg, seed=args.seed)
-        log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {args.model_size} GPT | "
+        model_name = f"{args.model_size} {'Llama' if cfg.arch == 'llama' else 'GPT'}"
+        log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {model_name} | "
                  f"global batch {args.global_batch_size} | {args.mixed_precision}")
         meshes = {}
         for strategy in args.sharding:

@@ -214,7 +214,12 @@ def strategies_figures(out_dir: Path) -> str:
 
 
 def main(argv=None):
+    from distkit.paths import output_problems
+
     args = parse_args(argv)
+    unwritable = output_problems(args, dirs=["plots_dir"])
+    if unwritable:
+        raise SystemExit(f"error: {unwritable}")
     records = newest_per_strategy(args.results)
     plot(records, args.plots_dir)
     print(table(records, source=os.path.relpath(args.results)))

@@ -28,6 +28,7 @@ from distkit.harness import append_record, describe_model
 from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -96,6 +97,7 @@ def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"], dirs=["checkpoint_dir"])
         log = setup_logging(ctx.rank)
         ds_config = load_ds_config(args.deepspeed_config, args.global_batch_size)
         micro_batch = check_batch(ds_config, ctx.world_size, args.deepspeed_config)

@@ -35,6 +35,7 @@ from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.logs import setup_logging
 from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 from distkit.records import provenance, upsert
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -284,6 +285,7 @@ def readme_section(out_dir: Path) -> str:
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "record", "save"])
         log = setup_logging(ctx.rank)
         paths = [config_path(name) for name in args.configs]
         one_file = save_path(args.save, strategy="a") == save_path(args.save, strategy="b")

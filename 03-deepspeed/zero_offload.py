@@ -29,6 +29,7 @@ from distkit.flags import add_training_args
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
 from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -114,6 +115,7 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results"])
         log = setup_logging(ctx.rank)
         for path in (args.baseline_config, args.offload_config):
             load_ds_config(path, args.global_batch_size)

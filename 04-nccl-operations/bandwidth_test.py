@@ -36,6 +36,7 @@ import torch.distributed as dist
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.flags import non_negative_int, positive_int
 from distkit.harness import append_record, bus_factor, machine_info, make_record, read_records
+from distkit.paths import check_outputs
 from distkit.records import machine_label, save_figure
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "sendrecv"]
@@ -359,6 +360,8 @@ def main():
     dtype = DTYPES[args.dtype]
     with distributed(args) as ctx:
         n, cuda = ctx.world_size, ctx.device.type == "cuda"
+        args.plot = args.plot or f"runs/bandwidth_{ctx.device.type}_{ctx.backend}_{n}ranks.png"
+        check_outputs(ctx, args, files=["results", "plot"])
         sizes = size_sweep(args, ctx, dtype.itemsize)
         if ctx.is_main:
             print(f"# bandwidth test | {n} ranks | backend {ctx.backend} | {machine_info(ctx.device)['device_name']} "
@@ -396,10 +399,9 @@ def main():
                     extra={"run_started": run_started, "matrix_GBps": matrix}))
 
         if ctx.is_main and records:
-            path = args.plot or f"runs/bandwidth_{ctx.device.type}_{ctx.backend}_{n}ranks.png"
-            save_figure(draw(records), path)
+            save_figure(draw(records), args.plot)
             print(f"\n# {len(records)} collectives, {wrong} wrong elements | records appended to {args.results} "
-                  f"| plot {path}")
+                  f"| plot {args.plot}")
 
     if wrong:  # like nccl-tests, a data error fails the run whatever the speed
         if ctx.is_main:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.logs import setup_logging
+from distkit.paths import check_outputs
 
 SCENARIOS = ("mismatch", "missing-rank", "crash")
 LAB_TIMEOUT_S = 10
@@ -189,6 +190,7 @@ def main():
     with distributed(args) as ctx:
         if ctx.world_size < 2:
             raise UsageError("the lab needs at least 2 ranks (torchrun --nproc_per_node=4 ...)")
+        check_outputs(ctx, args, dirs=["log_dir"])
         log = setup_logging(ctx.rank, per_rank_dir=args.log_dir, all_ranks=False)
         if ctx.is_main:
             print(f"scenario {args.scenario} | world size {ctx.world_size} | backend {ctx.backend} "

@@ -46,6 +46,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, non_negative_float, save_path
 from distkit.harness import Harness, fresh_memory_peak, memory_tracker, peak_by_category
 from distkit.logs import setup_logging
+from distkit.paths import check_outputs
 from distkit.theory import activation_bytes_per_layer
 from distkit.models import (LlamaModelConfig, TokenTask, add_model_args, build_model, lm_loss,
                             model_config_from_args, rank_slice)
@@ -213,6 +214,7 @@ def train_one(ac, compiled, args, ctx, cfg, task, log, meshes):
 def main(argv=None):
     args = parse_args(argv)
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)

@@ -40,6 +40,7 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.flags import add_bucket_arg, add_training_args, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -175,6 +176,7 @@ def async_demo(ctx, mib: float, reps: int = 5) -> tuple[float, float]:
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "trace"])
         log = setup_logging(ctx.rank)
         if args.global_batch_size % ctx.world_size:
             raise UsageError(f"--global-batch-size {args.global_batch_size} does not split over "

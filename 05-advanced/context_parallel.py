@@ -46,6 +46,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
 from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.paths import check_outputs
 from distkit.runtime import reduce_gradients
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -272,6 +273,7 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         cp = ctx.world_size

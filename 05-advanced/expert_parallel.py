@@ -50,6 +50,7 @@ from distkit.flags import (add_checkpoint_args, add_training_args, check_global_
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MLP, TinyGPT, TokenTask, add_model_args, lm_loss, model_config_from_args, rank_slice
+from distkit.paths import check_outputs
 from distkit.runtime import reduce_gradients
 
 
@@ -185,6 +186,7 @@ def build_moe_model(cfg, num_experts: int, top_k: int, capacity_factor: float) -
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         ep = args.ep or ctx.world_size

@@ -34,6 +34,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, positive_int, 
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -92,6 +93,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         k = args.grad_accum_steps

@@ -38,6 +38,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, positive_int, 
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss, rank_slice
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -106,6 +107,7 @@ def tensor_parallel_blocks(model, tp_mesh) -> None:
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         shape, names = mesh_shape(args, ctx.world_size)

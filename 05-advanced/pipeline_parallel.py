@@ -40,6 +40,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, positive_int, 
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.paths import check_outputs
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved_1f1b"}
@@ -255,6 +256,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         log.info(f"{ctx.world_size} pipeline ranks | {cfg.n_layer} blocks | global batch "

@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit.harness import read_records  # noqa: E402
+from distkit.paths import output_problems  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
@@ -227,6 +228,9 @@ def main():
     missing = [f for f in args.results if not Path(f).exists()]
     if missing:
         parser.error(f"{missing[0]} does not exist: run pipeline_parallel.py / communication_overlap.py first")
+    unwritable = output_problems(args, dirs=["out_dir"])
+    if unwritable:
+        parser.error(unwritable)
     records = [r for f in args.results for r in read_records(f)]
     out = Path(args.out_dir)
     for name, plot in (("pipeline_bubble.png", plot_bubble), ("bucket_sweep.png", plot_buckets)):

@@ -40,6 +40,7 @@ from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.paths import check_outputs
 
 
 def parse_args():
@@ -160,6 +161,7 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
 def main():
     args = parse_args()
     with distributed(args) as ctx:
+        check_outputs(ctx, args, files=["results", "save"])
         log = setup_logging(ctx.rank)
         cfg = model_config_from_args(args)
         tp = ctx.world_size

@@ -40,6 +40,7 @@ from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import RECORD_SCHEMA, append_record, describe_model, read_records
 from distkit.logs import progress
 from distkit.models import GPT_PRESETS, LLAMA_PRESETS, MODEL_PRESETS, model_config
+from distkit.paths import check_outputs
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
@@ -403,6 +404,7 @@ def main(argv=None):
         for entry in skipped:
             print(f"# skipped {entry['strategy']} at {entry['world_size']} ranks: {entry['error']}")
         return
+    check_outputs(None, args, files=["results"])  # before the first cell, not after the last
     results_file.parent.mkdir(parents=True, exist_ok=True)
     on_cpu = sum(len(c.strategies) for c in cells if c.placement.hide_gpus)
     print(f"{len(cells)} launches ({sum(len(c.strategies) for c in cells)} cells, {len(skipped)} skipped) "

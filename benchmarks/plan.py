@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit import planner
 from distkit.flags import positive_float, positive_int
 from distkit.models import MODEL_PRESETS, model_config, with_experts
+from distkit.paths import check_outputs
 
 MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
           for arch, presets in MODEL_PRESETS.items() for size in presets}
@@ -149,6 +151,7 @@ def build_cluster(args) -> planner.Cluster:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_outputs(None, args, files=["plot"])  # before the plan is printed, not after
     if args.validate:
         rows = planner.validate(planner.read_matrix(args.validate))
         if not rows:
@@ -163,6 +166,7 @@ def main(argv=None) -> None:
     else:
         print(planner.format_report(plan, cluster, estimates, rec))
     if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)  # as the other scripts do
         planner.plot_estimates(estimates, cluster, args.plot, title=planner.describe(plan, cluster))
         if not args.json:
             print(f"plot: {args.plot}")

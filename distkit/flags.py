@@ -161,6 +161,20 @@ def _sharpen_help(group: argparse._ArgumentGroup, helps: dict[str, str] | None) 
             action.help = f"{helps[action.dest]} (default: {action.default})"
 
 
+def set_flag_default(parser: argparse.ArgumentParser, dest: str, value: Any, help: str) -> None:
+    """Give a shared flag this script's own default, and say so in ``--help``.
+
+    ``parser.set_defaults`` changes the value only: the shared help text would still name the shared
+    default (``--arch ... (default: gpt)`` in a script that needs llama).
+    """
+    for action in parser._actions:
+        if action.dest == dest:
+            action.default = value
+            action.help = f"{help} (default: {value})"
+            return
+    raise ValueError(f"the parser has no flag with destination {dest!r}")
+
+
 def save_path(value: str | None, **fields: Any) -> str | None:
     """The file ``--save`` names with its ``{placeholders}`` filled, or None for ``none``/unset."""
     if value in (None, "", "none"):

@@ -140,7 +140,16 @@ def cluster(gpu: str | GPU, gpus: int, gpus_per_node: int | None = None, **overr
     per_node = gpus_per_node or min(gpu.gpus_per_node, gpus)
     if gpus < 1 or per_node < 1:
         raise UsageError(f"need at least one GPU, got --gpus {gpus} --gpus-per-node {per_node}")
+    check_whole_nodes(gpus, per_node)
     return Cluster(gpu=gpu, gpus=gpus, gpus_per_node=min(per_node, gpus), **overrides)
+
+
+def check_whole_nodes(gpus: int, per_node: int) -> None:
+    """A job larger than one node fills whole nodes (the nodes are alike, and every layout here puts
+    the same ranks on each); 8 GPUs in nodes of 3 would be a node and two thirds."""
+    if gpus > per_node and gpus % per_node:
+        raise UsageError(f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; give a multiple of "
+                         f"{per_node} or a --gpus-per-node that divides {gpus}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -822,8 +831,9 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
                       for t in sizes])
     if strategy.startswith("pp_"):
         sizes = [p for p in _powers_of_two(n) if n % p == 0]
-        if not sizes:
-            return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs")
+        if not sizes:  # say which: a pipeline of 3 stages exists, but the planner sizes them in powers of two
+            return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs" if n < 2 else
+                            f"no pipeline size: the planner tries 2, 4, 8 ... stages, and none divides {n} GPUs")
         return _best([with_overhead(_pipeline(plan, cluster, strategy[3:], p), cluster, strategy) for p in sizes])
     if strategy == "cp":  # rings of powers of two within a node, each rank two of the 2cp chunks
         sizes = [c for c in _powers_of_two(min(cluster.gpus_per_node, n))
@@ -930,6 +940,7 @@ def override_cluster(cl: Cluster, *, memory_gib=None, peak_tflops=None, precisio
     changes = {k: v for k, v in (("efficiency", efficiency), ("usable_memory", usable_memory),
                                  ("collectives", collectives)) if v is not None}
     if gpus_per_node:
+        check_whole_nodes(cl.gpus, gpus_per_node)
         changes["gpus_per_node"] = min(gpus_per_node, cl.gpus)
     return replace(cl, gpu=gpu, **changes)
 
@@ -1334,6 +1345,8 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
         lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): "
                      f"{b.memory_bytes['peak'] / unit:.1f} {unit_name} "
                      f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    elif not any(e.valid for e in estimates):  # "use more GPUs" may be false (512 sequences do not split over 6)
+        lines.append(f"recommended: none: no strategy can run this job on {cl.gpus} GPUs (reasons below)")
     else:
         lines.append("recommended: nothing fits; use more GPUs, activation checkpointing, a smaller micro-batch"
                      + (" or --offload" if any(e.offload and e.fits for e in estimates) else ""))
