@@ -41,24 +41,23 @@ SUITE_BOX_S, MEASURE_BOX_S = 300, 210
 LLAMA_AC = ("05-advanced/activation_checkpointing.py --arch llama --ac none full selective --compile off on "
             "--backend nccl")
 PLANNER_STRATEGIES = ("ddp", "fsdp_full_shard", "fsdp_no_shard", "tp", "pp_1f1b")
-PLANNER_GPUS = {"H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
 
 
 def program(name: str) -> str:
     """``python`` / ``torchrun`` as a reader types them when they are this interpreter's, else full paths
     (the records show the commands)."""
-    found = shutil.which(name)
     mine = Path(sys.executable).parent / name
-    if found and Path(found).resolve() == mine.resolve():
+    found = shutil.which(name)
+    if found and mine.exists() and Path(found).resolve() == mine.resolve():
         return name
-    return shlex.quote(str(mine)) if mine.exists() else f"{shlex.quote(sys.executable)} -m torch.distributed.run"
+    if mine.exists():
+        return shlex.quote(str(mine))
+    return shlex.quote(sys.executable) + (" -m torch.distributed.run" if name == "torchrun" else "")
 
 
 def measurements(out: Path) -> list[tuple[str, str, float]]:
     """(name, shell command from the repository root, its own time limit in s), in the order they run."""
     here, torchrun = program("python"), program("torchrun")
-    if not Path(sys.executable).with_name("python").exists():
-        here = shlex.quote(sys.executable)
     return [
         ("quick_start_1gpu", f"{torchrun} --nproc_per_node=1 01-ddp-basics/ddp_mnist.py "
                              f"--results {out}/quick_start.jsonl --save {out}/ddp_mnist.pt", 90),
@@ -103,9 +102,9 @@ def validate_planner(results: str) -> None:
     from distkit.harness import read_records
 
     name = torch.cuda.get_device_name(0)
-    gpu = next((key for label, key in PLANNER_GPUS.items() if label in name), None)
+    gpu = planner.gpu_type(name)
     if gpu is None:
-        print(f"no planner GPU type for {name!r}; known: {', '.join(PLANNER_GPUS)}")
+        print(f"no planner GPU type for {name!r}; known: {', '.join(planner.GPU_NAME_PARTS)}")
         return
     records = read_records(results)
     cluster = planner.with_measured_speed(planner.cluster(gpu, 1), records, arch="gpt")

@@ -97,6 +97,15 @@ GPUS: dict[str, GPU] = {
 }
 
 
+# the planner's GPU type of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100")
+GPU_NAME_PARTS = {"H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
+
+
+def gpu_type(device_name: str) -> str | None:
+    """The :data:`GPUS` key of a device as ``torch.cuda.get_device_name`` names it, or None."""
+    return next((key for part, key in GPU_NAME_PARTS.items() if part in device_name), None)
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
@@ -1235,7 +1244,7 @@ def validation_summary(rows: list[dict]) -> dict:
     return out
 
 
-# Issue 16's bounds on a prediction's relative error: model state exact, activations 10%, the peak
+# The bounds on a prediction's relative error: model state exact, activations 10%, the peak
 # 15%, the step time 50% in the worst cell (and 20% in the median, a bound on the summary).
 VALIDATION_BOUNDS = {"state": 0.0, "activations": 0.10, "peak": 0.15, "step": 0.50}
 

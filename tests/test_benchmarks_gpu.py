@@ -113,16 +113,13 @@ def test_cells_beyond_the_gpus_run_on_cpu_with_a_note(tmp_path):
     assert record["status"] == "skipped" and "--gpu-only" in record["error"], stdout[-2000:]
 
 
-GPU_TYPES = {"H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
-
-
 def test_planner_predicts_the_single_gpu_cells(tmp_path):
-    """Issue 16's validation at one-GPU shapes: the large GPT (39M parameters, sequences of 256) at
+    """The planner's validation at one-GPU shapes: the large GPT (39M parameters, sequences of 256) at
     world size 1 under every strategy that runs on one GPU. The planner's model state equals the
     measured bytes; its activations are within 10% and its peak within 15% of what the harness's
     MemTracker measured; with the GPU's speed measured on the DDP cell (``with_measured_speed``:
     the model's achieved fraction of the datasheet peak), the other cells' step times are within
-    the issue's bounds (median 20%, worst 50%). Bug caught: a GPU memory model that forgets a
+    the validation bounds (median 20%, worst 50%). Bug caught: a GPU memory model that forgets a
     strategy's gathered parameters or buffers, or a time model charging work a single GPU does not
     do. Not yet run on a GPU (no session so far was lent one)."""
     import subprocess
@@ -133,7 +130,7 @@ def test_planner_predicts_the_single_gpu_cells(tmp_path):
     require_gpus(1)
     name = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
                           env=job_env(gpu=True), capture_output=True, text=True, timeout=120).stdout
-    gpu = next((key for label, key in GPU_TYPES.items() if label in name), None)
+    gpu = planner.gpu_type(name)
     if gpu is None:
         pytest.skip(f"no planner.GPUS entry for {name.strip()!r}")
     strategies = ["ddp", "fsdp_full_shard", "fsdp_no_shard", "tp", "pp_1f1b"]

@@ -393,7 +393,7 @@ def test_predictions_of_the_committed_matrix_stay_in_the_issue_bounds(committed_
     """Every training cell of the committed CPU matrix (``benchmarks/records/results_cpu.jsonl``):
     the model-state bytes the planner counts (theory's busiest rank) equal the measured ones to the
     byte; where the records carry MemTracker's peak by category, the predicted activations are within
-    10% of the measured ones and the predicted peak within 15% of MemTracker's total (issue 16).
+    10% of the measured ones and the predicted peak within 15% of MemTracker's total.
     Bugs caught: a strategy's buffer or its gathered parameters forgotten, the LM head's working set
     counted as activations, the wrong rank compared. Negative control below."""
     assert committed_rows, "no training cell in the matrix"
@@ -474,7 +474,7 @@ def test_negative_control_double_counted_activations_leave_the_bound(committed_r
 def test_step_time_predictions_within_the_issue_bounds(committed_rows):
     """Step time, predicted out of sample (each strategy's framework overhead from the other
     architecture's cells; the model's speed from its own DDP cells, which are calibration and not
-    counted): median error within 20%, worst within 50% (issue 16), and every cell predicted."""
+    counted): median error within 20%, worst within 50%, and every cell predicted."""
     predicted = [r for r in committed_rows if not r["calibration"]]
     assert {r["strategy"] for r in committed_rows if r["calibration"]} == {"ddp"}
     # one calibration cell per model and rank count (the MoE GPT's are the GPT's)
