@@ -64,6 +64,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.distkit_started = time.monotonic()
+    # MFU's peak is measured for 0.2 s on every rank at the end of every transformer run; no test reads
+    # it as a figure, and a 50th of that still times at least 3 matmuls (distkit.harness)
+    os.environ.setdefault("DISTKIT_PEAK_SECONDS", "0.02")
+    # The notebooks' kernels run with PYTHONHASHSEED=0 (distkit.notebooks: reproducible outputs). A
+    # job's interpreter-start environment must equal the fork server's for the server to fork it, so
+    # the whole session (the server, every job, the kernels) uses the same seed.
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     if not _runs_gpu_tests(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA in this process
 
@@ -124,20 +131,39 @@ def fork_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def first_command_run(tmp_path_factory):
+def first_command_run(tmp_path_factory, worker_id):
     """The reader's first command, ``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py`` (the top
     README's quick start and chapter 01's first command), run once per session under the real torchrun
     on the offline MNIST sample with its default epochs; outputs inside a temporary folder.
 
     Returns ``(folder, CompletedProcess)``: ``folder`` holds ``results.jsonl``, ``model.pt``,
-    ``log.txt``. tests/test_readme_top.py and tests/test_ddp_mnist.py both assert on this one run.
+    ``log.txt``. tests/test_readme_top.py, tests/test_ddp_mnist.py and tests/test_ch01_lesson.py
+    assert on this one run (read only). Under xdist the first worker that needs it runs it in the
+    session's shared temporary folder, and the others wait for it and read it there.
     """
+    import fcntl
+    import json
+    import subprocess
+
     from launch import REPO, command_argv, job_env, readme_command, run
 
-    folder = tmp_path_factory.mktemp("first_command")
-    command = readme_command(REPO / "README.md", "01-ddp-basics/ddp_mnist.py")
-    done = run(command_argv(command, launcher="torchrun") + [
-        "--offline", "--data-dir", str(folder / "data"), "--results", str(folder / "results.jsonl"),
-        "--save", str(folder / "model.pt"), "--log-file", str(folder / "log.txt")],
-        env=job_env(folder), timeout=600)
-    return folder, done
+    def launch(folder):
+        command = readme_command(REPO / "README.md", "01-ddp-basics/ddp_mnist.py")
+        return run(command_argv(command, launcher="torchrun") + [
+            "--offline", "--data-dir", str(folder / "data"), "--results", str(folder / "results.jsonl"),
+            "--save", str(folder / "model.pt"), "--log-file", str(folder / "log.txt")],
+            env=job_env(folder), timeout=600)
+
+    if worker_id == "master":  # no xdist: this process is the session
+        folder = tmp_path_factory.mktemp("first_command")
+        return folder, launch(folder)
+    shared = tmp_path_factory.getbasetemp().parent  # this session's folder, above every worker's
+    folder, done_file = shared / "first_command", shared / "first_command.json"
+    with open(shared / "first_command.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done_file.exists():
+            folder.mkdir(exist_ok=True)
+            done = launch(folder)
+            done_file.write_text(json.dumps({"args": done.args, "stdout": done.stdout}))
+    saved = json.loads(done_file.read_text())
+    return folder, subprocess.CompletedProcess(saved["args"], 0, saved["stdout"], "")

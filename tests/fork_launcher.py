@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import faulthandler
+import gc
 import importlib
 import json
 import os
@@ -58,7 +59,10 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
                   "torch.distributed.elastic.multiprocessing.errors", "distkit", "distkit.checkpoint",
                   "distkit.comm_counter", "distkit.data", "distkit.errors", "distkit.flags",
                   "distkit.harness", "distkit.logs", "distkit.models", "distkit.provenance",
-                  "distkit.records", "distkit.runtime", "distkit.theory")
+                  "distkit.records", "distkit.runtime", "distkit.theory",
+                  # torch's reference ops import the compiler stack on first use (1-2 s per rank): a model
+                  # built on the meta device to predict bytes reaches it through nn.init.normal_
+                  "torch._dynamo")
 # Environment read while those import (threads, devices, paths, logging): a job that sets any of
 # these differently from the server imports them itself, so it sees exactly what it asked for.
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
@@ -135,6 +139,10 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "fork_launcher"}
     sys.stdout.flush()
     sys.stderr.flush()
+    # Everything imported so far lives as long as the ranks: out of the collector's reach, so each
+    # rank's gc.collect() (the harness calls it before every memory window) does not walk torch's and
+    # transformers' objects again, and the pages the parent shares with the ranks stay shared.
+    gc.freeze()
     ranks: dict[int, int] = {}
     for rank in range(max(nproc, 1)):
         pid = os.fork()
@@ -238,8 +246,9 @@ def serve(path: str) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a job then imports (and fails on) it itself
             print(f"fork server: cannot import {name}: {exc}", file=sys.stderr, flush=True)
-    try:  # Hugging Face transformers (the Llama), through distkit's torchvision workaround
-        importlib.import_module("distkit.models").import_transformers()
+    try:  # Hugging Face transformers and its Llama (a lazy module: the class imports the modeling code),
+        # through distkit's torchvision workaround; the class is cached, so ranks inherit it built
+        importlib.import_module("distkit.models")._llama_class()
     except Exception as exc:  # noqa: BLE001
         print(f"fork server: cannot import transformers: {exc}", file=sys.stderr, flush=True)
     listener.settimeout(1.0)

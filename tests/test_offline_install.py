@@ -46,14 +46,24 @@ def node(tmp_path_factory):
     venv holding only torch, as the node would, before the offline install."""
     root = tmp_path_factory.mktemp("offline")
     wheels, venv = root / "wheels", root / "venv"
-    # without the notebook tools (a third of the folder, not needed by the quick start): the suite's time
-    run([sys.executable, str(OFFLINE), "download", "--dest", str(wheels), "--torch", TORCH, "--no-notebooks"],
-        env=job_env(root), timeout=600)
-    run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+    from concurrent.futures import ThreadPoolExecutor
+
     python = venv / "bin" / "python"
-    # the node's own torch, installed the usual way before the node goes offline
-    run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH}"], env=job_env(root),
-        timeout=600)
+
+    def download():
+        # without the notebook tools (a third of the folder, not needed by the quick start): the suite's time
+        run([sys.executable, str(OFFLINE), "download", "--dest", str(wheels), "--torch", TORCH, "--no-notebooks"],
+            env=job_env(root), timeout=600)
+
+    def node_venv():
+        run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+        # the node's own torch, installed the usual way before the node goes offline
+        run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH}"], env=job_env(root),
+            timeout=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent, and both mostly wait on the index
+        for done in [pool.submit(download), pool.submit(node_venv)]:
+            done.result()
     return wheels, python
 
 
@@ -88,7 +98,7 @@ def test_offline_install_keeps_torch_and_the_quick_start_runs(node, tmp_path):
     assert version.split("+")[0] == TORCH and where.startswith(str(REPO)), probe
     torchrun = python.parent / "torchrun"
     results = tmp_path / "r.jsonl"
-    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py", "--epochs", "1",
+    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py", "--epochs", "1", "--max-steps", "4",
                  "--offline", "--data-dir", str(tmp_path / "data"), "--results", str(results),
                  "--save", str(tmp_path / "m.pt")], env=env, timeout=300).stdout
     assert "backend gloo | device cpu" in quick and "done: test accuracy" in quick, quick[-3000:]
