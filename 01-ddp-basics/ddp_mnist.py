@@ -83,7 +83,7 @@ def train_one_epoch(model, loader, optimizer, harness, ctx, epoch, max_steps):
         totals += torch.stack([loss.detach().double() * len(labels),
                                (logits.argmax(1) == labels).sum().double(),
                                torch.full((), float(len(labels)), dtype=torch.float64, device=ctx.device)])
-        if ctx.rank == 0 and hasattr(bar, "set_postfix") and step % 20 == 0:
+        if ctx.rank == 0 and hasattr(bar, "set_postfix") and (step % 20 == 0 or step == steps - 1):
             bar.set_postfix(loss=f"{loss.item():.4f}")  # .item() waits for the GPU: not every step
     return totals
 

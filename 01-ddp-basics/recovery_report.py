@@ -186,11 +186,15 @@ def main() -> None:
     parser = ArgumentParser(description="Recovery time of a torchrun restart, per phase, and the "
                                         "exactness of the resume; prints the README table.")
     parser.add_argument("--measure", action="store_true",
-                        help=f"run the jobs and append to {RECORD.name} (else only print the table)")
+                        help="run the jobs and append to --record (else only print the table)")
     parser.add_argument("--repeats", type=positive_int, default=2,
                         help="crashed runs per configuration (default: 2)")
-    parser.add_argument("--record", default=str(RECORD), help=f"the JSON-lines record (default: {RECORD.name})")
+    parser.add_argument("--record", default=None,
+                        help=f"the JSON-lines record (default: with --measure runs/{RECORD.name}, which the "
+                             f"maintainer commits as records/{RECORD.name}; else the committed record)")
     args = parser.parse_args()
+    if args.record is None:  # a reader's measurement goes under runs/; reading defaults to the committed one
+        args.record = f"runs/{RECORD.name}" if args.measure else str(RECORD)
 
     def run() -> None:
         if args.measure:

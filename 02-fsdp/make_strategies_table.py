@@ -6,8 +6,8 @@ record. Nothing in the table is typed by hand:
 
     python -m distkit.records render 02-fsdp     # README.md + sharding_strategies.md + both PNGs,
                                                  # from records/fsdp_strategies.jsonl
-    python 02-fsdp/make_strategies_table.py --results runs/my_strategies.jsonl   # your own run:
-                                                 # prints the table, plots into runs/
+    python 02-fsdp/make_strategies_table.py --results runs/fsdp_strategies.jsonl   # your own run
+                                                 # (README.md's command): the table, plots into runs/
 """
 from __future__ import annotations
 

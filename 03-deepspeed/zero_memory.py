@@ -59,9 +59,9 @@ def parse_args():
                       helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
     parser.add_argument("--record", default="runs/ch03_zero_memory.jsonl", metavar="FILE",
                         help="the run's record (JSON Lines; the record named zero_memory in it is replaced). "
-                             "The README's tables and plot are drawn from "
-                             "03-deepspeed/records/zero_memory.jsonl: pass that file to re-record them "
-                             "(default: runs/ch03_zero_memory.jsonl)")
+                             "The README's tables and plot are drawn from the committed "
+                             "03-deepspeed/records/zero_memory.jsonl, which the maintainer re-records with "
+                             "python -m distkit.records run --keep (default: runs/ch03_zero_memory.jsonl)")
     add_checkpoint_args(parser, save="none", helps={  # --save: one file per config
         "save": "rank 0 writes each config's final full fp32 weights here, {strategy} filled in "
                 "(e.g. runs/ch03_params/{strategy}.pt); 'none' skips it"})

@@ -29,6 +29,9 @@ Paths in marks are relative to the Markdown file. The commands::
 
     python -m distkit.records run --into 01-ddp-basics/records/outputs.jsonl --name ddp_mnist -- \\
         torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py        # run a command, record its output
+    python -m distkit.records run --into 02-fsdp/records/outputs.jsonl --name fsdp_strategies \\
+        --keep runs/fsdp_strategies.jsonl=02-fsdp/records/fsdp_strategies.jsonl -- \\
+        torchrun ... --results runs/fsdp_strategies.jsonl               # ... and keep what it wrote
     python -m distkit.records rerun 01-ddp-basics/README.md             # re-run every recorded command
     python -m distkit.records render [PATH ...]                          # regenerate blocks, tables, plots
     python -m distkit.records check [PATH ...]                           # exit 1 if anything is stale
@@ -37,7 +40,9 @@ Paths in marks are relative to the Markdown file. The commands::
 paths; ``--no-notebooks`` skips them) and ``check`` fails on a notebook not executed from its current
 cells: see :mod:`distkit.notebooks`.
 
-``check`` also fails on a ```text block or an image that no mark generates (a hand-typed figure).
+``check`` also fails on a ```text block or an image that no mark generates (a hand-typed figure),
+and on an output block whose recorded command is not the one the README shows above it (a command
+edited without recording it again).
 Recorded runs hold a machine-wide lock, so two never measure at the same time, and set
 ``DISTKIT_NO_PROGRESS=1`` (progress bars are drawn for a terminal, not a record).
 """
@@ -90,6 +95,14 @@ def write_jsonl(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def write_jsonl_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def upsert(path: str | os.PathLike, record: dict[str, Any]) -> None:
     """Store ``record`` in ``path``, replacing an older record of the same ``name`` in place."""
     records = read_jsonl(path) if Path(path).exists() else []
@@ -124,10 +137,28 @@ def clean_output(raw: str) -> str:
     return "\n".join(lines)
 
 
+def parse_keep(pairs: list[str] | None) -> list[list[str]]:
+    """``RUN_FILE=RECORD_FILE`` pairs (``--keep``): what a recorded command writes under ``runs/``,
+    as the reader's command does, and the committed file it becomes."""
+    kept = []
+    for pair in pairs or []:
+        source, sep, target = pair.partition("=")
+        if not sep or not source or not target:
+            raise RecordError(f"--keep {pair!r}: give RUN_FILE=RECORD_FILE")
+        if Path(source).parts[:1] != ("runs",):
+            raise RecordError(f"--keep {pair!r}: the run's file must lie under runs/ (it is replaced)")
+        kept.append([source, target])
+    return kept
+
+
 def capture(command: str, name: str, timeout_s: float | None = None,
-            into: str | os.PathLike | None = None) -> dict[str, Any]:
+            into: str | os.PathLike | None = None, keep: list[list[str]] | None = None) -> dict[str, Any]:
     """Run ``command`` (a shell command line, from the repository root) and return its record,
     stored in ``into`` (replacing an older record of that name) when given.
+
+    ``keep`` (:func:`parse_keep`): README commands write only under ``runs/``, so the command
+    recorded is the reader's own. Each ``runs/`` file it names is removed before the run and, when
+    the run succeeds, copied over its committed file: the committed file holds this run alone.
 
     stdout and stderr are captured together, in order. The run and the store hold
     :data:`LOCK_FILE`, so recorded runs on one machine never overlap (their timings would distort
@@ -138,6 +169,8 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Other work on the machine slows a recorded run down; keep how busy it was (1-min load).
         load = round(os.getloadavg()[0], 1)
+        for source, _ in keep or []:
+            (REPO / source).unlink(missing_ok=True)
         started = time.perf_counter()
         try:
             # bytes, not text=True: universal newlines would turn a progress bar's \r into lines
@@ -153,6 +186,13 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         record = {"name": name, **provenance(command, device=device),
                   "backend": "nccl" if device == "cuda" else "gloo", "returncode": proc.returncode,
                   "wall_s": round(seconds, 1), "load_1min": load, "output": output}
+        if keep:
+            record["keep"] = keep
+            if proc.returncode == 0:
+                for source, target in keep:
+                    if not (REPO / source).is_file():
+                        raise RecordError(f"{command!r} wrote no {source} (--keep)")
+                    write_jsonl_text(REPO / target, (REPO / source).read_text())
         if into is not None:
             upsert(into, record)
     return record
@@ -233,6 +273,40 @@ def regenerate(md_path: Path, out_dir: Path | None = None) -> str:
     return "".join(pieces)
 
 
+_BASH = re.compile(r"```bash\n(.*?)```", re.S)
+_SCRIPT = re.compile(r"[\w./-]+\.(?:py|sh|sbatch)\b")
+
+
+def stale_commands(md_path: Path, text: str) -> list[str]:
+    """Output blocks whose record ran another command than the one the README shows above them.
+
+    An output block shows what the README's command printed. When the nearest bash block above it
+    (no heading in between) runs the recorded command's script, one of its commands must be part of
+    the recorded command as written (the record may add an environment variable or a loop around
+    it): a command edited after its run was recorded fails here until it is recorded again.
+    """
+    problems = []
+    for mark in marks(text):
+        if mark.kind != "output":
+            continue
+        before = text[:mark.start]
+        blocks = list(_BASH.finditer(before))
+        if not blocks or "\n#" in before[blocks[-1].end():]:
+            continue
+        shown = [" ".join(line.split()) for line in re.sub(r"\\\n\s*", " ", blocks[-1].group(1)).splitlines()
+                 if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            recorded = " ".join(find(md_path.parent / mark.args[0], mark.args[1])["command"].split())
+        except RecordError:
+            continue  # reported by regenerate
+        scripts = set(_SCRIPT.findall(recorded))
+        same_script = [c for c in shown if scripts & set(_SCRIPT.findall(c))]
+        if same_script and not any(c in recorded for c in same_script):
+            problems.append(f"output block {mark.args[1]!r} was recorded from {recorded!r}, not from the "
+                            f"command shown above it (record it again: python -m distkit.records run ...)")
+    return problems
+
+
 def unrecorded_figures(text: str) -> list[str]:
     """```text blocks and images outside every mark: figures with no record behind them."""
     inside = [(m.start, m.end) for m in marks(text)]
@@ -278,7 +352,7 @@ def check(paths: list[str] | None = None) -> list[str]:
     for md in markdown_files(paths):
         rel = md.relative_to(REPO) if md.is_relative_to(REPO) else md
         text = md.read_text()
-        problems += [f"{rel}: {p}" for p in unrecorded_figures(text)]
+        problems += [f"{rel}: {p}" for p in unrecorded_figures(text) + stale_commands(md, text)]
         if not marks(text):
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -319,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--into", required=True, help="the JSON Lines file to store the record in")
     run.add_argument("--name", required=True, help="the record's name (replaces an older one of that name)")
     run.add_argument("--timeout-s", type=float, default=3600, help="give up after this long (default 3600)")
+    run.add_argument("--keep", action="append", metavar="RUN_FILE=RECORD_FILE",
+                     help="a file the command writes under runs/ that becomes a committed record file "
+                          "(removed before the run, copied after it succeeds; repeatable)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command line")
     rerun = sub.add_parser("rerun", help="re-run the recorded command of every output block of Markdown files")
     rerun.add_argument("paths", nargs="+")
@@ -336,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             if not cmd:
                 parser.error("give the command after --")
             command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
-            record = capture(command, args.name, args.timeout_s, into=args.into)
+            record = capture(command, args.name, args.timeout_s, into=args.into, keep=parse_keep(args.keep))
             print(f"recorded {args.name!r} (exit {record['returncode']}, {record['wall_s']} s) in {args.into}")
         elif args.command == "rerun":
             for md in markdown_files(args.paths):
@@ -346,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                     file = md.parent / mark.args[0]
                     old = find(file, mark.args[1])
                     print(f"re-running {old['name']}: {old['command']}", flush=True)
-                    capture(old["command"], old["name"], into=file)
+                    capture(old["command"], old["name"], into=file, keep=old.get("keep"))
             print("now: python -m distkit.records render")
         elif args.command == "render":
             for path in render(args.paths):

@@ -124,8 +124,14 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def fork_server(tmp_path_factory):
+    """The session's fork server (tests/fork_launcher.py). ``DISTKIT_NO_FORK_SERVER=1`` leaves it out:
+    a nested session that launches nothing (collecting the GPU suite, skipping it) would only pay
+    for its imports."""
     from launch import fork_server
 
+    if os.environ.get("DISTKIT_NO_FORK_SERVER") == "1":
+        yield None
+        return
     with fork_server(tmp_path_factory.mktemp("fork_server")) as socket_path:
         yield socket_path
 

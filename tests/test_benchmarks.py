@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -196,6 +197,14 @@ def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
         assert record["benchmark"]["placement"] == {"backend": "auto", "device": "auto",
                                                     "gpus_hidden": False, "note": None}
         assert (record["backend"], record["device"]) == ("gloo", "cpu")
+    # the README's output block of this command is a recorded run with the same matrix: a cell added to
+    # --quick since then makes the block stale (it would show fewer cells than the command runs)
+    from distkit.records import find
+
+    ran = re.search(r"(\d+) cells ok, (\d+) failed, (\d+) skipped", stdout).groups()
+    shown = re.search(r"(\d+) cells ok, (\d+) failed, (\d+) skipped",
+                      find(BENCH / "records" / "outputs.jsonl", "quick_matrix")["output"]).groups()
+    assert shown == ran, f"the README's quick-matrix block shows {shown}, the command runs {ran}: re-record it"
     moe = by_strategy["ep"]
     assert moe["metrics"]["model_flops_per_token"] == theory.training_flops_per_token(theory.config_of_record(moe))
     assert moe["metrics"]["mfu"] > 0 and len(moe["counted_routing_per_rank"]) == moe["world_size"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,7 +28,8 @@ from ch01_common import CHAPTER, README, README_LOOKUPS, TRAINING, readme_argv
 from distkit import UsageError
 from distkit.checkpoint import atomic_save
 from distkit.harness import read_records
-from launch import load_script, assert_one_line_error, assert_readme_covered, free_port, job_env, python, run
+from launch import (assert_one_line_error, assert_readme_covered, free_port, job_env, launcher_argv, load_script,
+                    python, run)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +59,7 @@ def test_scaling_benchmark(tmp_path):
     results, png = tmp_path / "bench.jsonl", tmp_path / "scaling.png"
     out = run([*readme_argv("ddp_benchmark.py"), "--world-sizes", "1", "2", "--model-size", "tiny",
                "--per-rank-batch", "4", "--steps", "4", "--results", str(results), "--plot", str(png)],
-              env=job_env(tmp_path), timeout=600)
+              env=job_env(tmp_path, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork"))), timeout=600)
     records = read_records(results)
     assert sorted((r["config"]["scaling"], r["world_size"]) for r in records) == [
         ("strong", 1), ("strong", 2), ("weak", 1), ("weak", 2)]

@@ -41,7 +41,7 @@ import shutil
 import pytest
 import torch
 
-from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, check_ok, readme_argv, run_all
+from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, README, check_ok, readme_argv, run_all
 from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
 
 from distkit import UsageError
@@ -290,3 +290,31 @@ def test_bad_input_is_one_error_line(jobs, tmp_path):
     assert script.read_hf_folder(str(tmp / "hf_in"), CFG, expected).keys() == expected.keys()
     with pytest.raises(UsageError, match=r"tie_word_embeddings False there, True here \(--tie-embeddings\)"):
         script.read_hf_folder(str(tmp / "hf_in"), TIED_CFG, expected)
+
+
+def test_readme_from_pretrained_snippet_runs_as_written(jobs, tmp_path):
+    """The README's Python snippet, as written, from a folder laid out like the repository root (its
+    ``checkpoints/fsdp_hf/hf`` is the 4-rank export). Negative control: on a CPU-only torch (this
+    suite's), the plain ``from transformers import LlamaForCausalLM`` fails the way the README says."""
+    import re
+    import subprocess
+    import sys
+
+    import torch
+
+    from launch import job_env
+
+    tmp, _ = jobs
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+                   if "from_pretrained" in block)
+    (tmp_path / "checkpoints" / "fsdp_hf").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "fsdp_hf" / "hf").symlink_to(tmp / "zero4" / "hf")
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=job_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    params = sum(t.numel() for t in read_folder(tmp / "zero4" / "hf").values())
+    assert done.returncode == 0 and f"LlamaForCausalLM {params} parameters" in done.stdout, done.stderr[-3000:]
+    if torch.version.cuda is None:
+        plain = "from transformers import LlamaForCausalLM\nLlamaForCausalLM.from_pretrained('checkpoints/fsdp_hf/hf')"
+        done = subprocess.run([sys.executable, "-c", plain], cwd=tmp_path, env=job_env(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "torchvision::nms" in done.stderr, done.stderr[-3000:]

@@ -26,7 +26,8 @@ def pytest_gpu(*args: str, tmp_path) -> subprocess.CompletedProcess:
     basetemp = tempfile.mkdtemp(prefix="gpu-suite-")
     try:
         return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                               "--basetemp", basetemp, *args], cwd=REPO, env=job_env(tmp_path),
+                               "--basetemp", basetemp, *args], cwd=REPO,
+                              env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"),  # it launches nothing here
                               capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(basetemp, ignore_errors=True)
@@ -55,7 +56,8 @@ sys.exit(pytest.main(["-m", "gpu", "--collect-only", "-q", "-n", "0", "-p", "no:
 def test_the_gpu_suite_is_ordered_and_every_test_has_a_timeout(tmp_path):
     """Collected as ``pytest -m gpu`` collects it, with each item's id and whether it has a timeout."""
     done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect")], cwd=REPO,
-                          env=job_env(tmp_path), capture_output=True, text=True, timeout=300)
+                          env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"), capture_output=True, text=True,
+                          timeout=300)
     items = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("item ")]
     ids = [nodeid for nodeid, _ in items]
     assert done.returncode == 0 and len(ids) > 40, done.stdout[-3000:]

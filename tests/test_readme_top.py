@@ -15,8 +15,11 @@ RECORDS_COMMANDS = ["python -m distkit.records render", "python -m distkit.recor
 OFFLINE_COMMANDS = ["distkit/offline.py download", "distkit/offline.py install", "benchmarks/gpu_check.py"]
 
 
+RECORD_RUN = "python -m distkit.records run"  # the maintainer's recording command, checked below
+
+
 def test_every_readme_command_has_a_test():
-    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, *OFFLINE_COMMANDS])
+    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, RECORD_RUN, *OFFLINE_COMMANDS])
     for command in RECORDS_COMMANDS:  # exactly these, with no folder: the whole repository
         assert readme_command(README, command) == command
 
@@ -41,3 +44,22 @@ def test_the_quick_start_output_is_the_recorded_run_of_its_command():
     readme = README.read_text()
     block = readme[readme.index("<!-- output: records/outputs.jsonl ddp_mnist -->"):]
     assert record["output"] in block[:block.index("<!-- /output -->")]
+
+
+def test_the_recording_example_records_the_chapters_own_command():
+    """The Records section's ``records run --keep`` example runs exactly chapter 02's README command
+    (which writes under runs/), keeps that file as the committed record the chapter's table is drawn
+    from, and is how that record was made (its output record holds the same command and keep)."""
+    import shlex
+
+    from distkit.records import find, parse_keep
+
+    argv = shlex.split(readme_command(README, RECORD_RUN))
+    rest = argv[argv.index("--") + 1:]
+    into, name, keep = (argv[argv.index(flag) + 1] for flag in ("--into", "--name", "--keep"))
+    chapter = readme_command(REPO / "02-fsdp" / "README.md", "fsdp_transformer.py --sharding")
+    assert rest == [chapter]
+    (source, target), = parse_keep([keep])
+    assert f"--results {source}" in chapter and target == "02-fsdp/records/fsdp_strategies.jsonl"
+    record = find(REPO / into, name)
+    assert record["command"] == chapter and record["keep"] == [[source, target]]

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from distkit import records
 from distkit.harness import read_records, upgrade_record
 from launch import REPO, job_env
@@ -118,3 +120,40 @@ def test_old_records_are_read_with_the_median_throughput(tmp_path):
     new = {"schema": 2, "strategy": "ddp", "model": {"arch": "gpt", "n_layer": 2},
            "metrics": {"step_time_s_median": 0.1, "samples_per_s": 160.0}}
     assert upgrade_record(json.loads(json.dumps(new))) == new
+
+
+def test_recorded_command_keeps_what_it_wrote_under_runs(tmp_path, monkeypatch):
+    """``records run --keep runs/X=records/X``: the recorded command is the reader's (it writes under
+    runs/); the runs/ file is emptied before the run and becomes the committed file after it."""
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r.jsonl").write_text('{"an": "older run"}\n')
+    keep = records.parse_keep(["runs/r.jsonl=ch/records/r.jsonl"])
+    record = records.capture('echo \'{"a": "new run"}\' >> runs/r.jsonl', "kept", into=tmp_path / "out.jsonl", keep=keep)
+    assert (tmp_path / "ch" / "records" / "r.jsonl").read_text() == '{"a": "new run"}\n'
+    assert record["keep"] == [["runs/r.jsonl", "ch/records/r.jsonl"]]
+    assert records.find(tmp_path / "out.jsonl", "kept")["keep"] == record["keep"]  # rerun keeps it too
+    # negative control: a failed run leaves the committed file as it was
+    records.capture("echo half >> runs/r.jsonl; exit 3", "failed", keep=keep)
+    assert (tmp_path / "ch" / "records" / "r.jsonl").read_text() == '{"a": "new run"}\n'
+    for bad in ("records/r.jsonl=ch/r.jsonl", "runs/r.jsonl", "=x"):
+        with pytest.raises(records.RecordError):
+            records.parse_keep([bad])
+
+
+def test_an_output_block_under_an_edited_command_is_stale(tmp_path):
+    """``records check`` sees a README command edited after its run was recorded: the output block
+    below it no longer shows what that command prints. A wrapper the record adds (an environment
+    variable) is allowed; a command of another script above the block is not compared."""
+    records.write_jsonl(tmp_path / "outputs.jsonl", [
+        {**_record("demo", "ok"), "command": "FOO=1 torchrun --nproc_per_node=2 demo.py --steps 3"}])
+    block = "<!-- output: outputs.jsonl demo -->\n```text\nok\n```\n<!-- /output -->\n"
+
+    def problems(command):
+        md = tmp_path / "README.md"
+        md.write_text(f"```bash\n{command}\n```\n\n{block}")
+        return records.stale_commands(md, md.read_text())
+
+    assert problems("torchrun --nproc_per_node=2 demo.py --steps 3") == []
+    assert problems("torchrun --nproc_per_node=2 other.py") == []
+    assert len(problems("torchrun --nproc_per_node=2 demo.py --steps 3 --results runs/x.jsonl")) == 1

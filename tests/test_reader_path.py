@@ -1,0 +1,141 @@
+"""The reader's path leaves the repository as it found it: every file a README command writes lies
+where git ignores it (``runs/``, ``checkpoints/``, ``data/``, ...), never in a committed record.
+
+For each bash command of every README, the script it runs is imported and its own argument parser
+parses the command's flags (``argparse.ArgumentParser.parse_args`` is wrapped to stop the script right
+after parsing, so nothing runs). Every output the parsed flags name (results, records, checkpoints,
+logs, plots, exports, downloads; the defaults included) must be ignored by git (``git check-ignore``).
+A negative control: a command that passes a committed record as ``--results`` fails the check.
+
+Maintainer commands are the exception, named here: ``python -m distkit.records`` (recording and
+rendering write the committed records and figures by design).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, load_script, readme_commands
+
+READMES = sorted(REPO.glob("*/README.md")) + [REPO / "README.md"]
+# argparse destinations that name something a run writes
+FILES = {"results", "record", "save", "log_file", "plot", "bandwidth_records", "export"}
+FOLDERS = {"checkpoint_dir", "log_dir", "out_dir", "plots_dir", "out", "dest", "hf_out", "hf_in", "data_dir", "save_dir"}
+MAINTAINER = ("-m distkit.records",)
+# scripts whose --results names records they read, not write
+READS_RESULTS = {"plot_results.py", "plot.py", "make_strategies_table.py"}
+
+
+class Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace):
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
+def script_and_args(command: str) -> tuple[Path, list[str]] | None:
+    """The repository script a README command runs (after its launcher) and the script's flags;
+    None for a command that runs none (sbatch, a shell loop)."""
+    argv = shlex.split(command)
+    for i, token in enumerate(argv):
+        path = REPO / token
+        if token.endswith(".py") and path.is_file():
+            return path, argv[i + 1:]
+        if token.endswith(".sh") and path.is_file():  # launch_ddp.sh NPROC... script.py flags
+            return script_and_args(shlex.join(argv[i + 1:]))
+    return None
+
+
+def parsed_flags(script: Path, args: list[str]) -> argparse.Namespace:
+    """What the script's own parser makes of ``args``, the script stopped right after parsing."""
+    original = argparse.ArgumentParser.parse_args
+
+    def stop_after_parsing(self, args_=None, namespace=None):
+        raise Parsed(original(self, args_, namespace))
+
+    argv, cwd = sys.argv, os.getcwd()
+    sys.argv = [str(script), *args]
+    argparse.ArgumentParser.parse_args = stop_after_parsing
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            module = load_script(script)
+            for entry in ("parse_args", "main"):
+                if hasattr(module, entry):
+                    getattr(module, entry)()
+    except Parsed as parsed:
+        return parsed.namespace
+    finally:
+        argparse.ArgumentParser.parse_args = original
+        sys.argv = argv
+        os.chdir(cwd)
+    raise AssertionError(f"{script.name} parsed no arguments")
+
+
+def outputs(namespace: argparse.Namespace, script: str = "") -> list[str]:
+    """Every path the parsed flags say the run writes (a template cut at its first ``{``; a folder
+    as a file inside it, ``FOLDER/.``, which git's folder rules such as ``data/`` match)."""
+    found = []
+    for dest, value in vars(namespace).items():
+        if dest == "results" and script in READS_RESULTS:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if dest in FILES | FOLDERS and isinstance(item, (str, os.PathLike)) and str(item) not in ("", "none"):
+                path = str(item).split("{")[0] or "."
+                found.append(f"{path.rstrip('/')}/." if dest in FOLDERS else path)
+    return found
+
+
+def not_ignored(paths: list[str]) -> list[str]:
+    """Those of ``paths`` (relative to the repository root) that git would show as changes."""
+    inside = [p for p in paths if Path(REPO, p).resolve().is_relative_to(REPO)]
+    if not inside:
+        return []
+    done = subprocess.run(["git", "check-ignore", "--no-index", *inside], cwd=REPO, capture_output=True, text=True)
+    ignored = set(done.stdout.splitlines())
+    return [p for p in inside if p not in ignored]
+
+
+def reader_commands() -> list[tuple[str, str]]:
+    return [(str(readme.relative_to(REPO)), command) for readme in READMES for command in readme_commands(readme)
+            if not any(m in command for m in MAINTAINER)]
+
+
+def check_command(command: str) -> list[str]:
+    found = script_and_args(command)
+    if found is None:
+        return []
+    script, args = found
+    return not_ignored(outputs(parsed_flags(script, args), script.name))
+
+
+def test_every_readme_command_writes_only_where_git_ignores():
+    problems = []
+    for readme, command in reader_commands():
+        bad = check_command(command)
+        if bad:
+            problems.append(f"{readme}: {command}\n    writes {bad}")
+    assert not problems, "\n" + "\n".join(problems)
+    assert len(reader_commands()) > 60  # every chapter's commands were read
+
+
+def test_negative_control_a_committed_record_as_results_fails():
+    command = ("torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --steps 30 "
+               "--results 02-fsdp/records/fsdp_strategies.jsonl")
+    assert check_command(command) == ["02-fsdp/records/fsdp_strategies.jsonl"]
+    # and a default that points into the repository is seen too
+    assert check_command("python 05-advanced/plot_results.py --out-dir 05-advanced") == ["05-advanced/."]
+
+
+@pytest.mark.parametrize("path, ignored", [("runs/x.jsonl", True), ("checkpoints/a/b.pt", True),
+                                           ("01-ddp-basics/records/outputs.jsonl", False)])
+def test_git_check_ignore_reads_the_repository_rules(path, ignored):
+    assert (not_ignored([path]) == []) == ignored

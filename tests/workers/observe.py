@@ -1,0 +1,72 @@
+"""Worker: run a chapter script as torchrun would, and write down what its model was really fed.
+
+    torchrun --nproc_per_node=4 tests/workers/observe.py CLASS OUT_DIR SCRIPT [--outputs] \\
+        [--mutate OLD NEW] -- [script arguments]
+
+Before the script runs, a global forward hook (``torch.nn.modules.module.
+register_module_forward_hook``, a public torch API) is installed. Every forward call of a module
+whose class is named CLASS appends one JSON line to ``OUT_DIR/rank<R>.jsonl``:
+``{"training": bool, "rows": [sha1 of each sample's bytes, ...]}``, and with ``--outputs`` the
+module's output as nested lists (``"outputs"``; small models only). The test maps the digests back to
+dataset indices (or token rows) on its own, so it checks what reached the model, not what the script
+says it fed it. Nothing else changes: the script's own ``main`` runs, with every flag, record and
+checkpoint as usual.
+
+``--mutate OLD NEW`` runs a deliberately broken variant instead (``OLD`` must occur exactly once in
+the script, see mutation.py), for negative controls.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mutation import mutated_source  # tests/workers/mutation.py, beside this worker
+
+
+def digest_rows(batch: torch.Tensor) -> list[str]:
+    """sha1 of each sample (first dimension) of ``batch``, from its raw bytes on the CPU."""
+    rows = batch.detach().to("cpu").contiguous()
+    return [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in rows]
+
+
+def install(class_name: str, out_dir: Path, outputs: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"rank{os.environ.get('RANK', '0')}.jsonl"
+
+    def hook(module, args, output):
+        if type(module).__name__ == class_name and args and isinstance(args[0], torch.Tensor):
+            line = {"training": module.training, "rows": digest_rows(args[0])}
+            if outputs:
+                line["outputs"] = output.detach().to("cpu", torch.float64).tolist()
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+
+USAGE = "error: usage: observe.py CLASS OUT_DIR SCRIPT [--outputs] [--mutate OLD NEW] -- [script arguments]"
+
+
+def main(argv: list[str]) -> None:
+    if "--" not in argv or len(argv[:argv.index("--")]) < 3:
+        sys.exit(USAGE)
+    head, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    (class_name, out_dir, script), options = head[:3], head[3:]
+    outputs = "--outputs" in options
+    options = [o for o in options if o != "--outputs"]
+    if options and (options[0] != "--mutate" or len(options) != 3):
+        sys.exit(USAGE)
+    path = Path(script).resolve()
+    source = mutated_source(path, options[1], options[2]) if options else path.read_text()
+    install(class_name, Path(out_dir), outputs)
+    sys.argv = [str(path), *rest]
+    exec(compile(source, str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
