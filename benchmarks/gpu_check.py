@@ -182,9 +182,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def unwritable_folder(folder: Path) -> str | None:
+    """Why the records cannot be written into ``folder``, or None. Standard library only, like the
+    rest of this script before the wheel folder is installed (distkit.paths needs torch)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write there ({exc.strerror or exc})"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    problem = unwritable_folder(REPO / args.out)  # before the install, the suite and the measurements
+    if problem:
+        print(f"error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     if args.wheels:
         done = subprocess.run([sys.executable, str(REPO / "distkit" / "offline.py"), "install", args.wheels])
         if done.returncode != 0:

@@ -28,8 +28,7 @@ from distkit.models import build_model, TokenTask, add_model_args, model_config_
 def parse_args():
     parser = ArgumentParser(description="Step time of one DDP training loop with and without the harness.",
                             epilog="example: python benchmarks/harness_overhead.py --model-size small")
-    add_model_args(parser)
-    parser.set_defaults(model_size="tiny")
+    add_model_args(parser, default_size="tiny")
     parser.add_argument("--rounds", type=positive_int, default=6, help="alternating rounds (default: 6)")
     add_training_args(parser, steps=20, global_batch_size=16, lr=1e-3, warmup_steps=2, results=None,
                       helps={"steps": "timed steps per round and mode"})

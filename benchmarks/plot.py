@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit import ArgumentParser, UsageError, run_main, theory  # noqa: E402
 from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
+from distkit.paths import check_outputs  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 
 MIB = 2**20
@@ -523,6 +524,7 @@ def main(argv=None):
     parser.add_argument("--out-dir", default="runs/plots",
                         help="where the PNGs and summary.md go (default: runs/plots)")
     args = parser.parse_args(argv)
+    check_outputs(None, args, dirs=["out_dir"])  # before any plot is drawn
     for path in write_all(args.results, args.out_dir):
         print(f"wrote {path}")
     print((Path(args.out_dir) / "summary.md").read_text())

@@ -264,3 +264,28 @@ def test_fsdp_hf_checkpoint_help_states_its_llama_default():
     assert result.returncode == 0
     arch_help = " ".join(result.stdout.split("--arch {gpt,llama}")[-1].split("--model-size")[0].split())
     assert arch_help == "the architecture; a Hugging Face Llama folder loads into --arch llama only (default: llama)"
+
+
+def test_plot_out_dir_under_a_file_is_one_line_before_drawing(tmp_path):
+    """benchmarks/plot.py judges --out-dir before it draws (the committed record as input)."""
+    (tmp_path / "a-file").write_text("x")
+    results = REPO / "benchmarks" / "records" / "results_cpu.jsonl"
+    result = python(REPO / "benchmarks" / "plot.py", "--results", results, "--out-dir", tmp_path / "a-file" / "plots",
+                    tmp_path=tmp_path, timeout=LAUNCH_TIMEOUT_S, check=False)
+    assert_one_line_error(result, f"--out-dir {tmp_path}/a-file/plots")
+    assert "wrote" not in result.stdout
+
+
+def test_gpu_check_out_under_a_file_is_one_line_before_anything(tmp_path):
+    """benchmarks/gpu_check.py judges --out before the install and the suite, GPU or not (its own
+    standard-library check: it runs before the wheel folder is installed)."""
+    (tmp_path / "a-file").write_text("x")
+    result = python(REPO / "benchmarks" / "gpu_check.py", "--out", tmp_path / "a-file" / "out", tmp_path=tmp_path,
+                    timeout=LAUNCH_TIMEOUT_S, check=False, launcher="python")
+    assert_one_line_error(result, f"--out {tmp_path}/a-file/out: cannot write there")
+    assert "no GPU" not in result.stdout
+
+
+def test_harness_overhead_help_states_its_tiny_default():
+    help_text = parse_args_result(load_script(REPO / "benchmarks" / "harness_overhead.py"), "--help").stdout
+    assert "default: tiny)" in " ".join(help_text.split())  # the old set_defaults left "default: small"
