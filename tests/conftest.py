@@ -86,12 +86,11 @@ def gpu_rank(nodeid: str) -> int:
 # order): a long file left for the end would run alone while the other worker idles. A file missing
 # here runs last; a stale figure costs only time.
 CPU_FILE_SECONDS = {
-    "test_notebooks.py": 163, "test_offline_install.py": 133, "test_slurm.py": 90, "test_benchmarks.py": 92,
-    "test_ch03_deepspeed.py": 72, "test_ch02_fsdp.py": 68, "test_ch05_advanced.py": 66,
-    "test_llama_equivalence.py": 54, "test_ch01_tools.py": 47, "test_ch01_ddp.py": 36, "test_readme_top.py": 35,
-    "test_ddp_mnist.py": 35, "test_ch02_hf.py": 33, "test_ch04_readme.py": 29, "test_gpu_check.py": 27,
-    "test_ch05_negative.py": 25, "test_bad_input.py": 20, "test_ch05_ac.py": 20, "test_ch05_cp_ep.py": 16,
-    "test_ch02_negative.py": 15, "test_ch02_lora.py": 13, "test_records.py": 10, "test_planner.py": 10,
+    "test_notebooks.py": 105, "test_benchmarks.py": 95, "test_offline_install.py": 86, "test_slurm.py": 65,
+    "test_ch03_deepspeed.py": 64, "test_ch01_tools.py": 54, "test_ch01_ddp.py": 47, "test_ch05_advanced.py": 40,
+    "test_ddp_mnist.py": 33, "test_ch02_hf.py": 30, "test_ch01_lesson.py": 30, "test_ch02_fsdp.py": 30,
+    "test_ch04_readme.py": 29, "test_gpu_check.py": 25, "test_llama_equivalence.py": 24, "test_bad_input.py": 23,
+    "test_ch05_negative.py": 18, "test_ch05_ac.py": 17, "test_ch05_cp_ep.py": 17, "test_ch02_negative.py": 14,
 }
 
 
