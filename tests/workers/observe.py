@@ -6,7 +6,7 @@
 Before the script runs, a global forward hook (``torch.nn.modules.module.
 register_module_forward_hook``, a public torch API) is installed. Every forward call of a module
 whose class is named CLASS appends one JSON line to ``OUT_DIR/rank<R>.jsonl``:
-``{"training": bool, "rows": [sha1 of each sample's bytes, ...], "more": [the same for each further
+``{"training": bool, "grad": whether autograd recorded it, "rows": [sha1 of each sample's bytes, ...], "more": [the same for each further
 tensor argument]}``, and with ``--outputs`` the
 module's output as nested lists (``"outputs"``; small models only). The test maps the digests back to
 dataset indices (or token rows) on its own, so it checks what reached the model, not what the script
@@ -41,7 +41,7 @@ def install(class_name: str, out_dir: Path, outputs: bool) -> None:
 
     def hook(module, args, output):
         if type(module).__name__ == class_name and args and isinstance(args[0], torch.Tensor):
-            line = {"training": module.training, "rows": digest_rows(args[0]),
+            line = {"training": module.training, "grad": torch.is_grad_enabled(), "rows": digest_rows(args[0]),
                     # the other tensor arguments (positions, masks), row by row the same way
                     "more": [digest_rows(a) for a in args[1:] if isinstance(a, torch.Tensor)]}
             if outputs:
