@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .checkpoint import atomic_write
 from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance, run_device  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,20 +88,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def write_jsonl(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
-    """Write records as JSON Lines atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, sort_keys=False) + "\n" for r in records))
-    os.replace(tmp, path)
-
-
-def write_jsonl_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write records as JSON Lines atomically (:func:`distkit.checkpoint.atomic_write`)."""
+    text = "".join(json.dumps(r, sort_keys=False) + "\n" for r in records)
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def upsert(path: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -192,7 +182,8 @@ def capture(command: str, name: str, timeout_s: float | None = None,
                 for source, target in keep:
                     if not (REPO / source).is_file():
                         raise RecordError(f"{command!r} wrote no {source} (--keep)")
-                    write_jsonl_text(REPO / target, (REPO / source).read_text())
+                    kept = (REPO / source).read_bytes()
+                    atomic_write(REPO / target, lambda f: f.write(kept))
         if into is not None:
             upsert(into, record)
     return record
