@@ -47,11 +47,8 @@ the gradient bytes (test_ddp_mnist.py).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 import re
-import statistics
 from pathlib import Path
 
 import pytest
@@ -62,34 +59,30 @@ from distkit.checkpoint import safe_load
 from distkit.data import MNIST_MEAN, MNIST_STD, import_torchvision
 from distkit.harness import read_records
 from distkit.models import MnistCNN
-from launch import REPO, WORKERS, job, run_jobs, torchrun
+from launch import REPO, job
+from observed import digest_rows, observe_jobs, seen_calls, slowest_median
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 EPOCHS, STEPS, BATCH, SEED = 2, 3, 16, 0
 FLAGS = ["--offline", "--epochs", str(EPOCHS), "--max-steps", str(STEPS), "--batch-size", str(BATCH)]
 
-# name -> (world size, mutation or None); each mutant is the script with one realistic DDP bug
-RUNS = {
-    "correct": (4, None),
-    "no_set_epoch": (2, ("sampler.set_epoch(epoch)", "None")),
-    "eval_everything": (2, ("range(ctx.rank, len(test_set), ctx.world_size)", "range(len(test_set))")),
-    "train_not_reduced": (2, ("dist.all_reduce(totals)  # per-rank sums", "None  #")),
-    "eval_not_reduced": (2, ("dist.all_reduce(totals)  # sum of per-rank counts", "None  #")),
-    "per_rank_samples": (2, ("samples=len(images) * ctx.world_size", "samples=len(images)")),
+# name -> mutation or None; each mutant is the script with one realistic DDP bug
+MUTATIONS = {
+    "correct": None,
+    "no_set_epoch": ("sampler.set_epoch(epoch)", "None"),
+    "eval_everything": ("range(ctx.rank, len(test_set), ctx.world_size)", "range(len(test_set))"),
+    "train_not_reduced": ("dist.all_reduce(totals)  # per-rank sums", "None  #"),
+    "eval_not_reduced": ("dist.all_reduce(totals)  # sum of per-rank counts", "None  #"),
+    "per_rank_samples": ("samples=len(images) * ctx.world_size", "samples=len(images)"),
 }
-
-
-def launch(name: str, folder: Path):
-    world, mutation = RUNS[name]
-    head = [str(folder / "seen"), str(SCRIPT), "--outputs", *(["--mutate", *mutation] if mutation else [])]
-    return torchrun(WORKERS / "observe.py", "MnistCNN", *head, "--", *FLAGS,
-                    "--data-dir", folder / "data", "--results", folder / "r.jsonl", "--save", folder / "m.pt",
-                    "--log-file", folder / "log.txt", nproc=world, tmp_path=folder, timeout=240)
+WORLD = {name: 4 if name == "correct" else 2 for name in MUTATIONS}  # the README's 4; mutants on 2
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_jobs({name: (lambda folder, name=name: launch(name, folder)) for name in RUNS}, tmp_path_factory)
+    return observe_jobs(tmp_path_factory, SCRIPT, "MnistCNN", MUTATIONS, lambda folder: [
+        *FLAGS, "--data-dir", folder / "data", "--results", folder / "r.jsonl", "--save", folder / "m.pt",
+        "--log-file", folder / "log.txt"], nproc=WORLD, outputs=True)
 
 
 # ---- independent views of the data and of the run --------------------------------------------------
@@ -112,7 +105,7 @@ def mnist_and_index(folder: Path):
 
 def index_of(dataset) -> dict[str, int]:
     """sha1 of each sample's bytes -> its index (every digit of the sample is distinct)."""
-    digests = {hashlib.sha1(dataset[i][0].numpy().tobytes()).hexdigest(): i for i in range(len(dataset))}
+    digests = {digest_rows(dataset[i][0][None])[0]: i for i in range(len(dataset))}
     assert len(digests) == len(dataset), "two identical images: digests cannot name samples"
     return digests
 
@@ -127,8 +120,7 @@ class Seen:
         self.test = [[[] for _ in range(EPOCHS)] for _ in range(world)]
         for rank in range(world):
             epoch, was_training = -1, False
-            for line in (folder / "seen" / f"rank{rank}.jsonl").read_text().splitlines():
-                call = json.loads(line)
+            for call in seen_calls(folder, rank):
                 if call["training"] and not was_training:
                     epoch += 1  # training resumes: a new epoch
                 was_training = call["training"]
@@ -240,7 +232,7 @@ def check_throughput(record: dict, output: str, expected_samples_per_step: float
     assert metrics["samples_per_step"] == pytest.approx(expected_samples_per_step, rel=1e-12)
     times = metrics["step_times_s_per_rank"]
     assert len(times) == record["world_size"] and all(len(t) == metrics["timed_steps"] for t in times)
-    step_s = max(statistics.median(t) for t in times)  # a step ends when its slowest rank does
+    step_s = slowest_median(metrics)
     assert metrics["step_time_s_median"] == pytest.approx(step_s, rel=1e-12)
     rate = expected_samples_per_step / step_s
     assert metrics["samples_per_s"] == pytest.approx(rate, rel=1e-12)
@@ -250,7 +242,7 @@ def check_throughput(record: dict, output: str, expected_samples_per_step: float
 
 def observed(runs, name: str):
     folder, done = job(runs, name)
-    world = RUNS[name][0]
+    world = WORLD[name]
     return folder, done, world, mnist_and_index(folder)[0], Seen(folder, world)
 
 
@@ -323,20 +315,14 @@ TRAINING_RUNS = {
 
 @pytest.fixture(scope="module")
 def training_runs(tmp_path_factory):
-    def launch_training(name, folder):
-        mutation = TRAINING_RUNS[name]
-        head = [str(folder / "seen"), str(TRAINING), "--outputs", *(["--mutate", *mutation] if mutation else [])]
-        return torchrun(WORKERS / "observe.py", "TinyGPT", *head, "--", *T_FLAGS, "--results", folder / "r.jsonl",
-                        "--checkpoint-dir", folder / "ck", "--log-dir", folder / "logs", nproc=T_WORLD,
-                        tmp_path=folder, timeout=240)
-    return run_jobs({name: (lambda folder, name=name: launch_training(name, folder)) for name in TRAINING_RUNS},
-                    tmp_path_factory)
+    return observe_jobs(tmp_path_factory, TRAINING, "TinyGPT", TRAINING_RUNS, lambda folder: [
+        *T_FLAGS, "--results", folder / "r.jsonl", "--checkpoint-dir", folder / "ck", "--log-dir", folder / "logs"],
+        nproc=T_WORLD, outputs=True)
 
 
 def training_calls(folder: Path) -> list[list[dict]]:
     """Per rank, every forward call of the model: the digests of its rows and its logits."""
-    return [[json.loads(line) for line in (folder / "seen" / f"rank{r}.jsonl").read_text().splitlines()]
-            for r in range(T_WORLD)]
+    return [seen_calls(folder, rank) for rank in range(T_WORLD)]
 
 
 def expected_micro_batches():
@@ -362,8 +348,7 @@ def check_training_rows(calls) -> None:
         assert len(calls[rank]) == T_STEPS * T_ACCUM
         for n, call in enumerate(calls[rank]):
             step, i = divmod(n, T_ACCUM)
-            rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in expected[step, rank, i][0]]
-            assert call["rows"] == rows, (step, rank, i)
+            assert call["rows"] == digest_rows(expected[step, rank, i][0]), (step, rank, i)
 
 
 def check_loss_history(calls, record: dict, output: str) -> None:
@@ -386,7 +371,7 @@ def check_tokens_per_s(record: dict) -> None:
     from distkit.models import model_config
 
     metrics, seq_len = record["metrics"], model_config("gpt", "tiny").seq_len
-    step_s = max(statistics.median(t) for t in metrics["step_times_s_per_rank"])
+    step_s = slowest_median(metrics)
     assert metrics["tokens_per_step"] == T_BATCH * seq_len
     assert metrics["tokens_per_s"] == pytest.approx(T_BATCH * seq_len / step_s, rel=1e-12)
 
@@ -401,7 +386,7 @@ def check_mfu(record: dict) -> None:
     multiplying = sum(p.numel() for name, p in build_model(cfg).named_parameters() if "_emb." not in name)
     flops = 6 * multiplying + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
     metrics = record["metrics"]
-    step_s = max(statistics.median(t) for t in metrics["step_times_s_per_rank"])
+    step_s = slowest_median(metrics)
     per_device = T_BATCH * cfg.seq_len / step_s / record["world_size"]
     assert metrics["model_flops_per_token"] == flops
     assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9)

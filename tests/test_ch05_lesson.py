@@ -20,8 +20,6 @@ is pinned and what is not yet).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,8 @@ import torch
 from ch05_common import QUICK, STEPS
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
-from launch import REPO, WORKERS, job, run_jobs, torchrun
+from launch import REPO, job
+from observed import digest_rows, observe_jobs, seen_calls
 
 CP_SCRIPT = REPO / "05-advanced" / "context_parallel.py"
 CP = 2
@@ -42,16 +41,8 @@ CP_RUNS = {
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
-    def launch(name, folder):
-        mutation = CP_RUNS[name]
-        head = [str(folder / "seen"), str(CP_SCRIPT), *(["--mutate", *mutation] if mutation else [])]
-        return torchrun(WORKERS / "observe.py", "TinyGPT", *head, "--", *map(str, QUICK),
-                        "--results", folder / "r.jsonl", nproc=CP, tmp_path=folder, timeout=240)
-    return run_jobs({name: (lambda folder, name=name: launch(name, folder)) for name in CP_RUNS}, tmp_path_factory)
-
-
-def digests(t: torch.Tensor) -> list[str]:
-    return [hashlib.sha1(row.contiguous().numpy().tobytes()).hexdigest() for row in t]
+    return observe_jobs(tmp_path_factory, CP_SCRIPT, "TinyGPT", CP_RUNS,
+                        lambda folder: [*QUICK, "--results", folder / "r.jsonl"], nproc=CP)
 
 
 def expected_cp_calls(layout: str, batch: int, rank: int) -> list[tuple[list[str], list[str]]]:
@@ -65,7 +56,7 @@ def expected_cp_calls(layout: str, batch: int, rank: int) -> list[tuple[list[str
         inputs, _ = task.global_batch(step, batch)
         positions = torch.arange(cfg.seq_len).expand_as(inputs)
         mine = [torch.cat([t[:, c * size:(c + 1) * size] for c in chunks], dim=1) for t in (inputs, positions)]
-        calls.append((digests(mine[0]), digests(mine[1])))
+        calls.append((digest_rows(mine[0]), digest_rows(mine[1])))
     return calls
 
 
@@ -75,8 +66,7 @@ def check_cp_chunks(folder: Path) -> None:
     assert layouts == ["zigzag", "contiguous"]  # the script's default: both, one after the other
     batch = records[0]["config"]["global_batch_size"]
     for rank in range(CP):
-        seen = [json.loads(line) for line in (folder / "seen" / f"rank{rank}.jsonl").read_text().splitlines()]
-        got = [(call["rows"], call["more"][0]) for call in seen]
+        got = [(call["rows"], call["more"][0]) for call in seen_calls(folder, rank)]
         want = [call for layout in layouts for call in expected_cp_calls(layout, batch, rank)]
         assert got == want, f"rank {rank}: the model was fed other tokens than its two chunks"
 
@@ -103,13 +93,9 @@ PP_RUNS = {
 
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
-    def launch(name, folder):
-        mutation = PP_RUNS[name]
-        head = [str(folder / "seen"), str(PP_SCRIPT), "--outputs", *(["--mutate", *mutation] if mutation else [])]
-        return torchrun(WORKERS / "observe.py", "TinyGPT", *head, "--", *map(str, QUICK), "--schedule", "gpipe",
-                        "--microbatches", str(MICRO), "--results", folder / "r.jsonl", nproc=PP, tmp_path=folder,
-                        timeout=240)
-    return run_jobs({name: (lambda folder, name=name: launch(name, folder)) for name in PP_RUNS}, tmp_path_factory)
+    return observe_jobs(tmp_path_factory, PP_SCRIPT, "TinyGPT", PP_RUNS, lambda folder: [
+        *QUICK, "--schedule", "gpipe", "--microbatches", MICRO, "--results", folder / "r.jsonl"],
+        nproc=PP, outputs=True)
 
 
 def pp_micro_batches(batch: int):
@@ -127,7 +113,7 @@ def pp_calls(folder: Path, rank: int) -> list[dict]:
     """The stage's forwards of the training steps. torch's PipelineStage, given no example inputs
     (as here), first runs one forward of the first micro-batch to learn the shapes it will send
     (torch 2.13: ``_forward_metadata_inference``): it comes before the first step and is left out."""
-    calls = [json.loads(line) for line in (folder / "seen" / f"rank{rank}.jsonl").read_text().splitlines()]
+    calls = seen_calls(folder, rank)
     extra = len(calls) - STEPS * MICRO
     assert extra in (0, 1), f"rank {rank}: {len(calls)} forwards for {STEPS} steps of {MICRO} micro-batches"
     if extra and rank == 0:  # the inference forward ran on the first micro-batch, like the first step
@@ -140,7 +126,7 @@ def check_first_stage_rows(folder: Path) -> None:
     (record,) = read_records(folder / "r.jsonl")
     expected = pp_micro_batches(record["config"]["global_batch_size"])
     got = [call["rows"] for call in pp_calls(folder, 0)]
-    assert got == [digests(expected[step, m][0]) for step in range(STEPS) for m in range(MICRO)]
+    assert got == [digest_rows(expected[step, m][0]) for step in range(STEPS) for m in range(MICRO)]
 
 
 def check_pipeline_losses(folder: Path) -> None:

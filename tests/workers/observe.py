@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-from mutation import mutated_source  # tests/workers/mutation.py, beside this worker
-
 
 def digest_rows(batch: torch.Tensor) -> list[str]:
-    """sha1 of each sample (first dimension) of ``batch``, from its raw bytes on the CPU."""
+    """sha1 of each sample (first dimension) of ``batch``, from its raw bytes on the CPU: what this
+    worker records, and what the tests compute for the samples they expect (tests/observed.py)."""
     rows = batch.detach().to("cpu").contiguous()
     return [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in rows]
 
@@ -64,6 +63,9 @@ def main(argv: list[str]) -> None:
     options = [o for o in options if o != "--outputs"]
     if options and (options[0] != "--mutate" or len(options) != 3):
         sys.exit(USAGE)
+    from mutation import mutated_source  # tests/workers/mutation.py, beside this worker (the tests import
+    # digest_rows from here as workers.observe, where that import would not resolve)
+
     path = Path(script).resolve()
     source = mutated_source(path, options[1], options[2]) if options else path.read_text()
     install(class_name, Path(out_dir), outputs)

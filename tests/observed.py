@@ -1,0 +1,51 @@
+"""What the lesson tests share to observe a chapter script: launching it under tests/workers/observe.py
+(unchanged, or as a mutant), reading what each rank's model was fed, and the one sample digest.
+
+    jobs = observe_jobs(tmp_path_factory, SCRIPT, "TinyGPT", {"correct": None, "bug": (OLD, NEW)},
+                        lambda folder: [...flags...], nproc=2)
+    folder, done = job(jobs, "bug")
+    seen_calls(folder, rank)   # every forward of the observed class on that rank, in order
+"""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+from launch import WORKERS, run_jobs, torchrun
+from workers.observe import digest_rows  # noqa: F401  (the recorder's digest: the tests compare with it)
+
+
+def observe(script: Path, class_name: str, folder: Path, args: list, nproc: int,
+            mutation: tuple[str, str] | None = None, outputs: bool = False):
+    """One launch of ``script args`` (or its mutant) on ``nproc`` ranks, its observations under
+    ``folder/seen``."""
+    head = [str(folder / "seen"), str(script), *(["--outputs"] if outputs else []),
+            *(["--mutate", *mutation] if mutation else [])]
+    return torchrun(WORKERS / "observe.py", class_name, *head, "--", *map(str, args), nproc=nproc,
+                    tmp_path=folder, timeout=240)
+
+
+def observe_jobs(tmp_path_factory, script: Path, class_name: str, mutations: dict[str, tuple[str, str] | None],
+                 args: Callable[[Path], list], nproc: int | dict[str, int], outputs: bool = False) -> dict:
+    """Every variant of ``mutations`` (name -> (old, new), or None for the script as it is) launched
+    two at a time (launch.run_jobs); ``args`` gives the flags for a variant's folder, ``nproc`` its
+    world size (one for all, or per name)."""
+    def launch(name: str, folder: Path):
+        ranks = nproc[name] if isinstance(nproc, dict) else nproc
+        return observe(script, class_name, folder, args(folder), ranks, mutations[name], outputs)
+
+    return run_jobs({name: functools.partial(launch, name) for name in mutations}, tmp_path_factory)
+
+
+def seen_calls(folder: Path, rank: int) -> list[dict]:
+    """Every forward call rank ``rank``'s observed module made, in order (observe.py's lines)."""
+    return [json.loads(line) for line in (folder / "seen" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def slowest_median(metrics: dict) -> float:
+    """A run's step time from its recorded step times: the slowest rank's median (a step ends when its
+    slowest rank does), recomputed here, not read from the record."""
+    return max(statistics.median(times) for times in metrics["step_times_s_per_rank"])
