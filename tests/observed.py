@@ -19,23 +19,24 @@ from workers.observe import digest_rows  # noqa: F401  (the recorder's digest: t
 
 
 def observe(script: Path, class_name: str, folder: Path, args: list, nproc: int,
-            mutation: tuple[str, str] | None = None, outputs: bool = False):
+            mutation: tuple[str, str] | None = None, outputs: bool = False, options: tuple[str, ...] = ()):
     """One launch of ``script args`` (or its mutant) on ``nproc`` ranks, its observations under
-    ``folder/seen``."""
-    head = [str(folder / "seen"), str(script), *(["--outputs"] if outputs else []),
+    ``folder/seen``; ``options`` are observe.py's further options (``--inputs``, ``--param NAME``)."""
+    head = [str(folder / "seen"), str(script), *(["--outputs"] if outputs else []), *options,
             *(["--mutate", *mutation] if mutation else [])]
     return torchrun(WORKERS / "observe.py", class_name, *head, "--", *map(str, args), nproc=nproc,
                     tmp_path=folder, timeout=240)
 
 
 def observe_jobs(tmp_path_factory, script: Path, class_name: str, mutations: dict[str, tuple[str, str] | None],
-                 args: Callable[[Path], list], nproc: int | dict[str, int], outputs: bool = False) -> dict:
+                 args: Callable[[Path], list], nproc: int | dict[str, int], outputs: bool = False,
+                 options: tuple[str, ...] = ()) -> dict:
     """Every variant of ``mutations`` (name -> (old, new), or None for the script as it is) launched
     two at a time (launch.run_jobs); ``args`` gives the flags for a variant's folder, ``nproc`` its
     world size (one for all, or per name)."""
     def launch(name: str, folder: Path):
         ranks = nproc[name] if isinstance(nproc, dict) else nproc
-        return observe(script, class_name, folder, args(folder), ranks, mutations[name], outputs)
+        return observe(script, class_name, folder, args(folder), ranks, mutations[name], outputs, options)
 
     return run_jobs({name: functools.partial(launch, name) for name in mutations}, tmp_path_factory)
 
@@ -49,3 +50,31 @@ def slowest_median(metrics: dict) -> float:
     """A run's step time from its recorded step times: the slowest rank's median (a step ends when its
     slowest rank does), recomputed here, not read from the record."""
     return max(statistics.median(times) for times in metrics["step_times_s_per_rank"])
+
+
+def check_tokens_per_s(record: dict, tokens_per_step: int) -> None:
+    """The record's tokens/s is ``tokens_per_step`` (the global batch's tokens, computed by the test
+    from the flags) over the slowest rank's median step, and samples/s likewise."""
+    import pytest
+
+    metrics = record["metrics"]
+    step_s = slowest_median(metrics)
+    assert metrics["tokens_per_step"] == tokens_per_step
+    assert metrics["tokens_per_s"] == pytest.approx(tokens_per_step / step_s, rel=1e-12)
+    assert metrics["samples_per_s"] == pytest.approx(metrics["samples_per_step"] / step_s, rel=1e-12)
+
+
+def check_mfu(record: dict, cfg, tokens_per_step: int) -> None:
+    """MFU = tokens/s per device x model FLOPs per token / the measured peak, with the FLOPs counted
+    here from the built model: 6 x every parameter that multiplies (not the embedding tables) + the
+    attention term 12 L d s (PaLM's appendix B)."""
+    import pytest
+
+    from distkit.models import build_model
+
+    multiplying = sum(p.numel() for name, p in build_model(cfg).named_parameters() if "_emb." not in name)
+    flops = 6 * multiplying + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    metrics = record["metrics"]
+    per_device = tokens_per_step / slowest_median(metrics) / record["world_size"]
+    assert metrics["model_flops_per_token"] == flops
+    assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9)

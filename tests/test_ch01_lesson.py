@@ -58,9 +58,9 @@ import torch.nn.functional as F
 from distkit.checkpoint import safe_load
 from distkit.data import MNIST_MEAN, MNIST_STD, import_torchvision
 from distkit.harness import read_records
-from distkit.models import MnistCNN
+from distkit.models import MnistCNN, model_config
 from launch import REPO, job
-from observed import digest_rows, observe_jobs, seen_calls, slowest_median
+from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls, slowest_median
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 EPOCHS, STEPS, BATCH, SEED = 2, 3, 16, 0
@@ -367,31 +367,6 @@ def check_loss_history(calls, record: dict, output: str) -> None:
     assert f"done: loss {record['final_loss']:.4f}" in output
 
 
-def check_tokens_per_s(record: dict) -> None:
-    from distkit.models import model_config
-
-    metrics, seq_len = record["metrics"], model_config("gpt", "tiny").seq_len
-    step_s = slowest_median(metrics)
-    assert metrics["tokens_per_step"] == T_BATCH * seq_len
-    assert metrics["tokens_per_s"] == pytest.approx(T_BATCH * seq_len / step_s, rel=1e-12)
-
-
-def check_mfu(record: dict) -> None:
-    """MFU = tokens/s per device x model FLOPs per token / the measured peak, with the FLOPs counted
-    here from the built model: 6 x every parameter that multiplies (not the embedding tables) + the
-    attention term 12 L d s (PaLM's appendix B)."""
-    from distkit.models import build_model, model_config
-
-    cfg = model_config("gpt", "tiny")
-    multiplying = sum(p.numel() for name, p in build_model(cfg).named_parameters() if "_emb." not in name)
-    flops = 6 * multiplying + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-    metrics = record["metrics"]
-    step_s = slowest_median(metrics)
-    per_device = T_BATCH * cfg.seq_len / step_s / record["world_size"]
-    assert metrics["model_flops_per_token"] == flops
-    assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9)
-
-
 def test_training_feeds_each_rank_its_rows_in_micro_batches(training_runs):
     folder, _ = job(training_runs, "correct")
     check_training_rows(training_calls(folder))
@@ -412,11 +387,12 @@ def test_training_loss_history_is_the_observed_logits(training_runs):
 def test_training_tokens_per_s_and_mfu_are_the_step_times_and_the_formula(training_runs):
     folder, _ = job(training_runs, "correct")
     (record,) = read_records(folder / "r.jsonl")
-    check_tokens_per_s(record)
-    check_mfu(record)
+    cfg = model_config("gpt", "tiny")
+    check_tokens_per_s(record, T_BATCH * cfg.seq_len)
+    check_mfu(record, cfg, T_BATCH * cfg.seq_len)
     folder, _ = job(training_runs, "tokens_per_sequence")
     (record,) = read_records(folder / "r.jsonl")
     with pytest.raises(AssertionError):
-        check_tokens_per_s(record)
+        check_tokens_per_s(record, T_BATCH * cfg.seq_len)
     with pytest.raises(AssertionError):
-        check_mfu(record)
+        check_mfu(record, cfg, T_BATCH * cfg.seq_len)

@@ -103,7 +103,8 @@ def check_bandwidth(out: str, tmp_path: Path) -> None:
 def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
     """The README's committed sweep passes the factor check; the same records with the bugs the check
     exists for (all_reduce counted as one pass of the ring, i.e. without its all-gather half; a gather
-    counted as a full copy; all_gather counted like all_reduce) fail it."""
+    counted as a full copy; all_gather counted like all_reduce) fail it, and so does an algbw taken
+    from one rank's input instead of the whole buffer."""
     records = [r for r in map(json.loads, BANDWIDTH_RECORD.read_text().splitlines()) if "collective" in r]
     assert {r["collective"] for r in records} == set(NCCL_TESTS_FACTOR)
     assert_busbw_is_the_counted_factor(records)
@@ -117,6 +118,16 @@ def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
                     row["busbw_GBps"] = row["algbw_GBps"] * wrong_factor
         with pytest.raises(AssertionError):
             assert_busbw_is_the_counted_factor(broken)
+    # algbw from one rank's input instead of nccl-tests' size S (the gathered output): the factor
+    # still matches, the rate does not
+    broken = copy.deepcopy(records)
+    for record in broken:
+        if record["collective"] == "all_gather":
+            for row in record["rows"]:
+                row["algbw_GBps"] /= n
+                row["busbw_GBps"] /= n
+    with pytest.raises(AssertionError):
+        assert_busbw_is_the_counted_factor(broken)
 
 
 def check_mismatch(out: str, tmp_path: Path) -> None:

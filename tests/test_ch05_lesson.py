@@ -20,6 +20,7 @@ is pinned and what is not yet).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from ch05_common import QUICK, STEPS
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
 from launch import REPO, job
-from observed import digest_rows, observe_jobs, seen_calls
+from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls
 
 CP_SCRIPT = REPO / "05-advanced" / "context_parallel.py"
 CP = 2
@@ -155,3 +156,171 @@ def test_pipeline_loss_is_the_mean_over_micro_batches_of_the_last_stage(pp_runs)
     folder, _ = job(pp_runs, "loss_summed")
     with pytest.raises(AssertionError):
         check_pipeline_losses(folder)
+
+
+# ==== tensor_parallel.py: every TP rank the whole batch =============================================
+
+TP_SCRIPT = REPO / "05-advanced" / "tensor_parallel.py"
+TP, TP_BATCH = 2, 8
+TP_RUNS = {
+    "correct": None,
+    # a data-parallel habit: each rank its own batch (seeded by its rank); the collectives still run
+    "batch_per_rank": ("task.global_batch(step, args.global_batch_size)  # the same batch on every rank",
+                       "task.global_batch(step * ctx.world_size + ctx.rank, args.global_batch_size)"),
+    "loss_over_ranks": ("losses.append(loss.item())", "losses.append(loss.item() / tp)"),
+    "tokens_per_rank_summed": ("tokens=inputs.numel())", "tokens=inputs.numel() * tp)"),
+}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    return observe_jobs(tmp_path_factory, TP_SCRIPT, "TinyGPT", TP_RUNS, lambda folder: [
+        *QUICK, "--global-batch-size", TP_BATCH, "--save", "none", "--results", folder / "r.jsonl"],
+        nproc=TP, outputs=True)
+
+
+def tp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return TokenTask(model_config("gpt", "tiny"), seed=0).global_batch(step, TP_BATCH)
+
+
+def check_tp_rows(folder: Path) -> None:
+    """Every TP rank's model gets the whole global batch of each step: the ranks split the weights,
+    not the data."""
+    for rank in range(TP):
+        assert [c["rows"] for c in seen_calls(folder, rank)] == [digest_rows(tp_batch(s)[0]) for s in range(STEPS)]
+
+
+def check_tp_losses(folder: Path) -> None:
+    """Each recorded loss is the token cross-entropy of the whole batch's logits, which every rank
+    returns whole (the LM head is not split here)."""
+    (record,) = read_records(folder / "r.jsonl")
+    for rank in range(TP):
+        calls = seen_calls(folder, rank)
+        for step in range(STEPS):
+            logits = torch.tensor(calls[step]["outputs"], dtype=torch.float64)
+            expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tp_batch(step)[1].flatten()).item()
+            assert abs(record["losses"][step] - expected) <= 1e-5, (rank, step, record["losses"][step], expected)
+
+
+def test_tensor_parallel_gives_every_rank_the_whole_batch(tp_runs):
+    check_tp_rows(job(tp_runs, "correct")[0])
+    with pytest.raises(AssertionError):
+        check_tp_rows(job(tp_runs, "batch_per_rank")[0])
+
+
+def test_tensor_parallel_loss_is_the_whole_batchs_cross_entropy(tp_runs):
+    check_tp_losses(job(tp_runs, "correct")[0])
+    with pytest.raises(AssertionError):
+        check_tp_losses(job(tp_runs, "loss_over_ranks")[0])
+
+
+def test_tensor_parallel_tokens_per_s_counts_the_batch_once(tp_runs):
+    cfg = model_config("gpt", "tiny")
+    (record,) = read_records(job(tp_runs, "correct")[0] / "r.jsonl")
+    check_tokens_per_s(record, TP_BATCH * cfg.seq_len)
+    check_mfu(record, cfg, TP_BATCH * cfg.seq_len)
+    (record,) = read_records(job(tp_runs, "tokens_per_rank_summed")[0] / "r.jsonl")
+    with pytest.raises(AssertionError):
+        check_tokens_per_s(record, TP_BATCH * cfg.seq_len)
+
+
+# ==== hybrid_parallelism.py --mode 2d: data parallel along dp, the same rows along tp ================
+
+HYBRID_SCRIPT = REPO / "05-advanced" / "hybrid_parallelism.py"
+HYBRID_RUNS = {
+    "correct": None,
+    # the data sliced along the wrong mesh axis: TP partners read different rows, replicas the same
+    "tp_axis_slices_data": ('mesh.get_local_rank("dp")', 'mesh.get_local_rank("tp")'),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
+    # fully_shard swaps the root's class for FSDPTinyGPT
+    return observe_jobs(tmp_path_factory, HYBRID_SCRIPT, "FSDPTinyGPT", HYBRID_RUNS, lambda folder: [
+        *QUICK, "--mode", "2d", "--dp", 2, "--tp", 2, "--global-batch-size", TP_BATCH, "--save", "none",
+        "--results", folder / "r.jsonl"], nproc=4)
+
+
+def check_hybrid_rows(folder: Path) -> None:
+    """On the (dp, tp) = (2, 2) mesh, rank r sits at dp index r // 2: ranks 0 and 1 (TP partners) read
+    the first half of each global batch, ranks 2 and 3 the second."""
+    half = TP_BATCH // 2
+    for rank in range(4):
+        dp_index = rank // 2
+        want = [digest_rows(tp_batch(s)[0][dp_index * half:(dp_index + 1) * half]) for s in range(STEPS)]
+        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}"
+
+
+def test_fsdp_tp_slices_the_data_along_dp_only(hybrid_runs):
+    check_hybrid_rows(job(hybrid_runs, "correct")[0])
+    with pytest.raises(AssertionError):
+        check_hybrid_rows(job(hybrid_runs, "tp_axis_slices_data")[0])
+
+
+# ==== expert_parallel.py: each token to the experts it chose, on the ranks that own them =============
+
+EP_SCRIPT = REPO / "05-advanced" / "expert_parallel.py"
+EP, EXPERTS, TOP_K, CAPACITY_FACTOR = 2, 8, 2, 1.25  # the script's defaults
+EP_RUNS = {
+    "correct": None,
+    # arrivals are ordered by source rank, then expert: run without regrouping, experts get others' rows
+    "not_regrouped": ("by_expert = expert_of_row.argsort(stable=True)", "by_expert = torch.arange(len(expert_of_row))"),
+    "capacity_off_by_one": ("keep = place < capacity", "keep = place <= capacity"),
+}
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    # the MoE layer's input and router weight at each call, and each expert MLP's rows
+    return observe_jobs(tmp_path_factory, EP_SCRIPT, "MoE,MLP", EP_RUNS, lambda folder: [
+        *QUICK, "--global-batch-size", TP_BATCH, "--save", "none", "--results", folder / "r.jsonl"],
+        nproc=EP, options=("--inputs", "--param", "router.weight"))
+
+
+def expected_expert_rows(moe_calls: list[dict]) -> dict[int, list[str]]:
+    """Per expert, the digests of the token rows it must receive in one MoE forward, given that
+    forward's call on every rank (``moe_calls[source rank]``): each rank routes each of its tokens to
+    its top-k experts by the router's probabilities; an expert keeps at most
+    ceil(factor x T x k / E) of a rank's routing choices, first choices before second, earlier
+    tokens first; the owner receives them by source rank, each rank's in that order."""
+    rows = {e: [] for e in range(EXPERTS)}
+    for call in moe_calls:
+        x = torch.tensor(call["inputs"], dtype=torch.float64).to(torch.float32)
+        tokens = x.reshape(-1, x.shape[-1])
+        router = torch.tensor(call["param"], dtype=torch.float64).to(torch.float32)
+        chosen = (tokens @ router.t()).softmax(dim=-1).topk(TOP_K, dim=-1).indices  # (T, k)
+        capacity = math.ceil(CAPACITY_FACTOR * len(tokens) * TOP_K / EXPERTS)
+        taken = {e: [] for e in range(EXPERTS)}
+        for choice in range(TOP_K):
+            for t in range(len(tokens)):
+                e = int(chosen[t, choice])
+                if len(taken[e]) < capacity:
+                    taken[e].append(t)
+        for e in range(EXPERTS):
+            rows[e] += digest_rows(tokens[taken[e]]) if taken[e] else []
+    return rows
+
+
+def check_routing(folder: Path) -> None:
+    """Every expert computes exactly the tokens routed to it, on the rank that owns it (experts
+    E/ep x r ... on rank r)."""
+    calls = [seen_calls(folder, rank) for rank in range(EP)]
+    moe = [[c for c in rank_calls if c["class"] == "MoE"] for rank_calls in calls]
+    mlp = [[c for c in rank_calls if c["class"] == "MLP"] for rank_calls in calls]
+    local = EXPERTS // EP
+    n_layer = model_config("gpt", "tiny").n_layer
+    assert [len(m) for m in moe] == [STEPS * n_layer] * EP  # one MoE forward per layer and step on every rank
+    assert [len(m) for m in mlp] == [STEPS * n_layer * local] * EP
+    for i in range(STEPS * n_layer):
+        want = expected_expert_rows([moe[rank][i] for rank in range(EP)])
+        for rank in range(EP):
+            got = [c["rows"] for c in mlp[rank][i * local:(i + 1) * local]]
+            assert got == [want[rank * local + j] for j in range(local)], f"MoE forward {i}, rank {rank}"
+
+
+def test_expert_parallel_sends_each_token_to_its_chosen_experts(ep_runs):
+    check_routing(job(ep_runs, "correct")[0])
+    for bug in ("not_regrouped", "capacity_off_by_one"):
+        with pytest.raises(AssertionError):
+            check_routing(job(ep_runs, bug)[0])
