@@ -138,37 +138,38 @@ def fork_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def first_command_run(tmp_path_factory, worker_id):
     """The reader's first command, ``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py`` (the top
-    README's quick start and chapter 01's first command), run once per session under the real torchrun
-    on the offline MNIST sample with its default epochs; outputs inside a temporary folder.
+    README's quick start and chapter 01's first command), run once per session the way a reader runs
+    it: in a fresh clone of this working tree (its tracked and not-ignored files, committed in a new
+    repository), from the clone's root, under the real torchrun, with the clone's own distkit, its
+    default epochs and default output paths. Only ``--offline`` is added (this machine has no network).
 
-    Returns ``(folder, CompletedProcess)``: ``folder`` holds ``results.jsonl``, ``model.pt``,
-    ``log.txt``. tests/test_readme_top.py, tests/test_ddp_mnist.py and tests/test_ch01_lesson.py
-    assert on this one run (read only). Under xdist the first worker that needs it runs it in the
-    session's shared temporary folder, and the others wait for it and read it there.
+    Returns ``(clone, CompletedProcess)``; ``QUICK_START`` (tests/launch.py) names the files the run
+    wrote inside the clone. tests/test_reader_path.py, tests/test_readme_top.py,
+    tests/test_ddp_mnist.py and tests/test_ch01_lesson.py assert on this one run (read only). Under
+    xdist the first worker that needs it runs it in the session's shared temporary folder, and the
+    others wait for it and read it there.
     """
     import fcntl
     import json
     import subprocess
 
-    from launch import REPO, command_argv, job_env, readme_command, run
+    from launch import command_argv, fresh_clone, job_env, readme_command, REPO, run
 
     def launch(folder):
+        clone = fresh_clone(folder / "clone")
         command = readme_command(REPO / "README.md", "01-ddp-basics/ddp_mnist.py")
-        return run(command_argv(command, launcher="torchrun") + [
-            "--offline", "--data-dir", str(folder / "data"), "--results", str(folder / "results.jsonl"),
-            "--save", str(folder / "model.pt"), "--log-file", str(folder / "log.txt")],
-            env=job_env(folder), timeout=600)
+        return clone, run(command_argv(command, launcher="torchrun") + ["--offline"], cwd=clone,
+                          env=job_env(folder, PYTHONPATH=str(clone)), timeout=600)
 
     if worker_id == "master":  # no xdist: this process is the session
-        folder = tmp_path_factory.mktemp("first_command")
-        return folder, launch(folder)
+        return launch(tmp_path_factory.mktemp("first_command"))
     shared = tmp_path_factory.getbasetemp().parent  # this session's folder, above every worker's
     folder, done_file = shared / "first_command", shared / "first_command.json"
     with open(shared / "first_command.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done_file.exists():
             folder.mkdir(exist_ok=True)
-            done = launch(folder)
+            _, done = launch(folder)
             done_file.write_text(json.dumps({"args": done.args, "stdout": done.stdout}))
     saved = json.loads(done_file.read_text())
-    return folder, subprocess.CompletedProcess(saved["args"], 0, saved["stdout"], "")
+    return folder / "clone", subprocess.CompletedProcess(saved["args"], 0, saved["stdout"], "")

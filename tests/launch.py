@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,37 @@ def require_gpus(count: int, why: str = "") -> None:
     have = gpu_count()
     if have < count:
         pytest.skip(f"needs {count} GPU(s), this machine has {have}" + (f": {why}" if why else ""))
+
+
+# What the quick start (``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py``) writes with its
+# default flags, relative to where it runs (conftest.first_command_run: a fresh clone's root).
+QUICK_START_FILES = {"results": "runs/results.jsonl", "model": "checkpoints/ddp_mnist.pt", "log": "runs/ddp_mnist.log",
+               "data": "data"}
+
+
+def fresh_clone(dest: Path) -> Path:
+    """What ``git clone`` of this working tree gives a reader: its tracked files and the files git
+    does not ignore, as they are now (uncommitted edits included), committed in a new repository at
+    ``dest`` with the working tree's .gitignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted in the working tree is not in a clone of it
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    git = ["git", "-c", "user.name=reader", "-c", "user.email=reader@example.com", "-C", str(dest)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "fresh clone"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    return dest
+
+
+def changed_files(clone: Path) -> list[str]:
+    """``git status --porcelain`` of ``clone``: every file a run added, changed or removed outside
+    what git ignores (empty when the run left the repository as it was)."""
+    out = subprocess.run(["git", "-C", str(clone), "status", "--porcelain", "--untracked-files=all"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO,

@@ -14,19 +14,19 @@ from ch01_common import README
 from distkit.checkpoint import safe_load
 from distkit.harness import bus_factor, read_records
 from distkit.models import MnistCNN
-from launch import REPO, python, readme_command, torchrun
+from launch import QUICK_START_FILES, REPO, python, readme_command, torchrun
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 
 
 def test_ddp_mnist_readme_command_on_offline_sample(first_command_run):
     """The chapter's first command is the top README's quick start: conftest.py runs it once (real
-    torchrun, default epochs, the offline sample) for both READMEs' tests."""
+    torchrun in a fresh clone, default epochs and paths, the offline sample) for both READMEs' tests."""
     # the same command (--standalone only asks for a private rendezvous port, which tests always get)
     chapter = readme_command(README, "ddp_mnist.py", without="srun").replace("--standalone ", "")
     assert chapter == readme_command(REPO / "README.md", "ddp_mnist.py")
     folder, done = first_command_run
-    results, checkpoint = folder / "results.jsonl", folder / "model.pt"
+    results, checkpoint = folder / QUICK_START_FILES["results"], folder / QUICK_START_FILES["model"]
     out = done.stdout
     assert "5k offline sample" in out
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", out).group(1))
@@ -54,7 +54,7 @@ def test_ddp_mnist_readme_command_on_offline_sample(first_command_run):
     model = MnistCNN()
     model.load_state_dict(state["model"])
     assert state["world_size"] == 4
-    assert (folder / "log.txt").read_text().count("epoch 3/3") == 1
+    assert (folder / QUICK_START_FILES["log"]).read_text().count("epoch 3/3") == 1
 
 
 def test_ddp_mnist_runs_with_one_and_two_processes(tmp_path):

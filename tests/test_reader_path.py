@@ -7,6 +7,11 @@ after parsing, so nothing runs). Every output the parsed flags name (results, re
 logs, plots, exports, downloads; the defaults included) must be ignored by git (``git check-ignore``).
 A negative control: a command that passes a committed record as ``--results`` fails the check.
 
+And one reader is played for real: the quick start runs, as the README writes it, in a fresh clone of
+this working tree (conftest.first_command_run), and the clone's ``git status`` is empty afterwards,
+while the run's outputs exist in it (under ``runs/``, ``checkpoints/``, ``data/``). Negative control:
+a file left where git does not ignore it shows in the same check.
+
 Maintainer commands are the exception, named here: ``python -m distkit.records`` (recording and
 rendering write the committed records and figures by design).
 """
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, load_script, readme_commands
+from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_commands
 
 READMES = sorted(REPO.glob("*/README.md")) + [REPO / "README.md"]
 # argparse destinations that name something a run writes
@@ -139,3 +144,17 @@ def test_negative_control_a_committed_record_as_results_fails():
                                            ("01-ddp-basics/records/outputs.jsonl", False)])
 def test_git_check_ignore_reads_the_repository_rules(path, ignored):
     assert (not_ignored([path]) == []) == ignored
+
+
+def test_the_quick_start_in_a_fresh_clone_leaves_it_as_it_was(first_command_run):
+    clone, done = first_command_run
+    assert "done: test accuracy" in done.stdout
+    assert all((clone / path).exists() for path in QUICK_START_FILES.values()), sorted(p.name for p in clone.iterdir())
+    assert changed_files(clone) == []
+    # negative control: an output written beside the script instead of under runs/
+    stray = clone / "01-ddp-basics" / "results.jsonl"
+    stray.write_text("{}\n")
+    try:
+        assert changed_files(clone) == ["?? 01-ddp-basics/results.jsonl"]
+    finally:
+        stray.unlink()

@@ -6,7 +6,7 @@ and ``check`` over the whole repository is exactly ``tests/test_records.py::
 test_every_figure_in_the_repository_matches_its_record``; here they are only found (every README
 command has a lookup below, so a new command in the README cannot slip through untested).
 """
-from launch import REPO, assert_readme_covered, readme_command
+from launch import QUICK_START_FILES, REPO, assert_readme_covered, readme_command
 
 README = REPO / "README.md"
 QUICK_START = "01-ddp-basics/ddp_mnist.py"
@@ -25,12 +25,12 @@ def test_every_readme_command_has_a_test():
 
 
 def test_quick_start_command_runs(first_command_run):
-    """conftest.py runs this command once, as written under the real torchrun (the offline sample and
-    output paths appended); tests/test_ddp_mnist.py checks the same run's accuracy and records."""
+    """conftest.py runs this command once, as written, under the real torchrun in a fresh clone
+    (--offline appended); tests/test_ddp_mnist.py checks the same run's accuracy and records."""
     command = readme_command(README, QUICK_START)
     assert command == "torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py"
     folder, result = first_command_run
-    assert "done: test accuracy" in result.stdout and (folder / "model.pt").exists(), result.stdout[-2000:]
+    assert "done: test accuracy" in result.stdout and (folder / QUICK_START_FILES["model"]).exists(), result.stdout[-2000:]
 
 
 def test_the_quick_start_output_is_the_recorded_run_of_its_command():
