@@ -110,9 +110,14 @@ def pip(*args: str, env: dict | None = None, quiet: bool = True) -> None:
 
 def build_pure_wheels(dest: Path) -> None:
     """Turn every source distribution in ``dest`` (DeepSpeed publishes only one) into a wheel here. Only
-    pure-Python wheels can be built for another machine; anything else is an error."""
+    pure-Python wheels can be built for another machine; anything else is an error.
+
+    The wheel is asked for by name and version from the index, not built from the file: pip then takes
+    the wheel it built when this machine installed requirements.txt from its cache (seconds instead of
+    a build), and builds it from the same release otherwise."""
     for sdist in sorted(dest.glob("*.tar.gz")) + sorted(dest.glob("*.zip")):
-        pip("wheel", "--no-deps", "--wheel-dir", str(dest), str(sdist))
+        name, _, version = sdist.name.removesuffix(".tar.gz").removesuffix(".zip").rpartition("-")
+        pip("wheel", "--no-deps", "--wheel-dir", str(dest), f"{name}=={version}")
         sdist.unlink()
     impure = [w.name for w in dest.glob("*.whl") if w.name.endswith("-linux_x86_64.whl")]
     if impure:
