@@ -29,8 +29,9 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
                            non_negative_int, positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 
 def parse_args():
@@ -114,7 +115,7 @@ def main():
                           warmup_steps=args.warmup_steps,
                           config={"script": "ddp_from_scratch", "global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "bucket_cap_mb": args.bucket_cap_mb})
-        task = TokenTask(gpt, seed=args.seed)
+        task = make_task(gpt, args)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc="train"):
             inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device)

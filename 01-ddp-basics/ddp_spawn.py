@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import add_training_args, positive_int
 from distkit.logs import setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.text import make_task
 
 
 def parse_args():
@@ -63,7 +64,7 @@ def train(args) -> None:
         cfg = model_config_from_args(args)
         model = DDP(build_model(cfg).to(ctx.device), device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         log.info(f"spawned {ctx.world_size} processes | backend {ctx.backend} | {args.steps} steps")
         for step in range(args.steps):
             inputs, targets = (rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device)

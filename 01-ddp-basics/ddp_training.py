@@ -34,9 +34,10 @@ from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_arg
                            non_negative_float, non_negative_int, positive_int)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
 from distkit.runtime import launched_rank
+from distkit.text import make_task
 
 
 def build_parser() -> ArgumentParser:
@@ -198,7 +199,7 @@ def save_checkpoint(args, ctx, log, step, model, optimizer, scheduler, scaler, l
     state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
              "step": step, "epoch": step // steps_per_epoch, "step_in_epoch": step % steps_per_epoch,
-             # the data "sampler": TokenTask batch k is a pure function of k, so its state is a position
+             # the data "sampler": batch k of either task is a pure function of k, so its state is a position
              "data_position": {"sequences_consumed": step * args.global_batch_size,
                                "num_sequences": args.num_sequences},
              "rng_per_rank": rngs, "world_size": ctx.world_size, "config": vars(args), "loss_history": losses}
@@ -305,7 +306,7 @@ def train(args: argparse.Namespace) -> None:
                                   "precision": args.precision, "grad_accum_steps": args.grad_accum_steps,
                                   "bucket_cap_mb": args.bucket_cap_mb, "static_graph": args.static_graph,
                                   "gradient_as_bucket_view": args.gradient_as_bucket_view})
-        task = TokenTask(gpt, num_sequences=args.num_sequences, seed=args.seed)
+        task = make_task(gpt, args, num_sequences=args.num_sequences)
 
         for step in progress(range(start_step, args.steps), ctx.rank, initial=start_step,
                              total=args.steps, desc="train"):

@@ -33,8 +33,9 @@ from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.paths import check_outputs
 from distkit.theory import fsdp_prediction, param_shapes
-from distkit.models import (TokenTask, add_model_args, build_model, model_config_from_args, lm_loss,
+from distkit.models import (add_model_args, build_model, model_config_from_args, lm_loss,
                             rank_slice)
+from distkit.text import make_task
 
 # What the root unit holds besides the blocks, per architecture (the names are each model's own).
 ROOT_PARTS = {"gpt": "embeddings, ln_f, lm_head", "llama": "embed_tokens, norm, lm_head"}
@@ -194,7 +195,7 @@ def shard_trace_and_train(args, ctx):
     print_in_rank_order(lines, ctx)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    task = TokenTask(cfg, seed=args.seed)
+    task = make_task(cfg, args)
 
     def batch(step):
         inputs, targets = task.global_batch(step, args.global_batch_size)

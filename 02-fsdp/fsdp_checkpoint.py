@@ -36,9 +36,10 @@ from distkit.checkpoint import (atomic_save, atomic_write_json, dcp_errors_as_us
                                 remove_stale_temporaries, safe_load)
 from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int
 from distkit.logs import progress, setup_logging
-from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
+from distkit.models import (build_model, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -300,7 +301,7 @@ def train_and_checkpoint(args, ctx):
     model_name = f"{args.model_size} {'Llama' if cfg.arch == 'llama' else 'GPT'}"
     log.info(f"world size {ctx.world_size} | {model_name} | steps {start_step} -> {args.steps}")
 
-    task = TokenTask(cfg, seed=args.seed)
+    task = make_task(cfg, args)
     for step in progress(range(start_step, args.steps), ctx.rank, desc="train"):
         inputs, targets = task.global_batch(step, args.global_batch_size)
         inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)

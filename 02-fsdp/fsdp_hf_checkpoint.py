@@ -36,9 +36,10 @@ from distkit.flags import (check_global_batch, add_checkpoint_args, add_training
                            set_flag_default)
 from distkit.harness import Harness, device_clock
 from distkit.logs import progress, setup_logging
-from distkit.models import (TokenTask, add_model_args, build_model, import_transformers, lm_loss,
+from distkit.models import (add_model_args, build_model, import_transformers, lm_loss,
                             model_config_from_args, rank_slice)
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 # What config.json must agree on with the flags (LlamaConfig attribute -> the flag that sets it).
 CHECKED = {"vocab_size": "--vocab-size", "hidden_size": "--n-embd", "num_hidden_layers": "--n-layer",
@@ -258,7 +259,7 @@ def train(args, ctx):
     harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       config={"script": "fsdp_hf_checkpoint", "global_batch_size": args.global_batch_size,
                               "lr": args.lr, "precision": "fp32"})
-    task = TokenTask(cfg, seed=args.seed)
+    task = make_task(cfg, args)
     for step in progress(range(args.steps), ctx.rank, desc="train"):
         inputs, targets = task.global_batch(step, args.global_batch_size)
         inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)

@@ -31,10 +31,11 @@ from distkit.flags import (check_global_batch, add_checkpoint_args, add_training
                            save_path, set_flag_default)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import (TokenTask, add_model_args, build_model, config_from_dict, import_transformers,
+from distkit.models import (add_model_args, build_model, config_from_dict, import_transformers,
                             lm_loss, model_config_from_args, rank_slice)
 from distkit.paths import check_outputs
 from distkit.theory import fsdp_padded_numel, param_shapes
+from distkit.text import make_task
 
 import_transformers()  # before peft: it imports transformers, which needs the repository's workaround
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402
@@ -209,7 +210,7 @@ def main(argv=None):
                   "trainable_params": trainable, "sharding": "full_shard"}
         harness = Harness(ctx, "fsdp_lora", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                           config=config, param_count=total)
-        task, losses = TokenTask(cfg, seed=args.seed), []
+        task, losses = make_task(cfg, args), []
         for step in progress(range(args.steps), ctx.rank, total=args.steps, desc="lora"):
             inputs, targets = rank_batch(task, step, args, ctx)
             with harness.step(samples=args.global_batch_size, tokens=args.global_batch_size * cfg.seq_len):

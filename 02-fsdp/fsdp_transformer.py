@@ -30,12 +30,14 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
+from distkit.models import (build_model, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 from distkit.paths import check_outputs
 from distkit.theory import fsdp_padded_numel, fsdp_prediction, param_shapes
+from distkit.text import generate, make_task
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+SAMPLE_PROMPT, SAMPLE_BYTES = "The ", 120  # --data text: the sample printed after training
 RECORD_NAME = {"full_shard": "fsdp_full_shard", "shard_grad_op": "fsdp_shard_grad_op",
                "no_shard": "fsdp_no_shard", "hybrid_shard": "fsdp_hybrid_shard", "ddp": "ddp"}
 
@@ -209,7 +211,14 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if ctx.is_main:
             atomic_save(full, save_file(args, strategy))
-    return harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
+    record = harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
+    if args.data == "text":
+        # What the model learned, as text: every rank runs the sharded forward (its all-gathers are
+        # collective), rank 0 prints the greedy continuation of a prompt.
+        model.eval()
+        sample = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, cfg.seq_len, ctx.device)
+        log.info(f"{strategy:>13} | sample after {args.steps} steps: {sample!r}")
+    return record
 
 
 def main(argv=None):
@@ -219,7 +228,7 @@ def main(argv=None):
         log = setup_logging(ctx.rank)
         check_global_batch(args.global_batch_size, ctx.world_size)
         cfg = model_config_from_args(args)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         model_name = f"{args.model_size} {'Llama' if cfg.arch == 'llama' else 'GPT'}"
         log.info(f"world size {ctx.world_size} | backend {ctx.backend} | {model_name} | "
                  f"global batch {args.global_batch_size} | {args.mixed_precision}")

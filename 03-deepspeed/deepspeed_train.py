@@ -26,9 +26,10 @@ from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_
                            positive_int, save_path)
 from distkit.harness import append_record, describe_model
 from distkit.logs import progress, setup_logging
-from distkit.models import (build_model, TokenTask, add_model_args, model_config_from_args, lm_loss,
+from distkit.models import (build_model, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 
 def parse_args():
@@ -112,7 +113,7 @@ def main():
         deepspeed = import_deepspeed(ctx.device)
 
         cfg = model_config_from_args(args)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         torch.manual_seed(args.seed)
         model = build_model(cfg)  # same seed on every rank -> same initial weights
         param_count = sum(p.numel() for p in model.parameters())

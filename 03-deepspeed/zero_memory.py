@@ -34,9 +34,10 @@ from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_
                                resolve_auto, strategy_name, zero_harness, zero_stage)
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.logs import setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
 from distkit.records import provenance, upsert
+from distkit.text import make_task
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
@@ -296,7 +297,7 @@ def main():
             load_ds_config(path, args.global_batch_size)
         deepspeed = import_deepspeed(ctx.device)
         cfg = model_config_from_args(args)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
 
         records, weights_by_strategy, previous = [], {}, None
         for path in paths:

@@ -28,8 +28,9 @@ from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_
 from distkit.flags import add_training_args
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -122,7 +123,7 @@ def main():
         deepspeed = import_deepspeed(ctx.device)
         accelerator = deepspeed.get_accelerator().device_name()
         cfg = model_config_from_args(args)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         results, previous = [], None
         for path in (args.baseline_config, args.offload_config):
             if zero_stage(load_ds_config(path)) != 3:

@@ -48,8 +48,9 @@ from distkit.harness import Harness, fresh_memory_peak, memory_tracker, peak_by_
 from distkit.logs import setup_logging
 from distkit.paths import check_outputs
 from distkit.theory import activation_bytes_per_layer
-from distkit.models import (LlamaModelConfig, TokenTask, add_model_args, build_model, lm_loss,
+from distkit.models import (LlamaModelConfig, add_model_args, build_model, lm_loss,
                             model_config_from_args, rank_slice)
+from distkit.text import make_task
 
 aten = torch.ops.aten
 # Selective AC saves these ops' outputs (matmuls, attention kernels on every device) and recomputes
@@ -222,7 +223,7 @@ def main(argv=None):
             if isinstance(cfg, LlamaModelConfig):
                 raise UsageError("--dropout applies to --arch gpt only (the Llama has none)")
             cfg = dataclasses.replace(cfg, dropout=args.dropout)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         log.info(f"world size {ctx.world_size} | {args.strategy} | {args.arch} {args.model_size} | "
                  f"global batch {args.global_batch_size} | {args.optimizer}")
         meshes, rows = {}, []

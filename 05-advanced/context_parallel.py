@@ -45,9 +45,10 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
-from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss
 from distkit.paths import check_outputs
 from distkit.runtime import reduce_gradients
+from distkit.text import make_task
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -228,7 +229,7 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
                       config={"script": "context_parallel", "global_batch_size": args.global_batch_size,
                               "precision": "fp32", "cp": cp, "impl": args.impl, "layout": layout,
                               "lr": args.lr, "optimizer": args.optimizer})
-    task, losses, kept = TokenTask(cfg, seed=args.seed), [], None
+    task, losses, kept = make_task(cfg, args), [], None
     chunks = chunks_of(ctx.rank, cp, layout)
     for step in progress(range(args.steps), ctx.rank, desc=f"cp {layout}"):
         inputs, targets = task.global_batch(step, args.global_batch_size)  # whole sequences, all ranks

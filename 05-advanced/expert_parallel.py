@@ -49,9 +49,10 @@ from distkit.flags import (add_checkpoint_args, add_training_args, check_global_
                            positive_float, positive_int, save_path)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import MLP, TinyGPT, TokenTask, add_model_args, lm_loss, model_config_from_args, rank_slice
+from distkit.models import MLP, TinyGPT, add_model_args, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.runtime import reduce_gradients
+from distkit.text import make_task
 
 
 def parse_args():
@@ -214,7 +215,7 @@ def main():
                           config={"script": "expert_parallel", "global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "mesh": {"dp": dp, "ep": ep}, "aux_weight": args.aux_weight,
                                   "lr": args.lr, "optimizer": args.optimizer})
-        task, losses, aux_losses, routing = TokenTask(cfg, seed=args.seed), [], [], []
+        task, losses, aux_losses, routing = make_task(cfg, args), [], [], []
         dp_group = mesh["dp"].get_group() if dp > 1 else None
         for step in progress(range(args.steps), ctx.rank, desc="ep"):
             inputs, targets = task.global_batch(step, args.global_batch_size)

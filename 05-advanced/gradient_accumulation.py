@@ -33,8 +33,9 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 
 def parse_args():
@@ -71,7 +72,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
                               "precision": "fp32", "grad_accum_steps": k,
                               "micro_batch_size": args.micro_batch_size, "sync": sync_name, "lr": args.lr,
                               "optimizer": args.optimizer})
-    task = TokenTask(cfg, seed=args.seed)
+    task = make_task(cfg, args)
     for step in progress(range(args.steps), ctx.rank, desc=sync_name):
         inputs, targets = task.global_batch(step, effective_batch)
         inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)    # this rank's k micro-batches

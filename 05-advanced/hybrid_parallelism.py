@@ -37,8 +37,9 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 
 def parse_args():
@@ -149,7 +150,7 @@ def main():
                           config={"script": "hybrid_parallelism", "global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "mesh": dict(zip(names, shape)), "lr": args.lr,
                                   "optimizer": args.optimizer})
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc=strategy):
             inputs, targets = task.global_batch(step, args.global_batch_size)

@@ -39,8 +39,9 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import TokenTask, add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss
 from distkit.paths import check_outputs
+from distkit.text import make_task
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 STRATEGY = {"gpipe": "pp_gpipe", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved_1f1b"}
@@ -205,7 +206,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
                               "precision": "fp32", "pp": pp, "stages_per_rank": per_rank,
                               "microbatches": microbatches, "schedule": schedule_name, "lr": args.lr,
                               "optimizer": args.optimizer})
-    task = TokenTask(cfg, seed=args.seed)
+    task = make_task(cfg, args)
     losses, bubbles, spans = [], [], []  # spans: (schedule.step seconds, compute seconds) per timed step
     for step in progress(range(args.steps), ctx.rank, desc=f"{schedule_name} m={microbatches}"):
         inputs, targets = task.global_batch(step, args.global_batch_size)

@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import add_training_args, positive_int
 from distkit.harness import Harness
-from distkit.models import build_model, TokenTask, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.text import make_task
 
 
 def parse_args():
@@ -43,7 +44,7 @@ def main():
         model = build_model(cfg).to(ctx.device)
         model = DDP(model, device_ids=ctx.device_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        task = TokenTask(cfg, seed=args.seed)
+        task = make_task(cfg, args)
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps)
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
         step_index = 0

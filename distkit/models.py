@@ -460,6 +460,9 @@ def add_model_args(parser, default_size: str = "small") -> None:
     group.add_argument("--tie-embeddings", choices=["on", "off"], default=None,
                        help="override whether the output layer shares the embedding's weight (--arch llama; "
                             "llama-3.2-1b ties them)")
+    group.add_argument("--data", choices=["synthetic", "text"], default="synthetic",
+                       help="synthetic: the Markov-chain token task; text: Python's reference documentation "
+                            "as bytes (distkit.text; vocabulary 256, offline) (default: synthetic)")
 
 
 def model_config_from_args(args) -> "GPTConfig | LlamaModelConfig":
@@ -470,8 +473,13 @@ def model_config_from_args(args) -> "GPTConfig | LlamaModelConfig":
     for flag in ("n_kv_head", "tie_embeddings"):
         if arch != "llama" and getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to --arch llama only")
+    vocab = args.vocab_size
+    if getattr(args, "data", "synthetic") == "text":  # byte tokens: the vocabulary is at least 256
+        if vocab is not None and vocab < 256:
+            raise UsageError(f"--data text has 256 byte tokens; --vocab-size {vocab} is too small")
+        vocab = vocab or max(256, model_config(arch, args.model_size).vocab_size)
     overrides = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                     vocab_size=args.vocab_size)
+                     vocab_size=vocab)
     if arch == "llama":
         overrides["n_kv_head"] = getattr(args, "n_kv_head", None)
         tie = getattr(args, "tie_embeddings", None)
