@@ -157,7 +157,7 @@ def main():
 
         engine.train()
         batch = ds_config["train_batch_size"]
-        last_tag, loss_value = None, float("nan")
+        last_tag, loss_value, losses = None, float("nan"), []
         for step in progress(range(start_step, args.steps), ctx.rank, desc=strategy):
             inputs, targets = task.global_batch(step, batch)
             inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(engine.device)
@@ -167,6 +167,9 @@ def main():
                 engine.backward(loss)  # gradients reduced (stage 0-1) or reduce-scattered (2-3)
                 engine.step()          # each rank updates its partition; weights re-assembled
             loss_value = loss.item()
+            job_loss = loss.detach().clone()  # the job's mean loss, outside the measured step
+            dist.all_reduce(job_loss)
+            losses.append(job_loss.item() / ctx.world_size)
             if ctx.is_main and (step + 1) % 50 == 0:
                 log.info(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} (rank 0's micro-batch)")
             if args.save_every and (step + 1) % args.save_every == 0:
@@ -174,7 +177,7 @@ def main():
         # The measurement ends with the training steps: the final checkpoint and the evaluation (the
         # whole eval batch on every rank) are not training steps. The record gets the eval loss and is
         # written once the evaluation has run.
-        record = harness.finish(None, extra={"eval_loss": None, "final_loss": loss_value,
+        record = harness.finish(None, extra={"eval_loss": None, "final_loss": loss_value, "losses": losses,
                                              "steps": args.steps, "resumed_from": start_step})
         if last_tag != f"step{args.steps}":
             last_tag = save(args.steps)

@@ -90,7 +90,7 @@ CPU_FILE_SECONDS = {
     "test_ch03_deepspeed.py": 64, "test_ch01_tools.py": 54, "test_ch01_ddp.py": 47, "test_ch05_advanced.py": 40,
     "test_ddp_mnist.py": 33, "test_ch02_hf.py": 30, "test_ch01_lesson.py": 30, "test_ch02_fsdp.py": 30,
     "test_ch04_readme.py": 29, "test_gpu_check.py": 25, "test_llama_equivalence.py": 24, "test_bad_input.py": 23,
-    "test_ch05_negative.py": 18, "test_ch05_lesson.py": 25, "test_ch02_ch03_lesson.py": 20, "test_ch05_ac.py": 17, "test_ch05_cp_ep.py": 17, "test_ch02_negative.py": 14,
+    "test_ch05_negative.py": 18, "test_ch05_lesson.py": 25, "test_ch02_ch03_lesson.py": 20, "test_text_data.py": 16, "test_parity.py": 80, "test_ch05_ac.py": 17, "test_ch05_cp_ep.py": 17, "test_ch02_negative.py": 14,
 }
 
 

@@ -35,10 +35,12 @@ PLOT, PLOT_GPU = ("plot.py", "runs/benchmarks.jsonl"), ("plot.py", "--out-dir")
 DRY_RUNS = [("distributed_benchmarks.py", f"--results runs/{name}.jsonl") for name in ("full_cpu", "gpu", "one_gpu")]
 OVERHEAD = "harness_overhead.py"
 RENDER, CHECK = "distkit.records render benchmarks", "distkit.records check benchmarks"
+PARITY = "benchmarks/parity.py"  # tests/test_parity.py runs it, for 20 steps
 
 
 def test_every_readme_command_is_run_by_a_test():
-    assert_readme_covered(README, [QUICK, PLOT, PLOT_GPU, *DRY_RUNS, OVERHEAD, RENDER, CHECK, *PLANNER_LOOKUPS.values()])
+    assert_readme_covered(README, [QUICK, PLOT, PLOT_GPU, *DRY_RUNS, OVERHEAD, RENDER, CHECK, PARITY,
+                                   *PLANNER_LOOKUPS.values()])
 
 
 # ---------------------------------------------------------------- formulas (no launch)

@@ -147,3 +147,28 @@ def test_text_with_a_small_vocabulary_is_one_line():
     done = python(SCRIPT, "--data", "text", "--vocab-size", "64", check=False)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert done.returncode != 0 and lines[-1] == "error: --data text has 256 byte tokens; --vocab-size 64 is too small", lines
+
+
+# ---- every transformer script takes --data from the one place ----------------------------------
+
+def task_problems(source: str) -> list[str]:
+    """What keeps ``--data`` from reaching a script that has the model flags: a task built without
+    ``make_task`` (the flag parsed, then ignored), or no task built through it."""
+    if "add_model_args(" not in source:
+        return []
+    problems = []
+    if re.search(r"\bTokenTask\(", source):
+        problems.append("builds TokenTask itself")
+    if not re.search(r"\bmake_task\(\w+, args", source):
+        problems.append("never calls make_task(cfg, args)")
+    return problems
+
+
+def test_every_transformer_script_builds_its_task_from_the_data_flag():
+    scripts = sorted(p for folder in ("01-ddp-basics", "02-fsdp", "03-deepspeed", "05-advanced", "benchmarks")
+                     for p in (REPO / folder).glob("*.py") if p.name != "notebook.py")
+    checked = {p.name: task_problems(p.read_text()) for p in scripts if "add_model_args(" in p.read_text()}
+    assert len(checked) >= 15 and not {k: v for k, v in checked.items() if v}, checked
+    # negative control: the script as it was before the flag existed
+    before = (REPO / "02-fsdp" / "fsdp_basics.py").read_text().replace("make_task(cfg, args)", "TokenTask(cfg, seed=args.seed)")
+    assert task_problems(before) == ["builds TokenTask itself", "never calls make_task(cfg, args)"]
