@@ -70,8 +70,8 @@ def _let_rank0_report_first() -> None:
     torchrun (and the deepspeed launcher, and ``mp.spawn``) stop the whole group as soon as one rank
     exits, so a rank that exits first could get rank 0 killed before it prints the one line that
     explains the failure. Waiting costs nothing in the usual case: rank 0 prints, exits, and the
-    launcher ends this rank during the wait. 10 s covers rank 0 arriving late on a loaded machine
-    (1 s did not: four ranks on two busy cores, rank 0 was killed before it printed).
+    launcher ends this rank during the wait. The wait is long because rank 0 can arrive seconds late
+    when four ranks share two busy cores.
     """
     time.sleep(10.0)
 
@@ -407,9 +407,8 @@ def exit_without_finalizers(code: int) -> None:
     Interpreter shutdown destroys leftover C++ objects (gloo work items and pairs still referenced
     from Python) in no particular order; on gloo this occasionally aborts a finished rank with
     ``terminate called without an active exception`` even after a barrier and
-    ``destroy_process_group`` (seen about once in 10-35 four-rank launches on a loaded 2-core
-    machine). Every file and the process group are already closed here, so the OS can reclaim the
-    rest.
+    ``destroy_process_group``, more often on a loaded machine. Every file and the process group are
+    already closed here, so the OS can reclaim the rest.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
