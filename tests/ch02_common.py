@@ -49,7 +49,8 @@ RESUME_LATEST = ("fsdp_checkpoint.py", "--resume latest")
 RESUME_FULL = ("fsdp_checkpoint.py", "--resume checkpoints/fsdp/full.pt")
 HF_CHECKPOINT = ("fsdp_hf_checkpoint.py",)  # test_ch02_hf.py
 LORA = ("fsdp_lora.py",)  # test_ch02_lora.py
-LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, HF_CHECKPOINT, LORA]
+TEXT = ("--data text",)  # test_text_data.py
+LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, HF_CHECKPOINT, LORA, TEXT]
 
 
 def command(lookup) -> str:

@@ -5,8 +5,8 @@
   topics, each exactly once, the next pass in another order; the held-out windows come from the
   last 10% only. Recomputed from ``pydoc_data.topics`` here. Negative controls: an order drawn with
   replacement (windows repeated, others never seen) and one pass repeated.
-* ``test_a_script_trains_on_the_text_rank_by_rank``: fsdp_transformer.py ``--data text`` on 2
-  ranks feeds rank r the rows r*B/W... of each text batch (observed, tests/workers/observe.py).
+* ``test_a_script_trains_on_the_text_rank_by_rank``: chapter 02's README command,
+  fsdp_transformer.py ``--data text`` on 2 ranks (at 20 steps), feeds rank r the rows r*B/W... of each text batch (observed, tests/workers/observe.py).
   Mutant: the script ignoring the flag (the synthetic task built instead).
 * ``test_the_printed_sample_is_the_checkpoints_greedy_continuation``: the sample printed after
   training is what one plain process's greedy decoding of the prompt gives from the saved weights.
@@ -89,11 +89,22 @@ RUNS = {
 }
 
 
+def readme_flags() -> list[str]:
+    """Chapter 02's --data text command's flags (its rank count is W already), made small below."""
+    import shlex
+
+    from ch02_common import TEXT, command
+
+    argv = shlex.split(command(TEXT))
+    assert argv[:2] == ["torchrun", f"--nproc_per_node={W}"] and argv[2] == "02-fsdp/fsdp_transformer.py"
+    return argv[3:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # the README's command at a small size (argparse keeps a repeated flag's last value)
     return observe_jobs(tmp_path_factory, SCRIPT, "LlamaLM,FSDPLlamaLM", RUNS,
-                        lambda folder: ["--arch", "llama", "--model-size", "tiny", "--data", "text",
-                                        "--global-batch-size", B, "--steps", STEPS, "--warmup-steps", 1,
+                        lambda folder: [*readme_flags(), "--global-batch-size", B, "--steps", STEPS, "--warmup-steps", 1,
                                         "--log-every", 10, "--save", folder / "m.pt", "--results", folder / "r.jsonl"],
                         nproc=W)
 
