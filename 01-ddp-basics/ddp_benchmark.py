@@ -243,7 +243,8 @@ def driver(args) -> None:
     machine = records[0]["machine"]["device_name"]
     print(f"\nDDP scaling, {args.model_size} model, {records[0]['backend']} on {machine} "
           f"(torch {records[0]['torch_version']})")
-    print(f"{'mode':<7}{'ranks':>6}{'global batch':>14}{'step (s)':>10}{'tokens/s':>11}{'speedup':>9}{'efficiency':>12}")
+    print(f"{'mode':<7}{'ranks':>6}{'global batch':>14}{'step (s)':>10}{'tokens/s':>11}{'speedup':>9}"
+          f"{'efficiency':>12}")
     for r in rows:
         print(f"{r['mode']:<7}{r['ranks']:>6}{r['global_batch']:>14}{r['step_s']:>10.3f}"
               f"{r['tokens_per_s']:>11,.0f}{r['speedup']:>8.2f}x{100 * r['efficiency']:>11.0f}%")

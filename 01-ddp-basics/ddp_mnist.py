@@ -45,7 +45,8 @@ def parse_args():
                         help="passes over the training set (default: 3)")
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="samples per rank per step; the global batch is this x world size (default: 64)")
-    parser.add_argument("--gamma", type=positive_float, default=0.7, help="learning-rate decay per epoch (default: 0.7)")
+    parser.add_argument("--gamma", type=positive_float, default=0.7,
+                        help="learning-rate decay per epoch (default: 0.7)")
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop each epoch after this many steps (quick runs and tests; default: full epoch)")
     parser.add_argument("--num-workers", type=non_negative_int, default=None,
@@ -54,7 +55,8 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="where MNIST is stored or downloaded (default: data)")
     parser.add_argument("--offline", action="store_true",
                         help="do not try to download; use the files in --data-dir or the 5k offline sample")
-    parser.add_argument("--log-file", default="runs/ddp_mnist.log", help="rank 0's log file (default: runs/ddp_mnist.log)")
+    parser.add_argument("--log-file", default="runs/ddp_mnist.log",
+                        help="rank 0's log file (default: runs/ddp_mnist.log)")
     # --batch-size above is per rank (this script's lesson); the shared flags add --lr, --warmup-steps, --results
     add_training_args(parser, steps=None, global_batch_size=None, lr=1.0, helps={"lr": "Adadelta learning rate"})
     add_checkpoint_args(parser, save="checkpoints/ddp_mnist.pt")

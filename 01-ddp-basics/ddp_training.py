@@ -8,7 +8,8 @@ steps holding everything an exact resume needs (model, optimizer, scheduler, dat
 rank's RNG) and automatic resume from the newest good one, so ``torchrun --max-restarts`` can restart
 a crashed job; per-rank log files; ``@record`` so a crash names the failing rank.
 
-    torchrun --standalone --nproc_per_node=4 --max-restarts=3 01-ddp-basics/ddp_training.py --config 01-ddp-basics/ddp_training.yaml
+    torchrun --standalone --nproc_per_node=4 --max-restarts=3 01-ddp-basics/ddp_training.py \\
+        --config 01-ddp-basics/ddp_training.yaml
 """
 from __future__ import annotations
 

@@ -171,7 +171,8 @@ def table(records: list[dict]) -> str:
     runs = ", ".join(f"{len(mine[label])} runs {label}" for label in labels)
     loads = [r["load_average_before"] for r in records]
     where = machine_label(first["machine"], first["backend"])
-    lines += ["", f"Medians of {runs}; {first['world_size']} ranks on {where}, torch {first['torch_version']}, measured "
+    lines += ["", f"Medians of {runs}; {first['world_size']} ranks on {where}, torch {first['torch_version']}, "
+                  "measured "
                   f"{min(r['date'] for r in records)[:10]} (load average before each run "
                   f"{min(loads):g}-{max(loads):g}). Command: `{first['command']}` (+ the flag of each column)."]
     return "\n".join(lines)

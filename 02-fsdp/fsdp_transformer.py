@@ -12,7 +12,8 @@ appends one harness record for each, so the strategies can be compared side by s
 The other knobs of a real FSDP job are flags: per-block or root-only wrapping, bf16 mixed precision
 (`MixedPrecisionPolicy`), activation checkpointing and `CPUOffloadPolicy`.
 
-    torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --sharding full_shard shard_grad_op no_shard hybrid_shard ddp
+    torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py \\
+        --sharding full_shard shard_grad_op no_shard hybrid_shard ddp
     torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --mixed-precision bf16 --activation-checkpointing
 """
 from __future__ import annotations

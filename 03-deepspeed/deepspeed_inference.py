@@ -36,7 +36,8 @@ def parse_args():
     parser.add_argument("--load", default="checkpoints/ch03/zero3_fp32.pt", metavar="PATH",
                         help="the consolidated weights to read: the file deepspeed_train.py --save wrote "
                              "(default: checkpoints/ch03/zero3_fp32.pt)")
-    parser.add_argument("--new-tokens", type=positive_int, default=24, help="tokens to generate per prompt (default: 24)")
+    parser.add_argument("--new-tokens", type=positive_int, default=24,
+                        help="tokens to generate per prompt (default: 24)")
     parser.add_argument("--prompts", type=positive_int, default=4, help="prompts (held-out sequences) (default: 4)")
     parser.add_argument("--prompt-len", type=positive_int, default=8, help="prompt tokens per sequence (default: 8)")
     parser.add_argument("--kernel-inject", action="store_true",

@@ -7,8 +7,10 @@ re-assembles the weights. Checkpoints are written per rank with ``save_checkpoin
 with ``load_checkpoint``; at the end the ZeRO shards are consolidated into one fp32 state dict
 (``zero_to_fp32``) that loads into the plain model, without DeepSpeed (``--save``).
 
-    torchrun --nproc_per_node=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json
-    deepspeed --num_gpus=4 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero3_config.json --steps 300 --resume latest
+    torchrun --nproc_per_node=4 03-deepspeed/deepspeed_train.py \\
+        --deepspeed_config 03-deepspeed/configs/zero3_config.json
+    deepspeed --num_gpus=4 03-deepspeed/deepspeed_train.py \\
+        --deepspeed_config 03-deepspeed/configs/zero3_config.json --steps 300 --resume latest
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ def parse_args():
                             epilog="example: torchrun --standalone --nproc_per_node=4 04-nccl-operations/"
                                    "bandwidth_test.py --max-bytes 16M")
     add = parser.add_argument
-    add("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES, help="which collectives to test (default: all)")
+    add("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
+        help="which collectives to test (default: all)")
     add("--min-bytes", type=byte_size, default="1K", help="smallest message, e.g. 1K (default: 1K)")
     add("--max-bytes", type=byte_size, default=None, help="largest message (default: 16M on CPU; on GPU 4G, or "
         "less when the GPU with the least free memory is short of it)")
@@ -349,7 +350,8 @@ def readme_figures(out_dir):
     rel = README_RECORD.relative_to(README_RECORD.parent.parent)
     caption = (f"<sub>Measured on {where}, {first['world_size']} ranks, {cfg['dtype']}, {cfg['warmup_iters']} "
                f"warm-up + {cfg['iters']} timed calls per size, torch {first['torch_version']}, "
-               f"{first['timestamp'][:10]}: [{rel}]({rel}), from `{first['command']}` (launched with torchrun).</sub>\n")
+               f"{first['timestamp'][:10]}: [{rel}]({rel}), from `{first['command']}` "
+               "(launched with torchrun).</sub>\n")
     return (f"![busbw vs message size, {where}, {first['world_size']} ranks]({name})\n\n"
             f"Time per call (µs, mean over ranks):\n\n{table('time_us', lambda v: f'{v:,.0f}')}\n"
             f"busbw (GB/s):\n\n{table('busbw_GBps', lambda v: f'{v:.3g}')}\n{caption}")

@@ -198,7 +198,8 @@ def train_one(ac, compiled, args, ctx, cfg, task, log, meshes):
             first_step_s = time.perf_counter() - started
     measured = sum(added) / len(added) if added else None  # the blocks' mean
     # the formula counts dropout-free blocks: with dropout the masks (and attention's) come on top
-    formula = None if getattr(cfg, "dropout", 0) else activation_bytes_per_layer(cfg, args.global_batch_size // ctx.world_size, ac)
+    per_rank = args.global_batch_size // ctx.world_size
+    formula = None if getattr(cfg, "dropout", 0) else activation_bytes_per_layer(cfg, per_rank, ac)
     loss = torch.stack([l.detach() for l in losses])
     dist.all_reduce(loss)
     path = save_path(args.save, ac=ac, compile="on" if compiled else "off")

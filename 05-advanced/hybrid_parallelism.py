@@ -52,7 +52,8 @@ def parse_args():
     parser.add_argument("--mode", choices=["2d", "hsdp"], default="2d",
                         help="2d = FSDP2 across --dp, TP across --tp; hsdp = FSDP2 within --shard, "
                              "replicas across --replicate (default: 2d)")
-    parser.add_argument("--dp", type=positive_int, default=None, help="2d: data-parallel (FSDP) size (default: ranks / tp)")
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="2d: data-parallel (FSDP) size (default: ranks / tp)")
     parser.add_argument("--tp", type=positive_int, default=2, help="2d: tensor-parallel size (default: 2)")
     parser.add_argument("--replicate", type=positive_int, default=None,
                         help="hsdp: number of replicas (default: ranks / shard)")

@@ -141,9 +141,11 @@ def run_one(name: str, steps: int, cfg, device: str) -> dict:
             tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-5:]
             raise UsageError(f"{name} failed: " + " | ".join(tail))
         (record,) = [json.loads(line) for line in (scratch / "r.jsonl").read_text().splitlines()]
-        return {"strategy": name, "launch": shlex.join(argv).replace(str(scratch), "{scratch}").replace(str(REPO) + "/", ""),
+        launch = shlex.join(argv).replace(str(scratch), "{scratch}").replace(str(REPO) + "/", "")
+        return {"strategy": name, "launch": launch,
                 "world_size": record["world_size"], "losses": step_losses(record),
-                "held_out_loss": held_out_loss(scratch / "model.pt", cfg), "wall_s": round(time.perf_counter() - started, 1)}
+                "held_out_loss": held_out_loss(scratch / "model.pt", cfg),
+                "wall_s": round(time.perf_counter() - started, 1)}
 
 
 def compare(rows: list[dict]) -> list[dict]:

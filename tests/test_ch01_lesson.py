@@ -21,8 +21,8 @@ same way, is in the same file and must fail the same check):
   all ranks. Fails: per-rank train sums not all-reduced (rank 0's share logged as the job's).
 * ``test_final_accuracy_is_what_one_process_computes_from_the_checkpoint`` (on the quick start's
   own run): the recorded test accuracy (and the logged test loss) equals one plain process's over
-  the whole test set from the saved checkpoint, the same count of right answers. Fails: the evaluation's all-reduce removed (rank 0's
-  stride reported as the test set).
+  the whole test set from the saved checkpoint, the same count of right answers. Fails: the
+  evaluation's all-reduce removed (rank 0's stride reported as the test set).
 * ``test_throughput_is_the_recorded_step_times``: samples per timed step is what the data gives
   (every rank's batches, the short last one of each epoch included, without the untimed first
   steps), the step time is the slowest rank's median of its recorded step times, and the rate logged

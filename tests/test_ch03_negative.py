@@ -11,11 +11,12 @@ moves every weight N times as far. The reference trainer is written in the worke
 (tests/workers/ch03_negative.py), not taken from the chapter.
 
 Measured on 2-core CPU, gloo (max |distributed - single process| over all weights; training moves
-them by up to 7.1e-2): ZeRO 0, 1, 2, 3 and ZeRO-2 with 2 accumulation steps 1.2e-7; each rank's
-loss x 2 (= gradients summed over 2 ranks, not averaged) at ZeRO-2 and ZeRO-3 6.6e-2; 2 micro-batches
-without the 1/2 (``scale_wrt_gas=False``) 6.6e-2. The tolerance (WEIGHT_TOL of tests/ch03_common.py, used by test_ch03_deepspeed,
-5e-5) is 400x the correct runs' difference and 1,300x below the bugs' effect: a doubled update
-moves a weight by as much again as training itself moved it (up to 7e-2 here).
+them by up to 7.1e-2): ZeRO 0, 1, 2, 3 and ZeRO-2 with 2 accumulation steps 1.2e-7; each rank's loss
+x 2 (= gradients summed over 2 ranks, not averaged) at ZeRO-2 and ZeRO-3 6.6e-2; 2 micro-batches
+without the 1/2 (``scale_wrt_gas=False``) 6.6e-2. The tolerance (WEIGHT_TOL of tests/ch03_common.py,
+used by test_ch03_deepspeed, 5e-5) is 400x the correct runs' difference and 1,300x below the bugs'
+effect: a doubled update moves a weight by as much again as training itself moved it (up to 7e-2
+here).
 """
 import json
 

@@ -1,7 +1,7 @@
 """The reader's first command: ddp_mnist.py on 4 ranks, offline sample, default flags.
 
-One launch of the README's command checks: the offline notice, the accuracy target (>= 90% on the 5k sample), the harness
-record (all-reduce bytes per step equal the gradient bytes exactly, model-state bytes), and the
+One launch of the README's command checks: the offline notice, the accuracy target (>= 90% on the
+5k sample), the harness record (all-reduce bytes per step equal the gradient bytes exactly, model-state bytes), and the
 rank-0 checkpoint (loads with weights_only=True into the plain model).
 """
 import re

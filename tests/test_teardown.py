@@ -3,12 +3,13 @@ process runs (tests/workers/teardown.py).
 
 The bug this guards against was a CI failure: a two-rank ddp_training.py job, forked by the suite's
 fork server, printed its last line and then one rank never exited. Its stacks (gdb, reproduced 3
-times in about 140 launches on a busy 2-core machine): the main thread in ``ProcessGroupGloo::~ProcessGroupGloo`` joining gloo's worker
-thread, called from ``Reducer::~Reducer`` as the function holding the DDP model returned, with the GIL
-held; the worker thread in ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject``,
-waiting for the GIL. ``destroy_process_group`` had dropped torch.distributed's references, so DDP's
-Reducer held the group's last one. The fix, :func:`distkit.runtime.destroy_groups`, keeps a reference
-to every group until the process ends with ``os._exit``.
+times in about 140 launches on a busy 2-core machine): the main thread in
+``ProcessGroupGloo::~ProcessGroupGloo`` joining gloo's worker thread, called from
+``Reducer::~Reducer`` as the function holding the DDP model returned, with the GIL held; the worker
+thread in ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject``, waiting for the
+GIL. ``destroy_process_group`` had dropped torch.distributed's references, so DDP's Reducer held the
+group's last one. The fix, :func:`distkit.runtime.destroy_groups`, keeps a reference to every group
+until the process ends with ``os._exit``.
 
 The deadlock needs an unlucky schedule, so the test observes what makes it possible: whether freeing
 the model runs the group's destructor (gloo's worker threads end). Negative control: the plain
