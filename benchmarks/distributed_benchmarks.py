@@ -41,6 +41,7 @@ from distkit.harness import RECORD_SCHEMA, append_record, describe_model, read_r
 from distkit.logs import progress
 from distkit.models import GPT_PRESETS, LLAMA_PRESETS, MODEL_PRESETS, model_config
 from distkit.paths import check_outputs
+from distkit.strategies import Strategy
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = "runs/benchmarks.jsonl"
@@ -51,39 +52,43 @@ DEFAULT_LAUNCHER = "python -m torch.distributed.run --standalone --nproc_per_nod
 # ddp_training's checkpoints and logs, DeepSpeed's checkpoint. Most strategies also run on one rank
 # (collectives over a group of one: a world-size-1 cell is what a single-GPU machine can run on
 # NCCL); the 2 x 2 meshes need 4.
-STRATEGY_COMMANDS: dict[str, tuple[str, list[str], int]] = {
-    "ddp": ("01-ddp-basics/ddp_training.py",
-            ["--resume", "none", "--checkpoint-dir", "{scratch}/ckpt", "--checkpoint-every", "1000000",
-             "--log-dir", "{scratch}/logs"], 1),
-    "ddp_from_scratch": ("01-ddp-basics/ddp_from_scratch.py", ["--save", "none"], 1),
-    "fsdp_full_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 1),
-    "fsdp_shard_grad_op": ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 1),
-    "fsdp_no_shard": ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 1),
-    "fsdp_hybrid_shard": ("02-fsdp/fsdp_transformer.py",
-                          ["--sharding", "hybrid_shard", "--hsdp-shard-size", "2"], 4),
-    **{zero: ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", f"03-deepspeed/configs/{zero}_config.json",
-                                                   "--checkpoint-dir", "{scratch}/ds", "--save", "none"], 1)
+STRATEGY_COMMANDS: dict[Strategy, tuple[str, list[str], int]] = {
+    Strategy.DDP: ("01-ddp-basics/ddp_training.py",
+                   ["--resume", "none", "--checkpoint-dir", "{scratch}/ckpt", "--checkpoint-every", "1000000",
+                    "--log-dir", "{scratch}/logs"], 1),
+    Strategy.DDP_FROM_SCRATCH: ("01-ddp-basics/ddp_from_scratch.py", ["--save", "none"], 1),
+    Strategy.FSDP_FULL_SHARD: ("02-fsdp/fsdp_transformer.py", ["--sharding", "full_shard"], 1),
+    Strategy.FSDP_SHARD_GRAD_OP: ("02-fsdp/fsdp_transformer.py", ["--sharding", "shard_grad_op"], 1),
+    Strategy.FSDP_NO_SHARD: ("02-fsdp/fsdp_transformer.py", ["--sharding", "no_shard"], 1),
+    Strategy.FSDP_HYBRID_SHARD: ("02-fsdp/fsdp_transformer.py",
+                                 ["--sharding", "hybrid_shard", "--hsdp-shard-size", "2"], 4),
+    **{Strategy(zero): ("03-deepspeed/deepspeed_train.py",
+                        ["--deepspeed_config", f"03-deepspeed/configs/{zero}_config.json",
+                         "--checkpoint-dir", "{scratch}/ds", "--save", "none"], 1)
        for zero in ("zero1", "zero2", "zero3", "zero3_offload")},
-    "tp": ("05-advanced/tensor_parallel.py", ["--save", "none"], 1),
-    "tp_sp": ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--save", "none"], 1),
-    **{f"pp_{schedule}": ("05-advanced/pipeline_parallel.py",
-                          ["--schedule", schedule, "--microbatches", "4", "--save", "none"]
-                          + (["--stages-per-rank", "2"] if schedule == "interleaved_1f1b" else []), 1)
+    Strategy.TP: ("05-advanced/tensor_parallel.py", ["--save", "none"], 1),
+    Strategy.TP_SP: ("05-advanced/tensor_parallel.py", ["--sequence-parallel", "--save", "none"], 1),
+    **{Strategy(f"pp_{schedule}"): ("05-advanced/pipeline_parallel.py",
+                                    ["--schedule", schedule, "--microbatches", "4", "--save", "none"]
+                                    + (["--stages-per-rank", "2"] if schedule == "interleaved_1f1b" else []), 1)
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b")},
-    "fsdp_tp_2d": ("05-advanced/hybrid_parallelism.py", ["--mode", "2d", "--tp", "2", "--save", "none"], 4),
-    "hsdp": ("05-advanced/hybrid_parallelism.py", ["--mode", "hsdp", "--shard", "2", "--save", "none"], 4),
+    Strategy.FSDP_TP_2D: ("05-advanced/hybrid_parallelism.py",
+                          ["--mode", "2d", "--tp", "2", "--save", "none"], 4),
+    Strategy.HSDP: ("05-advanced/hybrid_parallelism.py", ["--mode", "hsdp", "--shard", "2", "--save", "none"], 4),
     # the ring over all ranks, one layout (the script's default runs both, one record each)
-    "cp": ("05-advanced/context_parallel.py", ["--layout", "zigzag", "--save", "none"], 1),
+    Strategy.CP: ("05-advanced/context_parallel.py", ["--layout", "zigzag", "--save", "none"], 1),
     # the GPT with MOE_EXPERTS experts per block, top-2, split over all ranks (ep = ranks)
-    "ep": ("05-advanced/expert_parallel.py", ["--num-experts", "{experts}", "--top-k", "2", "--save", "none"], 1),
+    Strategy.EP: ("05-advanced/expert_parallel.py",
+                  ["--num-experts", "{experts}", "--top-k", "2", "--save", "none"], 1),
 }
 MOE_EXPERTS = 8  # experts per block of the ep cells: they split over 1, 2, 4 and 8 ranks
 
 # Strategies whose script trains one architecture only: strategy -> (that --arch, why). The matrix
 # records the other architectures' cells as skipped with this reason.
 ONE_ARCH = {
-    "cp": ("gpt", "context_parallel.py swaps the small GPT's attention for ring attention (--arch gpt only)"),
-    "ep": ("gpt", "expert_parallel.py builds the small GPT with mixture-of-experts MLPs (--arch gpt only)"),
+    Strategy.CP: ("gpt",
+                  "context_parallel.py swaps the small GPT's attention for ring attention (--arch gpt only)"),
+    Strategy.EP: ("gpt", "expert_parallel.py builds the small GPT with mixture-of-experts MLPs (--arch gpt only)"),
 }
 
 # --quick: the tiny model (with 4 blocks so the interleaved pipeline has 2 stages per rank), 2 ranks
@@ -95,12 +100,15 @@ ONE_ARCH = {
 QUICK_MODEL_SIZE, QUICK_N_LAYER = "tiny", 4
 QUICK_STEPS, QUICK_BATCH = 5, 8
 GROUPS = {
-    "fsdp": (("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard"), "02-fsdp/fsdp_transformer.py",
+    "fsdp": ((Strategy.FSDP_FULL_SHARD, Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD),
+             "02-fsdp/fsdp_transformer.py",
              lambda names: ["--sharding", *[n.removeprefix("fsdp_") for n in names]]),
-    "zero": (("zero1", "zero2", "zero3", "zero3_offload"), "03-deepspeed/zero_memory.py",
+    "zero": ((Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3, Strategy.ZERO3_OFFLOAD),
+             "03-deepspeed/zero_memory.py",
              # --record into the scratch folder: its default is chapter 03's committed record
              lambda names: ["--configs", *names, "--record", "{scratch}/zero_memory.jsonl"]),
-    "pp": (("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"), "05-advanced/pipeline_parallel.py",
+    "pp": ((Strategy.PP_GPIPE, Strategy.PP_1F1B, Strategy.PP_INTERLEAVED_1F1B),
+           "05-advanced/pipeline_parallel.py",
            lambda names: ["--schedule", *[n.removeprefix("pp_") for n in names], "--microbatches", "4",
                           "--stages-per-rank", "2", "--save", "none"]),
 }
@@ -255,12 +263,12 @@ def plan_cells(args, gpus: int | None = None) -> tuple[list[Cell], list[dict]]:
                     reason = ONE_ARCH[strategy][1]
                 elif world_here < min_world:
                     reason = f"needs at least {min_world} ranks" + (" (a 2 x 2 mesh)" if min_world == 4 else "")
-                elif strategy == "cp" and cfg.seq_len % (2 * world_here):
+                elif strategy == Strategy.CP and cfg.seq_len % (2 * world_here):
                     reason = (f"a ring of {world_here} ranks cuts each sequence into {2 * world_here} chunks; "
                               f"{model_size} has {cfg.seq_len} tokens")
-                elif strategy == "ep" and MOE_EXPERTS % world_here:
+                elif strategy == Strategy.EP and MOE_EXPERTS % world_here:
                     reason = f"{MOE_EXPERTS} experts per block do not split over {world_here} ranks"
-                elif strategy == "pp_interleaved_1f1b" and cfg.n_layer < 2 * world_here:
+                elif strategy == Strategy.PP_INTERLEAVED_1F1B and cfg.n_layer < 2 * world_here:
                     reason = (f"2 stages per rank x {world_here} ranks need {2 * world_here} blocks, "
                               f"{model_size} has {cfg.n_layer}")
                 elif strategy.startswith("pp_") and cfg.n_layer < world_here:

@@ -21,6 +21,7 @@ from distkit import planner
 from distkit.flags import positive_float, positive_int
 from distkit.models import MODEL_PRESETS, model_config, with_experts
 from distkit.paths import check_outputs
+from distkit.strategies import PLANNED
 
 MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
           for arch, presets in MODEL_PRESETS.items() for size in presets}
@@ -86,7 +87,7 @@ def parse_args(argv=None):
     hw.add_argument("--calibrate", metavar="FILE",
                     help="with --gpu cpu: a benchmark results file (with bandwidth sweeps) of this machine")
     out = parser.add_argument_group("output")
-    out.add_argument("--strategies", nargs="+", choices=planner.STRATEGIES, help="(default: all)")
+    out.add_argument("--strategies", nargs="+", choices=[str(s) for s in PLANNED], help="(default: all)")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
     out.add_argument("--validate", metavar="RESULTS",
@@ -159,7 +160,7 @@ def main(argv=None) -> None:
         print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows, args.only_misses))
         return
     plan, cluster = build_plan(args), build_cluster(args)
-    estimates = planner.estimate_all(plan, cluster, args.strategies or planner.STRATEGIES)
+    estimates = planner.estimate_all(plan, cluster, args.strategies or PLANNED)
     rec = planner.recommend(estimates, cluster, allow_offload=args.offload)
     if args.json:
         print(json.dumps(planner.report_json(plan, cluster, estimates, rec), indent=1, default=_finite))

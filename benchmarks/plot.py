@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from distkit import ArgumentParser, UsageError, run_main, theory  # noqa: E402
 from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
 from distkit.paths import check_outputs  # noqa: E402
+from distkit.strategies import MEASURED  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 
 MIB = 2**20
@@ -62,7 +63,7 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
         ok = record.get("status", "ok") == "ok" and "metrics" in record
         (cells if ok else problems)[key] = record
         (problems if ok else cells).pop(key, None)
-    order = {name: i for i, name in enumerate(theory.STRATEGIES)}
+    order = {name: i for i, name in enumerate(MEASURED)}
 
     def sort(r):  # by model (a mixture of experts after the dense models), strategy, world size
         return "_moe " in model_size(r), model_size(r), order.get(r["strategy"], 99), r["world_size"]

@@ -38,8 +38,8 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 
 * ``schema`` (2), ``command`` (how the script was started), ``timestamp``, ``torch_version``,
   ``machine`` (:func:`machine_info`), ``backend``, ``device``, ``world_size``: provenance;
-* ``strategy``: what ran (``ddp``, ``fsdp_full_shard``, ``zero2``, ``tp_sp``, ``pp_1f1b``, ... or a
-  measurement name such as ``bandwidth``);
+* ``strategy``: what ran, a :class:`~distkit.strategies.Strategy` (``ddp``, ``fsdp_full_shard``,
+  ``zero2``, ``tp_sp``, ``pp_1f1b``, ...) or a measurement name such as ``bandwidth``;
 * ``model``: the model's configuration, one way everywhere: ``{"arch": "gpt", <GPTConfig fields>}``
   for the small GPT, ``{"arch": "llama", <LlamaModelConfig fields>}`` for the Llama-architecture
   model, ``{"arch": "<name>", ...}`` for any other model, ``null`` when none;
@@ -89,6 +89,7 @@ from .comm_counter import CommCounter, MatmulCounter, bus_factor
 from .models import CONFIG_CLASSES, GPTConfig, LlamaModelConfig, config_from_dict
 from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
 from .runtime import DistContext
+from .strategies import Strategy
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
 __all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "MatmulCounter", "RECORD_SCHEMA", "RegionTimer",
@@ -525,7 +526,7 @@ class Harness:
     """
 
     ctx: DistContext
-    strategy: str
+    strategy: Strategy | str
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     warmup_steps: int = 2
@@ -748,7 +749,7 @@ class Harness:
         return record
 
 
-def make_record(ctx: DistContext, strategy: str, *, metrics: dict[str, Any],
+def make_record(ctx: DistContext, strategy: Strategy | str, *, metrics: dict[str, Any],
                 model: GPTConfig | dict[str, Any] | None = None, param_count: int | None = None,
                 config: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One harness record (schema 2, see the module docstring) with this run's provenance."""

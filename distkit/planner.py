@@ -39,6 +39,7 @@ from typing import Any, Iterable
 from . import theory
 from .errors import UsageError
 from .models import LlamaModelConfig, is_moe
+from .strategies import PLANNED, Strategy
 
 GiB = 2 ** 30
 
@@ -386,10 +387,6 @@ class Estimate:
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "times_s": self.times, "note": self.note}
 
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp_shard_grad_op", "fsdp_full_shard",
-              "fsdp_hybrid_shard", "fsdp_tp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "cp", "ep", "lora_fsdp")
-
-
 def _invalid(name: str, layout: dict, note: str) -> Estimate:
     return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total", "peak")}, False, math.inf, 0.0, valid=False,
                     note=note)
@@ -439,22 +436,22 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     layout, problem = _data_parallel_layout(plan, n, name)
     if problem:
         return _invalid(name, {"dp": n}, problem)
-    theory_name = {"lora_fsdp": "fsdp_full_shard"}.get(name, name)
+    theory_name = {Strategy.LORA_FSDP: Strategy.FSDP_FULL_SHARD}.get(name, name)
     knobs = {}
-    if name == "fsdp_hybrid_shard":
+    if name == Strategy.FSDP_HYBRID_SHARD:
         knobs["shard"] = cluster.gpus_per_node if n % cluster.gpus_per_node == 0 else n
         layout["shard"] = knobs["shard"]
-    if name == "fsdp_no_shard":
+    if name == Strategy.FSDP_NO_SHARD:
         knobs["shard"] = 1
     if name.startswith("zero3"):
         knobs["stage3_max_live_parameters"] = 1e9  # DeepSpeed's default window
     pred = theory.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
     psi = pred["param_count"]
-    zero = name.startswith("zero") and name != "zero0"
+    zero = name.startswith("zero") and name != Strategy.ZERO0
     state = state_bytes(pred["state"], plan, zero=zero)
-    if name == "zero1":  # theory counts at the optimizer step; through backward ZeRO-1 holds every gradient
+    if name == Strategy.ZERO1:  # theory counts at the optimizer step; through backward ZeRO-1 holds every gradient
         state["grads"] = psi * (2 if plan.precision == "bf16" else 4)
-    lora = name == "lora_fsdp"
+    lora = name == Strategy.LORA_FSDP
     if lora:  # frozen base, sharded; adapters (r x (d_in + d_out) per adapted matrix) replicated-ish
         shapes = theory.param_shapes(cfg)
         adapters = sum(plan.lora_rank * (s[0] + s[1]) for k, s in shapes.items()
@@ -479,21 +476,21 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     unit = _block_params(cfg)
     root = psi - unit * cfg.n_layer
     grad_w = 2 if plan.precision == "bf16" else 4
-    if name in ("ddp", "ddp_from_scratch"):
+    if name in (Strategy.DDP, Strategy.DDP_FROM_SCRATCH):
         # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False);
         # the from-scratch version all-reduces each gradient in place
-        temp = head + (state["grads"] if name == "ddp" else 0)
+        temp = head + (state["grads"] if name == Strategy.DDP else 0)
         t_grad = _comm_seconds(cluster, comm, n, spans, scale)
         exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
         comm_s = t_grad
-    elif name in ("zero1", "zero2"):
+    elif name in (Strategy.ZERO1, Strategy.ZERO2):
         # DeepSpeed's flat gradient buffers: ZeRO-2 keeps the reduced partition (Ψ/n), ZeRO-1 two
         # partition-sized buffers (2Ψ/n, measured by MemTracker at 2 and 4 ranks on both models),
         # at most a bucket of reduce_bucket_size = 5e8 elements
-        temp = head + min(2 * psi / n if name == "zero1" else psi / n, 5e8) * grad_w
+        temp = head + min(2 * psi / n if name == Strategy.ZERO1 else psi / n, 5e8) * grad_w
         t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
         t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
-        if name == "zero2":
+        if name == Strategy.ZERO2:
             t_grad *= accum
         exposed = (max(0.0, t_grad - backward_s) if cluster.overlap else t_grad) + t_gather
         comm_s = t_grad + t_gather
@@ -506,7 +503,7 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         gathers = 2 if cluster.overlap else 1
         if name.startswith("zero3"):
             temp = head + psi / n * grad_w
-        elif name in ("fsdp_shard_grad_op", "fsdp_no_shard"):
+        elif name in (Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD):
             temp = head + psi * w
         else:
             temp = head + (unit + root) * w + gathers * unit * w
@@ -536,7 +533,7 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
     backward, on the critical path), FSDP FULL_SHARD of each TP shard over the ``gpus / tp``
     data-parallel ranks (theory's ``fsdp_tp_2d``; pure ``tp`` when they are 1)."""
     n, cfg = cluster.gpus, plan.model
-    name = "fsdp_tp"
+    name = Strategy.FSDP_TP
     dp = n // tp
     layout, problem = _data_parallel_layout(plan, dp, name)
     if problem:
@@ -544,9 +541,9 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
     layout["tp"] = tp
     micro, accum = layout["micro_batch"], layout["accumulation"]
     if dp == 1:
-        pred = theory.busiest_rank_prediction("tp_sp" if sp else "tp", cfg, tp, plan.global_batch)
+        pred = theory.busiest_rank_prediction(Strategy.TP_SP if sp else Strategy.TP, cfg, tp, plan.global_batch)
     else:
-        pred = theory.busiest_rank_prediction("fsdp_tp_2d", cfg, n, plan.global_batch, {"tp": tp})
+        pred = theory.busiest_rank_prediction(Strategy.FSDP_TP_2D, cfg, n, plan.global_batch, {"tp": tp})
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     tp_comm = pred["comm"] if dp == 1 else theory.megatron_tp_bytes(cfg, plan.global_batch // dp, tp)
@@ -577,7 +574,7 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     compute stretched by theory's bubble; in flight: GPipe all m micro-batches, 1F1B p, interleaved
     p x (1 + (p - 1) / (v p)) (Narayanan et al. 2021)."""
     n, cfg = cluster.gpus, plan.model
-    name = f"pp_{schedule}"
+    name = Strategy(f"pp_{schedule}")
     dp = n // pp
     v = stages_per_rank if schedule == "interleaved_1f1b" else 1
     if pp * v > cfg.n_layer:
@@ -666,13 +663,13 @@ def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
     all GPUs is DDP's (hidden under backward on GPUs). After backward the chapter script averages
     the gradients through one flat copy (:func:`_after_backward_peak`)."""
     n, cfg = cluster.gpus, plan.model
-    name, dp = "cp", n // cp
+    name, dp = Strategy.CP, n // cp
     layout, problem = _data_parallel_layout(plan, dp, name)
     if problem:
         return _invalid(name, {"cp": cp, "dp": dp}, problem)
     layout["cp"] = cp
     micro, accum = layout["micro_batch"], layout["accumulation"]
-    pred = theory.busiest_rank_prediction("cp", cfg, n, plan.global_batch, {"cp": cp})
+    pred = theory.busiest_rank_prediction(Strategy.CP, cfg, n, plan.global_batch, {"cp": cp})
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     w = _act_dtype_bytes(plan)
@@ -714,14 +711,14 @@ def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None
     GPUs holding the same experts, as DDP does (hidden under backward on GPUs). After backward the
     chapter script averages each group through one flat copy (:func:`_after_backward_peak`)."""
     n, cfg = cluster.gpus, plan.model
-    name, dp = "ep", n // ep
+    name, dp = Strategy.EP, n // ep
     layout, problem = _data_parallel_layout(plan, n, name)
     if problem:
         return _invalid(name, {"ep": ep, "dp": dp}, problem)
     layout.update(dp=dp, ep=ep)
     micro, accum = layout["micro_batch"], layout["accumulation"]
     knobs = {"ep": ep, **({"routing": routing} if routing else {})}
-    pred = theory.predict("ep", cfg, n, plan.global_batch, knobs)
+    pred = theory.predict(Strategy.EP, cfg, n, plan.global_batch, knobs)
     rank = 0
     if routing:
         rank = max(range(n), key=lambda r: sum(received for _, received in routing[r]))
@@ -760,9 +757,11 @@ def _block_params(cfg) -> int:
 
 
 # a strategy the calibration never saw borrows its family's overhead
-OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_shard", "fsdp_tp_2d": "tp",
-                   "zero3_offload": "zero3", "pp_interleaved_1f1b": "pp_1f1b", "pp_gpipe": "pp_1f1b",
-                   "tp_sp": "tp", "fsdp_no_shard": "fsdp_shard_grad_op", "fsdp_tp": "fsdp_tp_2d"}
+OVERHEAD_FAMILY = {Strategy.FSDP_HYBRID_SHARD: Strategy.FSDP_FULL_SHARD, Strategy.HSDP: Strategy.FSDP_FULL_SHARD,
+                   Strategy.FSDP_TP_2D: Strategy.TP, Strategy.ZERO3_OFFLOAD: Strategy.ZERO3,
+                   Strategy.PP_INTERLEAVED_1F1B: Strategy.PP_1F1B, Strategy.PP_GPIPE: Strategy.PP_1F1B,
+                   Strategy.TP_SP: Strategy.TP, Strategy.FSDP_NO_SHARD: Strategy.FSDP_SHARD_GRAD_OP,
+                   Strategy.FSDP_TP: Strategy.FSDP_TP_2D}
 
 
 # What a strategy's framework overhead grows with: its communication (a hook, a copy in and out per
@@ -771,7 +770,7 @@ OVERHEAD_FAMILY = {"fsdp_hybrid_shard": "fsdp_full_shard", "hsdp": "fsdp_full_sh
 # and expert parallelism's routing (top-k, capacity, regrouping the rows per layer). Measured on the
 # 2-core matrix, their extra time follows the compute a rank does (2 -> 4 ranks: about 0.8 and 0.6 x
 # compute for EP, 3.8 and 2.5 for CP), not their communication (EP 3.0 and 0.5 x communication).
-OVERHEAD_BASIS = {"cp": "compute_s", "ep": "compute_s"}
+OVERHEAD_BASIS = {Strategy.CP: "compute_s", Strategy.EP: "compute_s"}
 
 
 def overhead_basis(strategy: str) -> str:
@@ -811,12 +810,12 @@ def _best(candidates: list[Estimate]) -> Estimate:
 
 
 def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
-    """The :class:`Estimate` of one of :data:`STRATEGIES`. ``fsdp_tp`` tries every TP size that is a
+    """The :class:`Estimate` of one of :data:`~distkit.strategies.PLANNED`. ``fsdp_tp`` tries every TP size that is a
     power of two within a node (and splits the heads), the pipelines every power-of-two stage count;
     every strategy also tries halving the micro-batch (more accumulation, fewer activations) when
     ``plan.micro_batch`` does not fit; the fastest that fits is kept (else the smallest)."""
-    if strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    if strategy not in PLANNED:
+        raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(PLANNED)}")
     micro = [plan.micro_batch]
     while micro[-1] > 1:
         micro.append(micro[-1] // 2)
@@ -830,13 +829,13 @@ def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
 
 def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     cfg, n = plan.model, cluster.gpus
-    if strategy == "fsdp_tp":
+    if strategy == Strategy.FSDP_TP:
         heads = [cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head)]
         sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n))
                  if n % t == 0 and all(h % t == 0 for h in heads)]
         if not sizes:
             return _invalid(strategy, {}, "no TP size: needs 2+ GPUs in a node that split the heads")
-        return _best([with_overhead(_tp_fsdp(plan, cluster, t), cluster, "fsdp_tp_2d" if t < n else "tp")
+        return _best([with_overhead(_tp_fsdp(plan, cluster, t), cluster, Strategy.FSDP_TP_2D if t < n else Strategy.TP)
                       for t in sizes])
     if strategy.startswith("pp_"):
         sizes = [p for p in _powers_of_two(n) if n % p == 0]
@@ -844,14 +843,14 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
             return _invalid(strategy, {}, "a pipeline needs at least 2 GPUs" if n < 2 else
                             f"no pipeline size: the planner tries 2, 4, 8 ... stages, and none divides {n} GPUs")
         return _best([with_overhead(_pipeline(plan, cluster, strategy[3:], p), cluster, strategy) for p in sizes])
-    if strategy == "cp":  # rings of powers of two within a node, each rank two of the 2cp chunks
+    if strategy == Strategy.CP:  # rings of powers of two within a node, each rank two of the 2cp chunks
         sizes = [c for c in _powers_of_two(min(cluster.gpus_per_node, n))
                  if n % c == 0 and cfg.seq_len % (2 * c) == 0]
         if not sizes:
             return _invalid(strategy, {}, f"no CP size: needs 2+ GPUs in a node whose ring cuts the {cfg.seq_len} "
                                           "tokens into 2 x cp equal chunks")
         return _best([with_overhead(_context_parallel(plan, cluster, c), cluster, strategy) for c in sizes])
-    if strategy == "ep":  # expert groups of powers of two that split the experts
+    if strategy == Strategy.EP:  # expert groups of powers of two that split the experts
         if not is_moe(cfg):
             return _invalid(strategy, {}, "needs an MoE model (--experts)")
         sizes = [e for e in _powers_of_two(n) if n % e == 0 and cfg.num_experts % e == 0]
@@ -861,8 +860,8 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     return with_overhead(_dp_family(strategy, plan, cluster), cluster, strategy)
 
 
-def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = STRATEGIES) -> list[Estimate]:
-    """:func:`estimate` for every strategy, in :data:`STRATEGIES` order."""
+def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = PLANNED) -> list[Estimate]:
+    """:func:`estimate` for every strategy, in :data:`~distkit.strategies.PLANNED` order."""
     return [estimate(plan, cluster, s) for s in strategies]
 
 
@@ -1040,7 +1039,7 @@ def _model_speed(records: list[dict], base: Cluster, arch: str | None, ranks: in
 
 
 def with_measured_speed(cl: Cluster, records: list[dict], arch: str | None = None,
-                        calibration: Iterable[str] = ("ddp",)) -> Cluster:
+                        calibration: Iterable[str] = (Strategy.DDP,)) -> Cluster:
     """``cl`` with the compute efficiency its ``calibration`` cells measured (the model's speed on
     this machine, :func:`_model_speed`) instead of an assumed one: how a GPU's planner is calibrated
     from a one-GPU benchmark run. One line of error when the records hold no such cell."""
@@ -1052,7 +1051,7 @@ def with_measured_speed(cl: Cluster, records: list[dict], arch: str | None = Non
 
 
 def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
-                calibration: Iterable[str] = ("ddp",)) -> Cluster:
+                calibration: Iterable[str] = (Strategy.DDP,)) -> Cluster:
     """This machine as a cluster of ``ranks`` CPU ranks, calibrated from its own records:
 
     * collectives' alpha/beta from the bandwidth sweeps (:func:`fit_collectives`);
@@ -1120,11 +1119,11 @@ def plan_of_record(record: dict) -> Plan:
     batch = int(config["global_batch_size"])
     knobs = theory.knobs_of_record(record)
     dp = record["world_size"]
-    if record["strategy"] in ("tp", "tp_sp") or record["strategy"].startswith("pp_"):
+    if record["strategy"] in (Strategy.TP, Strategy.TP_SP) or record["strategy"].startswith("pp_"):
         dp = 1
-    elif record["strategy"] == "fsdp_tp_2d":
+    elif record["strategy"] == Strategy.FSDP_TP_2D:
         dp = record["world_size"] // int(knobs.get("tp", 2))
-    elif record["strategy"] == "cp":
+    elif record["strategy"] == Strategy.CP:
         dp = record["world_size"] // int(knobs.get("cp", record["world_size"]))
     return Plan(cfg, global_batch=batch, micro_batch=max(1, batch // dp), precision="fp32", optimizer="adamw",
                 microbatches=knobs.get("microbatches"))
@@ -1139,23 +1138,23 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     knobs = theory.knobs_of_record(record)
     n = record["world_size"]
     cl = replace(cl, gpus=n, gpus_per_node=n)
-    if strategy in ("ddp", "ddp_from_scratch", "fsdp_no_shard"):
+    if strategy in (Strategy.DDP, Strategy.DDP_FROM_SCRATCH, Strategy.FSDP_NO_SHARD):
         est = _dp_family(strategy, plan, cl)
-    elif strategy == "zero0":
-        est = _dp_family("ddp", plan, cl)
-    elif strategy in ("fsdp_hybrid_shard", "hsdp"):
-        est = _dp_family("fsdp_hybrid_shard", plan, replace(cl, gpus_per_node=int(knobs.get("shard", 2))))
-    elif strategy in ("tp", "tp_sp"):
-        est = _tp_fsdp(plan, cl, n, sp=strategy == "tp_sp")
-    elif strategy == "fsdp_tp_2d":
+    elif strategy == Strategy.ZERO0:
+        est = _dp_family(Strategy.DDP, plan, cl)
+    elif strategy in (Strategy.FSDP_HYBRID_SHARD, Strategy.HSDP):
+        est = _dp_family(Strategy.FSDP_HYBRID_SHARD, plan, replace(cl, gpus_per_node=int(knobs.get("shard", 2))))
+    elif strategy in (Strategy.TP, Strategy.TP_SP):
+        est = _tp_fsdp(plan, cl, n, sp=strategy == Strategy.TP_SP)
+    elif strategy == Strategy.FSDP_TP_2D:
         est = _tp_fsdp(plan, cl, int(knobs.get("tp", 2)))
     elif strategy.startswith("pp_"):
         est = _pipeline(plan, cl, strategy[3:], n * 1, stages_per_rank=int(knobs.get("stages_per_rank", 2)))
-    elif strategy == "cp":
+    elif strategy == Strategy.CP:
         est = _context_parallel(plan, cl, int(knobs.get("cp", n)))
-    elif strategy == "ep":  # the record's routing: the rows each rank sent and received
+    elif strategy == Strategy.EP:  # the record's routing: the rows each rank sent and received
         est = _expert_parallel(plan, cl, int(knobs.get("ep", n)), knobs.get("routing"))
-    elif strategy in STRATEGIES:
+    elif strategy in PLANNED:
         est = _dp_family(strategy, plan, cl)
     else:
         raise ValueError(f"no planner model for {strategy!r}")
@@ -1163,7 +1162,8 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     return with_overhead(est, cl, strategy)
 
 
-def validate(records: list[dict], cl: Cluster | None = None, calibration: Iterable[str] = ("ddp",)) -> list[dict]:
+def validate(records: list[dict], cl: Cluster | None = None,
+             calibration: Iterable[str] = (Strategy.DDP,)) -> list[dict]:
     """Predicted vs measured for every training cell of a benchmark results file (the CPU matrix):
     model-state bytes (theory's busiest rank: must be equal), activations (MemTracker's, from the
     record's ``peak_memory_by_category_per_rank``: their high-water mark in the step where the record

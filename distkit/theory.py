@@ -32,11 +32,7 @@ import torch
 from .comm_counter import bus_factor
 from .record_format import upgrade_record
 from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict, dense_config, is_moe
-
-# Every strategy the benchmark knows, in the order plots show them.
-STRATEGIES = ("ddp", "ddp_from_scratch", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard",
-              "fsdp_hybrid_shard", "hsdp", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "tp",
-              "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b", "fsdp_tp_2d", "cp", "ep")
+from .strategies import MEASURED, Strategy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,9 +181,9 @@ def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
     buckets are flat copies of the gradients (no padding); from scratch, one all-reduce per
     parameter tensor moves the same bytes."""
     psi = sum(_numel(s) for s in shapes.values())
-    calls = len(shapes) if strategy == "ddp_from_scratch" else None
+    calls = len(shapes) if strategy == Strategy.DDP_FROM_SCRATCH else None
     comm = {"all_reduce": _stat(calls, 4 * psi, "all_reduce", n)}
-    if strategy == "ddp" and buffer_bytes(cfg):  # DDP broadcasts buffers before each forward (one per step)
+    if strategy == Strategy.DDP and buffer_bytes(cfg):  # DDP broadcasts buffers before each forward (one per step)
         comm["broadcast"] = _stat(1, buffer_bytes(cfg), "broadcast", n)
     return _same_on_every_rank(n, _adamw_state(psi), comm)
 
@@ -362,10 +358,10 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
 def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
     """FULL_SHARD / SHARD_GRAD_OP over all ranks, NO_SHARD as a shard group of one, HYBRID_SHARD /
     HSDP as ``shard``-rank groups replicated n / shard times (:func:`fsdp_prediction`)."""
-    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op"):
-        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == "fsdp_full_shard")
+    if strategy in (Strategy.FSDP_FULL_SHARD, Strategy.FSDP_SHARD_GRAD_OP):
+        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == Strategy.FSDP_FULL_SHARD)
         return states, [comm] * n
-    if strategy == "fsdp_no_shard":
+    if strategy == Strategy.FSDP_NO_SHARD:
         states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
         return _same_on_every_rank(n, states[0], comm)
     shard = int(knobs.get("shard", 2))
@@ -477,7 +473,7 @@ def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
     """Megatron tensor parallelism over all n ranks (:func:`megatron_tp_bytes`), with sequence
     parallelism for ``tp_sp``. With SP the embedding tables are row-sharded, but their gradients
     arrive as full replicated tensors (measured: DTensor's embedding backward returns Replicate)."""
-    sp = strategy == "tp_sp"
+    sp = strategy == Strategy.TP_SP
     states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
                            sum(_numel(s) if sp and k.split(".")[-2] in _TP_EMBEDDINGS
                                else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
@@ -540,7 +536,7 @@ def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
     """Each rank holds its stages' parameters and, per micro-batch and stage boundary, sends one
     activation of a micro-batch forward and receives its gradient backward; interleaved 1F1B gives
     each rank ``stages_per_rank`` stages (r, r + n, ...)."""
-    per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == "pp_interleaved_1f1b" else 1
+    per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == Strategy.PP_INTERLEAVED_1F1B else 1
     m = int(knobs.get("microbatches", 4))
     num_stages = n * per_rank
     micro_act = batch * cfg.seq_len * cfg.n_embd * 4 / m  # one fp32 activation of a micro-batch
@@ -566,13 +562,15 @@ def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
 # ----------------------------------------------------------------------------------------------
 
 PREDICTORS = {
-    "ddp": _predict_ddp, "ddp_from_scratch": _predict_ddp, "zero0": _predict_ddp,
-    "fsdp_no_shard": _predict_fsdp, "fsdp_shard_grad_op": _predict_fsdp, "fsdp_full_shard": _predict_fsdp,
-    "fsdp_hybrid_shard": _predict_fsdp, "hsdp": _predict_fsdp,
-    "zero1": _predict_zero, "zero2": _predict_zero, "zero3": _predict_zero, "zero3_offload": _predict_zero,
-    "tp": _predict_tp, "tp_sp": _predict_tp,
-    "pp_gpipe": _predict_pipeline, "pp_1f1b": _predict_pipeline, "pp_interleaved_1f1b": _predict_pipeline,
-    "fsdp_tp_2d": _predict_fsdp_tp,
+    Strategy.DDP: _predict_ddp, Strategy.DDP_FROM_SCRATCH: _predict_ddp, Strategy.ZERO0: _predict_ddp,
+    Strategy.FSDP_NO_SHARD: _predict_fsdp, Strategy.FSDP_SHARD_GRAD_OP: _predict_fsdp,
+    Strategy.FSDP_FULL_SHARD: _predict_fsdp, Strategy.FSDP_HYBRID_SHARD: _predict_fsdp, Strategy.HSDP: _predict_fsdp,
+    Strategy.ZERO1: _predict_zero, Strategy.ZERO2: _predict_zero, Strategy.ZERO3: _predict_zero,
+    Strategy.ZERO3_OFFLOAD: _predict_zero,
+    Strategy.TP: _predict_tp, Strategy.TP_SP: _predict_tp,
+    Strategy.PP_GPIPE: _predict_pipeline, Strategy.PP_1F1B: _predict_pipeline,
+    Strategy.PP_INTERLEAVED_1F1B: _predict_pipeline,
+    Strategy.FSDP_TP_2D: _predict_fsdp_tp,
 }
 
 
@@ -589,7 +587,7 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
     parallelism: rows each rank sent and received per MoE layer; balanced routing without it).
     """
     if strategy not in PREDICTORS:
-        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(MEASURED)}")
     shapes = param_shapes(cfg)
     states, comms = PREDICTORS[strategy](strategy, shapes, cfg, world_size, global_batch_size, knobs or {})
     return {"strategy": strategy, "param_count": sum(_numel(s) for s in shapes.values()),
@@ -609,12 +607,14 @@ def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: i
 #   "offload"     4Ψ / n        (ZeRO-3 offload: only the fp16 weights' and gradients' partitions
 #                                stay on the GPU, the optimizer state lives in CPU memory)
 MIXED_PRECISION_SPLIT = {
-    "ddp": "replicated", "ddp_from_scratch": "replicated", "fsdp_no_shard": "replicated", "zero0": "replicated",
-    "zero1": "zero1", "zero2": "zero2", "fsdp_shard_grad_op": "zero2",
-    "zero3": "sharded", "fsdp_full_shard": "sharded", "tp": "sharded", "tp_sp": "sharded", "pp_gpipe": "sharded",
-    "pp_1f1b": "sharded", "pp_interleaved_1f1b": "sharded", "fsdp_tp_2d": "sharded",
-    "fsdp_hybrid_shard": "shard_group", "hsdp": "shard_group",
-    "zero3_offload": "offload",
+    Strategy.DDP: "replicated", Strategy.DDP_FROM_SCRATCH: "replicated", Strategy.FSDP_NO_SHARD: "replicated",
+    Strategy.ZERO0: "replicated",
+    Strategy.ZERO1: "zero1", Strategy.ZERO2: "zero2", Strategy.FSDP_SHARD_GRAD_OP: "zero2",
+    Strategy.ZERO3: "sharded", Strategy.FSDP_FULL_SHARD: "sharded", Strategy.TP: "sharded", Strategy.TP_SP: "sharded",
+    Strategy.PP_GPIPE: "sharded", Strategy.PP_1F1B: "sharded", Strategy.PP_INTERLEAVED_1F1B: "sharded",
+    Strategy.FSDP_TP_2D: "sharded",
+    Strategy.FSDP_HYBRID_SHARD: "shard_group", Strategy.HSDP: "shard_group",
+    Strategy.ZERO3_OFFLOAD: "offload",
 }
 
 
@@ -853,13 +853,14 @@ def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, wo
     shapes = param_shapes(cfg)
     n = world_size
     psi = sum(_numel(s) for s in shapes.values())
-    if strategy in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_hybrid_shard", "hsdp"):
-        shard = {"fsdp_full_shard": n, "fsdp_shard_grad_op": n, "fsdp_no_shard": 1}.get(strategy)
+    if strategy in (Strategy.FSDP_FULL_SHARD, Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD,
+                    Strategy.FSDP_HYBRID_SHARD, Strategy.HSDP):
+        shard = {Strategy.FSDP_FULL_SHARD: n, Strategy.FSDP_SHARD_GRAD_OP: n, Strategy.FSDP_NO_SHARD: 1}.get(strategy)
         shard = shard or int(knobs.get("shard", 2))
-        state, comm = fsdp_rank_prediction(shapes, shard, n // shard,
-                                           reshard_blocks=strategy not in ("fsdp_shard_grad_op", "fsdp_no_shard"))
+        resharded = strategy not in (Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD)
+        state, comm = fsdp_rank_prediction(shapes, shard, n // shard, reshard_blocks=resharded)
         return {"rank": 0, "state": state, "comm": comm, "param_count": psi}
-    if strategy == "fsdp_tp_2d":
+    if strategy == Strategy.FSDP_TP_2D:
         tp = int(knobs.get("tp", 2))
         dp = n // tp
         local = {k: _tp_local_shape(k, s, tp, 0) for k, s in shapes.items()}
@@ -1019,4 +1020,4 @@ def _predict_ep(strategy, shapes, cfg, n, batch, knobs):
     return states, comms
 
 
-PREDICTORS.update(cp=_predict_cp, ep=_predict_ep)
+PREDICTORS.update({Strategy.CP: _predict_cp, Strategy.EP: _predict_ep})

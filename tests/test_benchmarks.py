@@ -23,6 +23,7 @@ from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNE
 from distkit import theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config, model_config, with_experts
+from distkit.strategies import MEASURED
 from launch import (REPO, assert_one_line_error, assert_readme_covered, command_argv, job_env, launcher_argv,
                     load_script, parse_args_result, python, readme_command, run)
 
@@ -177,7 +178,7 @@ def _check_bars(records):
 
 
 def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
-    """Every strategy of theory.STRATEGIES but ZeRO-0 (no chapter script) ran, timed steps after the
+    """Every strategy of MEASURED but ZeRO-0 (no chapter script) ran, timed steps after the
     warm-up, counted collectives, and meets the bars against theory (bytes 1%, model state 5%):
     context parallelism's ring and expert parallelism's all-to-alls (with the routing its record
     counted) included. The expert-parallel cell trains the GPT with mixture-of-experts MLPs, and its
@@ -185,7 +186,7 @@ def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
     results, stdout = quick_results
     records = [json.loads(line) for line in results.read_text().splitlines()]
     by_strategy = {r["strategy"]: r for r in records}
-    assert set(by_strategy) == set(theory.STRATEGIES) - {"zero0"}, stdout[-3000:]
+    assert set(by_strategy) == set(MEASURED) - {"zero0"}, stdout[-3000:]
     failed = {s: r.get("error") for s, r in by_strategy.items() if r["status"] != "ok"}
     assert not failed, failed
     for record in records:
@@ -313,7 +314,7 @@ def test_plot_draws_the_records_numbers(quick_results, tmp_path):
 
 def test_committed_cpu_results_meet_the_bars():
     ok = _raw_ok_records(COMMITTED_RESULTS)
-    assert {r["strategy"] for r in ok} >= set(theory.STRATEGIES) - {"zero0"}
+    assert {r["strategy"] for r in ok} >= set(MEASURED) - {"zero0"}
     _check_bars(ok)
 
 
@@ -392,10 +393,10 @@ def test_committed_figures_plot_the_records_numbers():
         for ax in scaling.axes[k * len(plot.FAMILIES): (k + 1) * len(plot.FAMILIES)]:
             assert list(ax.get_xticks()) == worlds and ax.get_title().startswith(label)
             styles = [(line.get_color(), line.get_marker(), line.get_linestyle())
-                      for line in ax.lines if line.get_label() in theory.STRATEGIES]
+                      for line in ax.lines if line.get_label() in MEASURED]
             assert len(styles) == len(set(styles)), f"{ax.get_title()}: two curves look alike"
             for line in ax.lines:
-                if line.get_label() in theory.STRATEGIES:
+                if line.get_label() in MEASURED:
                     curves[line.get_label()] = dict(zip(line.get_xdata(), line.get_ydata()))
         multi = {s for s, w in raw if (s, min(worlds)) in raw and (s, max(worlds)) in raw}
         assert set(curves) == multi

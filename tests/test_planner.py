@@ -17,6 +17,7 @@ from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, theory
 from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.errors import UsageError
+from distkit.strategies import MEASURED, PLANNED
 from launch import assert_one_line_error, command_argv, load_script, lookup_command, parse_args_result, python
 
 GiB = 2 ** 30
@@ -49,7 +50,7 @@ def test_busiest_rank_prediction_equals_predict(arch):
                                                                              if arch == "llama" else {"n_head": 6}))
     shapes = theory.param_shapes(cfg)
     for n in (2, 3, 4):
-        for strategy in theory.STRATEGIES:
+        for strategy in MEASURED:
             if strategy in ("fsdp_hybrid_shard", "hsdp", "fsdp_tp_2d") and n != 4:
                 continue
             if strategy in ("tp", "tp_sp") and n == 4:  # 6 heads do not split over 4 ranks
@@ -285,7 +286,7 @@ def test_cli_json_schema(capsys):
     plan.main([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     names = [s["name"] for s in out["strategies"]]
-    assert names == list(planner.STRATEGIES)
+    assert names == list(PLANNED)
     for s in out["strategies"]:
         assert {"name", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu"} <= set(s)
         if s["valid"]:
