@@ -17,7 +17,7 @@ Large jobs combine strategies along mesh axes, each axis matched to the links it
   replicas that all-reduce gradients: ZeRO-3 memory savings inside a node, DDP-like traffic between.
 
 Both train the small GPT or, with ``--arch llama``, Hugging Face's Llama (its TP plan by its own
-module names in :func:`tensor_parallel_blocks`; FSDP2 wraps each ``model.layers.N``, then the root).
+module names in ``distkit/tp_plans.py``; FSDP2 wraps each ``model.layers.N``, then the root).
 
     torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode 2d --dp 2 --tp 2
     torchrun --nproc_per_node=4 05-advanced/hybrid_parallelism.py --mode hsdp --replicate 2 --shard 2
@@ -29,8 +29,8 @@ import logging
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
@@ -40,6 +40,7 @@ from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss, rank_slice
 from distkit.paths import check_outputs
 from distkit.text import make_task
+from distkit.tp_plans import tp_plan
 
 
 def parse_args():
@@ -84,26 +85,13 @@ def mesh_shape(args, world_size: int) -> tuple[tuple[int, int], tuple[str, str]]
 
 def tensor_parallel_blocks(model, tp_mesh) -> None:
     """Megatron TP of every block over the ``tp`` axis: tensor_parallel.py's plan without sequence
-    parallelism (that script explains it line by line). Column-parallel q/k/v and the MLP's input
-    projections, row-parallel attention output and MLP output, one replicated input per attention
-    and per MLP. The Llama's names are Hugging Face's (its attention takes ``hidden_states=`` by
-    keyword; SwiGLU has two input projections, gate_proj and up_proj)."""
-    if model.cfg.arch == "llama":
-        plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-    else:
-        plan = {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-                "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-                "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    parallelism (that script explains it). Column-parallel q/k/v and the MLP's input projections,
+    row-parallel attention output and MLP output, one replicated input per attention and per MLP."""
+    # The plan, module name -> ColwiseParallel() / RowwiseParallel(), is written once per
+    # architecture in distkit/tp_plans.py (gpt_tp_plan; llama_tp_plan by Hugging Face's names).
+    block_plan, _ = tp_plan(model.cfg.arch, sequence_parallel=False)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def main():

@@ -17,10 +17,11 @@ stop being computed redundantly: activations stay split along the sequence, and 
 becomes a reduce-scatter (leaving the block) plus an all-gather (entering the next matmul) -- the
 same bus bytes, but the replicated activations and norm work shrink by the TP degree.
 
-``--arch llama`` cuts the Hugging Face Llama the same way (:data:`NAMES`: ``self_attn.q/k/v_proj``
-and ``mlp.gate_proj/up_proj`` column-parallel, ``self_attn.o_proj`` and ``mlp.down_proj``
-row-parallel, the RMSNorms ``input_layernorm``/``post_attention_layernorm``/``model.norm`` sequence
-parallel); grouped-query attention needs the key/value heads to divide by the TP degree too.
+``--arch llama`` cuts the Hugging Face Llama the same way (its plan is beside the GPT's in
+``distkit/tp_plans.py``: ``self_attn.q/k/v_proj`` and ``mlp.gate_proj/up_proj`` column-parallel,
+``self_attn.o_proj`` and ``mlp.down_proj`` row-parallel, the RMSNorms ``input_layernorm``/
+``post_attention_layernorm``/``model.norm`` sequence parallel); grouped-query attention needs the
+key/value heads to divide by the TP degree too.
 
     torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py
     torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --sequence-parallel
@@ -30,9 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
@@ -42,6 +42,7 @@ from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss
 from distkit.paths import check_outputs
 from distkit.text import make_task
+from distkit.tp_plans import tp_plan
 
 
 def parse_args():
@@ -93,64 +94,18 @@ def check_divisible(cfg, tp: int, sequence_parallel: bool) -> None:
             raise UsageError(f"{name} = {value} is not divisible by the tensor-parallel degree {tp}")
 
 
-# What tensor parallelism cuts, by name, in each architecture: (attention, its column-parallel
-# projections, its row-parallel output), (MLP, column-parallel, row-parallel), the block's two norms,
-# and outside the blocks the embedding, final norm and LM head. Hugging Face's Llama attention
-# reshapes with -1 heads like TinyGPT's, so a shard of q_proj (and, GQA, of k/v_proj: n_kv_head /
-# tp key/value heads) simply runs fewer heads; its MLP is SwiGLU: gate_proj and up_proj both
-# column-parallel, multiplied elementwise on the shard, down_proj row-parallel.
-NAMES = {"gpt": dict(attn="attn", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
-                     mlp_in=("fc_in",), mlp_out="fc_out", norms=("ln_1", "ln_2"),
-                     embed="tok_emb", final_norm="ln_f", head="lm_head"),
-         "llama": dict(attn="self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
-                       mlp_in=("gate_proj", "up_proj"), mlp_out="down_proj",
-                       norms=("input_layernorm", "post_attention_layernorm"),
-                       embed="model.embed_tokens", final_norm="model.norm", head="lm_head")}
-
-
 def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool) -> None:
     """Shard every block Megatron-style; with SP, also the norms, embeddings and LM head."""
-    arch = model.cfg.arch
-    n = NAMES[arch]
-    # Inside a block: column-parallel in, row-parallel out. PrepareModuleInput turns the block's
-    # input into ONE replicated DTensor that q/k/v all read, so backward sums their input gradients
-    # locally and all-reduces once per attention (Megatron's "f" operator), not once per projection.
-    # With SP the block's input arrives split along the sequence (Shard(1)): the same
-    # PrepareModuleInput all-gathers it, and the row-parallel outputs are reduce-scattered back to
-    # Shard(1) instead of all-reduced.
-    seq_layout = Shard(1) if sequence_parallel else Replicate()
-    # The Llama passes the attention its input by keyword (hidden_states=...), the GPT positionally.
-    # With SP the Llama's residual stream stays a DTensor (use_local_output=False): its
-    # LlamaModel.forward computes the rotary position embeddings (and the causal mask) from
-    # inputs_embeds.shape[1], which a DTensor reports as the WHOLE sequence, while a local shard
-    # would say seq / tp and rotate every rank's tokens as if they started at position 0.
-    # (torchtitan hands its Llama the precomputed rotary table for the whole sequence instead.)
-    keep_dtensor = arch == "llama" and sequence_parallel
-    if arch == "llama":
-        attn_input = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq_layout},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    else:
-        attn_input = PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),))
-    plan = {n["attn"]: attn_input,
-            **{f"{n['attn']}.{name}": ColwiseParallel() for name in n["qkv"]},
-            f"{n['attn']}.{n['out']}": RowwiseParallel(output_layouts=seq_layout, use_local_output=not keep_dtensor),
-            "mlp": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
-            **{f"mlp.{name}": ColwiseParallel() for name in n["mlp_in"]},
-            f"mlp.{n['mlp_out']}": RowwiseParallel(output_layouts=seq_layout, use_local_output=not keep_dtensor)}
-    if sequence_parallel:  # the norms (LayerNorm / RMSNorm) compute on their sequence shard only
-        plan.update({name: SequenceParallel() for name in n["norms"]})
+    # The plan is one dict per architecture, module name -> ColwiseParallel() / RowwiseParallel() /
+    # SequenceParallel(), in distkit/tp_plans.py (gpt_tp_plan, llama_tp_plan; the reasons for each
+    # layout are written beside it). Inside a block: column-parallel in, row-parallel out, one
+    # replicated input per attention and per MLP; with SP the activations between the matmuls stay
+    # split along the sequence, Shard(1).
+    block_plan, model_plan = tp_plan(model.cfg.arch, sequence_parallel)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
-    if sequence_parallel:
-        # Embeddings leave already split along the sequence; the final norm works on the shard; the
-        # LM head gathers the sequence and returns full logits, so the loss is the usual one.
-        outer = {n["embed"]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                             use_local_output=not keep_dtensor),
-                 n["final_norm"]: SequenceParallel(),
-                 n["head"]: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
-        if arch == "gpt":  # learned positions, added to the token embeddings (the Llama rotates q, k)
-            outer["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
-        parallelize_module(model, tp_mesh, outer)
+        parallelize_module(block, tp_mesh, block_plan)
+    if sequence_parallel:  # outside the blocks: embeddings, final norm and LM head
+        parallelize_module(model, tp_mesh, model_plan)
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:

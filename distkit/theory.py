@@ -28,11 +28,13 @@ import re
 from typing import Any
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .comm_counter import bus_factor
 from .record_format import upgrade_record
 from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict, dense_config, is_moe
 from .strategies import MEASURED, Strategy
+from .tp_plans import TP_PLANS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,11 +405,20 @@ def megatron_tp_bytes(cfg: GPTConfig, batch: int, tp: int, sequence_parallel: bo
     return {name: {key: value * cfg.n_layer for key, value in stat.items()} for name, stat in per_layer.items()}
 
 
-# The chapter-05 TP plan by module name, the small GPT's and the Llama's (Hugging Face names; GQA's
-# narrower k/v_proj split the same way, n_kv_head / tp heads per rank).
-_TP_COLUMN = ("q_proj", "k_proj", "v_proj", "fc_in", "gate_proj", "up_proj")
-_TP_ROW = ("out_proj", "fc_out", "o_proj", "down_proj")
-_TP_EMBEDDINGS = ("tok_emb", "pos_emb", "embed_tokens")  # row-split tables under SP
+def _tp_leaves(part: int, style: type) -> frozenset[str]:
+    """Last names of the modules the chapter-05 plans (:mod:`distkit.tp_plans`, the small GPT's and
+    the Llama's with sequence parallelism) split with ``style``: ``part`` 0 in the blocks, 1 outside."""
+    plans = [make(sequence_parallel=True)[part] for make in TP_PLANS.values()]
+    return frozenset(name.rsplit(".", 1)[-1] for plan in plans for name, how in plan.items() if isinstance(how, style))
+
+
+# The chapter-05 TP plan by module name (GQA's narrower k/v_proj split the same way, n_kv_head / tp
+# heads per rank): q/k/v_proj, fc_in, gate/up_proj column-parallel; out_proj, fc_out, o_proj,
+# down_proj row-parallel; under SP the embedding tables row-split and the LM head column-split.
+_TP_COLUMN = _tp_leaves(0, ColwiseParallel)
+_TP_ROW = _tp_leaves(0, RowwiseParallel)
+_TP_EMBEDDINGS = _tp_leaves(1, RowwiseParallel)
+_TP_SP_COLUMN = _tp_leaves(1, ColwiseParallel)
 
 
 def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, sequence_parallel: bool) -> int:
@@ -420,7 +431,7 @@ def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, seque
     """
     leaf = name.split(".")[-2] if "." in name else name
     kind = name.rsplit(".", 1)[-1]
-    if leaf in _TP_COLUMN or (sequence_parallel and leaf == "lm_head"):
+    if leaf in _TP_COLUMN or (sequence_parallel and leaf in _TP_SP_COLUMN):
         dim = 0
     elif leaf in _TP_ROW and kind == "weight":
         dim = 1

@@ -71,13 +71,14 @@ def test_accumulation_without_1_over_k_fails_the_equivalence_test(tmp_path):
 # - single|): the correct runs 6e-8 to 1.2e-7; o_proj unreduced 4.0e-2 (4,000x TOLERANCE), a stage
 # skipping a layer 8.6e-2 (8,600x).
 LLAMA_MUTANTS = {
-    # tensor_parallel.py's plan (one line for both architectures; run with --arch llama): the
-    # attention's row-parallel output o_proj asks for Partial() output, so each rank goes on with its
-    # own partial sum: Megatron's "g" all-reduce forgotten.
+    # tensor_parallel.py's plan (distkit/tp_plans.py's, taken by the script's one tp_plan line; run
+    # with --arch llama): the attention's row-parallel output o_proj asks for Partial() output, so
+    # each rank goes on with its own partial sum: Megatron's "g" all-reduce forgotten.
     "o_proj_unreduced": (("tensor_parallel.py",), "--sequence-parallel",
-                         "f\"{n['attn']}.{n['out']}\": RowwiseParallel(output_layouts=seq_layout",
-                         "f\"{n['attn']}.{n['out']}\": RowwiseParallel("
-                         "output_layouts=__import__('torch').distributed.tensor.Partial()",
+                         "block_plan, model_plan = tp_plan(model.cfg.arch, sequence_parallel)",
+                         "block_plan, model_plan = tp_plan(model.cfg.arch, sequence_parallel); "
+                         "block_plan['self_attn.o_proj'] = __import__('torch').distributed.tensor.parallel."
+                         "RowwiseParallel(output_layouts=__import__('torch').distributed.tensor.Partial())",
                          ("--global-batch-size", 16), {}),
     # pipeline_parallel.py's LlamaStage runs all but the first of its layers (their weights stay in
     # the stage and its checkpoint, untrained: the key set still matches).
