@@ -32,7 +32,8 @@ from distkit.flags import check_global_batch, add_checkpoint_args, add_training_
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.paths import check_outputs
-from distkit.theory import fsdp_prediction, param_shapes
+from distkit.predictors import fsdp_prediction
+from distkit.theory import param_shapes
 from distkit.models import (add_model_args, build_model, model_config_from_args, lm_loss,
                             rank_slice)
 from distkit.text import make_task
@@ -109,7 +110,7 @@ def shown_parameters(model):
 
 
 def gathered_bytes(shapes, world_size):
-    """Bytes one FSDP unit's all-gather moves (and its fp32 reduce-scatter too): distkit.theory's
+    """Bytes one FSDP unit's all-gather moves (and its fp32 reduce-scatter too): distkit.predictors'
     FSDP2 model, each parameter's dim 0 padded to a multiple of the world size. None alone (no
     collectives in a world of one)."""
     _, comm = fsdp_prediction(shapes, world_size, 1, reshard_blocks=False, wrap="root")  # one unit

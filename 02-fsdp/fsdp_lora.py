@@ -34,7 +34,8 @@ from distkit.logs import progress, setup_logging
 from distkit.models import (add_model_args, build_model, config_from_dict, import_transformers,
                             lm_loss, model_config_from_args, rank_slice)
 from distkit.paths import check_outputs
-from distkit.theory import fsdp_padded_numel, param_shapes
+from distkit.predictors import fsdp_padded_numel
+from distkit.theory import param_shapes
 from distkit.text import make_task
 
 import_transformers()  # before peft: it imports transformers, which needs the repository's workaround

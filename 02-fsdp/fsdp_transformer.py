@@ -34,7 +34,8 @@ from distkit.logs import progress, setup_logging
 from distkit.models import (build_model, add_model_args, model_config_from_args, lm_loss,
                             rank_slice)
 from distkit.paths import check_outputs
-from distkit.theory import fsdp_padded_numel, fsdp_prediction, param_shapes
+from distkit.predictors import fsdp_padded_numel, fsdp_prediction
+from distkit.theory import param_shapes
 from distkit.text import generate, make_task
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
@@ -131,7 +132,7 @@ def shard_model(model, strategy, mesh, args, ctx):
 
 
 def predicted_bytes(cfg, strategy, args, world_size):
-    """What the textbook formulas predict per rank (distkit.theory, FSDP2's dim-0 padding included).
+    """What the textbook formulas predict per rank (distkit.predictors, FSDP2's dim-0 padding included).
 
     P = parameter bytes (fp32), s = shard-group size, r = replicas. Sharded state is P/s each for
     params and grads and 2P/s for AdamW's two moments. Communication payloads per step:

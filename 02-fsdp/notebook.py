@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from distkit.harness import bus_factor, read_records
-from distkit.theory import config_of_record
+from distkit.compare import config_of_record
 from distkit.models import GPTConfig, TinyGPT
 
 # torchrun, as this interpreter's module; the test suite names its single-node fork launcher

@@ -243,7 +243,7 @@ def main():
         every_rank = [None] * ctx.world_size
         dist.all_gather_object(every_rank, routing)
         # the step whose collectives the harness counted (the first after the warm-up): theory's
-        # prediction of the all-to-all bytes needs its routing (distkit.theory.knobs_of_record)
+        # prediction of the all-to-all bytes needs its routing (distkit.compare.knobs_of_record)
         counted = [rank[args.warmup_steps] for rank in every_rank] if args.steps > args.warmup_steps else None
         record = harness.finish(args.results, extra={"losses": losses, "aux_losses": aux_losses,
                                                      "routing_per_rank": every_rank,

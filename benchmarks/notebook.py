@@ -30,7 +30,7 @@ from pathlib import Path
 from IPython.display import Markdown, display
 
 import plot      # benchmarks/plot.py (this notebook runs in benchmarks/)
-from distkit import theory
+from distkit import compare, theory
 
 # %matplotlib inline
 import matplotlib.pyplot as plt  # noqa: E402 (after plot.py, which picks a file backend for scripts)
@@ -106,7 +106,7 @@ STATE_TOLERANCE, BYTES_TOLERANCE = 0.05, 0.01
 rows = ["| strategy | ranks | model state error | bytes error | rank-0 bus bytes/step measured | predicted |",
         "|---|---:|---:|---:|---:|---:|"]
 for record in records:
-    c = theory.compare_record(record)
+    c = compare.compare_record(record)
     bus = sum(x["measured_bus"] for x in c["comm"] if x["rank"] == 0)
     bus_predicted = sum(x["predicted_bus"] for x in c["comm"] if x["rank"] == 0)
     rows.append(f"| {record['strategy']} | {record['world_size']} | {c['state_error']:.3%} | {c['comm_error']:.3%} "
@@ -115,7 +115,7 @@ for record in records:
     assert c["comm_error"] <= BYTES_TOLERANCE, (record["strategy"], record["world_size"], c["comm_error"])
     # the bus bytes the plot draws are the record's, and theory predicts them within the bar
     assert abs(bus / 2**20 - plot.bus_mib(record)) < 1e-9
-    assert abs(bus - bus_predicted) <= BYTES_TOLERANCE * bus_predicted + 2 * theory.BOOKKEEPING_SLACK_BYTES, record["strategy"]
+    assert abs(bus - bus_predicted) <= BYTES_TOLERANCE * bus_predicted + 2 * compare.BOOKKEEPING_SLACK_BYTES, record["strategy"]
 display(Markdown("\n".join(rows)))
 
 # %% [markdown]
@@ -170,8 +170,8 @@ for r in records:
     base = ddp.get((r["world_size"], plot.model_size(r)))
     if base:
         measured = plot.bus_mib(r) / plot.bus_mib(base)
-        predicted = (plot.predicted_bus_mib(theory.predict_record(r))
-                     / plot.predicted_bus_mib(theory.predict_record(base)))
+        predicted = (plot.predicted_bus_mib(compare.predict_record(r))
+                     / plot.predicted_bus_mib(compare.predict_record(base)))
         rows.append(f"| {r['strategy']} | {r['world_size']} | {measured:.2f} | {predicted:.2f} |")
         assert abs(measured - predicted) <= 0.02 * predicted, (r["strategy"], measured, predicted)
 display(Markdown("\n".join(rows)))

@@ -2,7 +2,7 @@
 
     python benchmarks/plot.py --results runs/benchmarks.jsonl --out-dir runs/plots
 
-Writes the PNGs of :data:`FIGURES` (throughput, memory per rank with the ``distkit.theory``
+Writes the PNGs of :data:`FIGURES` (throughput, memory per rank with the ``distkit.predictors``
 prediction as a mark, bus bytes per step, scaling efficiency, and the bandwidth of the chapter-04
 sweeps in the file), each stamped with where and when its numbers were measured, and
 ``summary.md``. When a cell ran several times the newest record counts; cells from different
@@ -23,7 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from distkit import ArgumentParser, UsageError, run_main, theory  # noqa: E402
+from distkit import ArgumentParser, UsageError, run_main  # noqa: E402
+from distkit.compare import predict_record  # noqa: E402
 from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
 from distkit.paths import check_outputs  # noqa: E402
 from distkit.strategies import MEASURED  # noqa: E402
@@ -173,9 +174,9 @@ def tokens_per_s_per_device(record: dict) -> float:
 
 
 def prediction(record: dict) -> dict | None:
-    """``distkit.theory``'s prediction for a record (None for a strategy it does not model)."""
+    """``distkit.predictors``' prediction for a record (None for a strategy it does not model)."""
     try:
-        return theory.predict_record(record)
+        return predict_record(record)
     except (ValueError, KeyError):
         return None
 

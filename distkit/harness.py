@@ -65,7 +65,7 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 
 :func:`read_records` returns records in this schema whatever version wrote them
 (:func:`upgrade_record`); both, and :func:`describe_model`, live in :mod:`distkit.record_format`
-(which the theory module reads records with) and are importable from here.
+(which distkit.compare reads records with) and are importable from here.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ picks the fastest configuration that fits and says in one line why each other on
 
 Every byte count comes from :mod:`distkit.theory`, the module the chapters print their predictions
 from and the benchmarks measure against: model state from
-:func:`~distkit.theory.busiest_rank_prediction` (the fp32 AdamW bytes the CPU matrix measures to
+:func:`~distkit.predictors.busiest_rank_prediction` (the fp32 AdamW bytes the CPU matrix measures to
 the byte, converted to the plan's precision and optimizer the ZeRO paper's way), collectives from
 the same call, activations from :func:`~distkit.theory.activation_bytes_per_layer`, FLOPs from
 :func:`~distkit.theory.training_flops_per_token`, the bubble from
@@ -36,7 +36,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
-from . import theory
+from . import compare, predictors, theory
+from .comm_counter import bus_factor
 from .errors import UsageError
 from .models import LlamaModelConfig, is_moe
 from .strategies import PLANNED, Strategy
@@ -445,7 +446,7 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         knobs["shard"] = 1
     if name.startswith("zero3"):
         knobs["stage3_max_live_parameters"] = 1e9  # DeepSpeed's default window
-    pred = theory.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
+    pred = predictors.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
     psi = pred["param_count"]
     zero = name.startswith("zero") and name != Strategy.ZERO0
     state = state_bytes(pred["state"], plan, zero=zero)
@@ -541,9 +542,9 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
     layout["tp"] = tp
     micro, accum = layout["micro_batch"], layout["accumulation"]
     if dp == 1:
-        pred = theory.busiest_rank_prediction(Strategy.TP_SP if sp else Strategy.TP, cfg, tp, plan.global_batch)
+        pred = predictors.busiest_rank_prediction(Strategy.TP_SP if sp else Strategy.TP, cfg, tp, plan.global_batch)
     else:
-        pred = theory.busiest_rank_prediction(Strategy.FSDP_TP_2D, cfg, n, plan.global_batch, {"tp": tp})
+        pred = predictors.busiest_rank_prediction(Strategy.FSDP_TP_2D, cfg, n, plan.global_batch, {"tp": tp})
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     tp_comm = pred["comm"] if dp == 1 else theory.megatron_tp_bytes(cfg, plan.global_batch // dp, tp)
@@ -588,7 +589,7 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     if m * micro != per_replica:
         return _invalid(name, {"pp": pp, "dp": dp}, f"{int(per_replica)} sequences do not split into {m} micro-batches")
     knobs = {"microbatches": m, "stages_per_rank": v}
-    pred = theory.predict(name, cfg, pp, int(per_replica), knobs)
+    pred = predictors.predict(name, cfg, pp, int(per_replica), knobs)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
     bubble = theory.pipeline_bubble(pp, m, v)
@@ -669,7 +670,7 @@ def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
         return _invalid(name, {"cp": cp, "dp": dp}, problem)
     layout["cp"] = cp
     micro, accum = layout["micro_batch"], layout["accumulation"]
-    pred = theory.busiest_rank_prediction(Strategy.CP, cfg, n, plan.global_batch, {"cp": cp})
+    pred = predictors.busiest_rank_prediction(Strategy.CP, cfg, n, plan.global_batch, {"cp": cp})
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     w = _act_dtype_bytes(plan)
@@ -718,7 +719,7 @@ def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None
     layout.update(dp=dp, ep=ep)
     micro, accum = layout["micro_batch"], layout["accumulation"]
     knobs = {"ep": ep, **({"routing": routing} if routing else {})}
-    pred = theory.predict(Strategy.EP, cfg, n, plan.global_batch, knobs)
+    pred = predictors.predict(Strategy.EP, cfg, n, plan.global_batch, knobs)
     rank = 0
     if routing:
         rank = max(range(n), key=lambda r: sum(received for _, received in routing[r]))
@@ -988,7 +989,7 @@ def fit_collectives(records: list[dict]) -> dict:
             continue
         n = rec["world_size"]
         name = rec.get("collective") or rec["strategy"].removeprefix("bandwidth_")
-        factor = theory.bus_factor(name, n)
+        factor = bus_factor(name, n)
         pts = [(row["size_bytes"] * factor, row["time_us"] * 1e-6) for row in rec["rows"] if row.get("time_us")]
         if len(pts) < 2:
             continue
@@ -1114,10 +1115,10 @@ def plan_of_record(record: dict) -> Plan:
     """The :class:`Plan` a benchmark record ran: fp32 AdamW, its model and global batch, no AC, a
     data-parallel rank's share of the batch as one micro-batch (the pipeline: its micro-batches;
     context parallelism: a ring's whole share, 1/cp of each of its sequences on each rank)."""
-    cfg = theory.config_of_record(record)
+    cfg = compare.config_of_record(record)
     config = record.get("config", {})
     batch = int(config["global_batch_size"])
-    knobs = theory.knobs_of_record(record)
+    knobs = compare.knobs_of_record(record)
     dp = record["world_size"]
     if record["strategy"] in (Strategy.TP, Strategy.TP_SP) or record["strategy"].startswith("pp_"):
         dp = 1
@@ -1135,7 +1136,7 @@ def estimate_record(record: dict, cl: Cluster) -> Estimate:
     record counted) rather than the planner's choice."""
     plan = plan_of_record(record)
     strategy = record["strategy"]
-    knobs = theory.knobs_of_record(record)
+    knobs = compare.knobs_of_record(record)
     n = record["world_size"]
     cl = replace(cl, gpus=n, gpus_per_node=n)
     if strategy in (Strategy.DDP, Strategy.DDP_FROM_SCRATCH, Strategy.FSDP_NO_SHARD):
@@ -1206,11 +1207,11 @@ def validate(records: list[dict], cl: Cluster | None = None,
             est = estimate_record(rec, cl)
         except ValueError:
             continue
-        pred = theory.busiest_rank_prediction(rec["strategy"], theory.config_of_record(rec), rec["world_size"],
-                                              int(rec["config"]["global_batch_size"]), theory.knobs_of_record(rec))
+        pred = predictors.busiest_rank_prediction(rec["strategy"], compare.config_of_record(rec), rec["world_size"],
+                                              int(rec["config"]["global_batch_size"]), compare.knobs_of_record(rec))
         rank = est.layout.get("rank", pred["rank"])
         if rank != pred["rank"]:  # the planner's deciding rank (a pipeline's), compared there
-            full = theory.predict_record(rec)["state_per_rank"][rank]
+            full = compare.predict_record(rec)["state_per_rank"][rank]
             pred = {**pred, "state": full}
         state_measured = sum(metrics["model_state_bytes_per_rank"][rank].values())
         by_cat = (metrics.get("peak_memory_by_category_per_rank") or [None] * (rank + 1))[rank]

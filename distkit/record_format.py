@@ -1,6 +1,6 @@
 """The harness record's format: how a record names its model, and how records are appended, read
 and upgraded from older schemas. The fields are documented in :mod:`distkit.harness` (which builds
-records); :mod:`distkit.theory` reads them through this module.
+records); :mod:`distkit.compare` reads them through this module.
 """
 from __future__ import annotations
 

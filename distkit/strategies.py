@@ -8,7 +8,7 @@ The members are in the order plots and tables show them.
 
 Two subsets, each in its own order:
 
-* :data:`MEASURED`: every strategy the benchmark matrix measures and :mod:`distkit.theory`
+* :data:`MEASURED`: every strategy the benchmark matrix measures and :mod:`distkit.predictors`
   predicts, one record per cell (``strategy`` field of ``*/records/*.jsonl``);
 * :data:`PLANNED`: the planner's candidates (``benchmarks/plan.py``), in the order its report lists
   them. Two of them are the planner's own: ``fsdp_tp`` is FSDP x TP with the TP size searched (the

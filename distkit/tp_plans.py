@@ -1,7 +1,7 @@
 """The Megatron tensor-parallel plan of each model family, written once: module name -> how
 ``torch.distributed.tensor.parallel.parallelize_module`` splits it (the pytorch/examples
 ``distributed/tensor_parallelism`` way). Chapter 05's ``tensor_parallel.py`` and
-``hybrid_parallelism.py`` apply these plans, and :mod:`distkit.theory` reads from them which
+``hybrid_parallelism.py`` apply these plans, and :mod:`distkit.predictors` reads from them which
 parameters are split and along which dimension.
 
 Inside a block (Shoeybi et al., "Megatron-LM", 2019, section 3): the attention's q/k/v projections

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNER_LOOKUPS, README, STATE_TOLERANCE)
-from distkit import theory
+from distkit import compare, predictors, theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config, model_config, with_experts
 from distkit.strategies import MEASURED
@@ -60,7 +60,7 @@ def test_zero_paper_example_and_napkin_formulas():
     sp = theory.megatron_tp_bytes_per_layer(8, 32, 64, tp=2, sequence_parallel=True)
     assert sp["all_gather"]["bus_bytes"] + sp["reduce_scatter"]["bus_bytes"] == tp["all_reduce"]["bus_bytes"]
     # FSDP2 pads dim 0 per parameter; torch.chunk gives the last rank the remainder.
-    assert theory.fsdp_padded_numel((66, 64), 4) == 68 * 64
+    assert predictors.fsdp_padded_numel((66, 64), 4) == 68 * 64
     assert theory.chunk_sizes(66, 4) == [17, 17, 17, 15]
     assert theory.chunk_sizes(3, 4) == [1, 1, 1, 0]
     fits = {s: theory.mixed_precision_state_per_gpu(s, 1e9, 8) for s in ("ddp", "zero1", "zero3")}
@@ -70,18 +70,18 @@ def test_zero_paper_example_and_napkin_formulas():
 def test_predictions_are_consistent_across_strategies():
     cfg = gpt_config("tiny", vocab_size=66, seq_len=30)  # shapes that do not divide by 4
     psi = sum(math.prod(s) for s in theory.param_shapes(cfg).values())
-    ddp = theory.predict("ddp", cfg, 4, 16)
+    ddp = predictors.predict("ddp", cfg, 4, 16)
     assert ddp["comm_per_rank"][0]["all_reduce"]["bytes"] == 4 * psi
-    full = theory.predict("fsdp_full_shard", cfg, 4, 16)
+    full = predictors.predict("fsdp_full_shard", cfg, 4, 16)
     held = [sum(s.values()) for s in full["state_per_rank"]]
     assert held[0] > held[3], "the last rank's shard lacks the padding rows"
     assert sum(held) == 16 * psi  # the shards add up to the whole model (4 + 4 + 8 bytes each)
     gathered = full["comm_per_rank"][0]["all_gather"]["bytes"]
     assert gathered > 4 * psi  # padded gathers, blocks gathered twice
-    pp = theory.predict("pp_1f1b", cfg, 2, 16, {"microbatches": 4})
+    pp = predictors.predict("pp_1f1b", cfg, 2, 16, {"microbatches": 4})
     assert sum(sum(s.values()) for s in pp["state_per_rank"]) == 16 * psi
     with pytest.raises(ValueError):
-        theory.predict("no_such_strategy", cfg, 2, 16)
+        predictors.predict("no_such_strategy", cfg, 2, 16)
 
 
 def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
@@ -119,7 +119,7 @@ def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
     all_experts = 6 * (dense - 64 * 64 - 32 * 64 + 16 * expert) + 12 * 2 * 64 * 32
     assert all_experts == 3_459_840 and theory.training_flops_per_token(cfg) != all_experts
 
-    ep = theory.predict("ep", cfg, 4, 8, {"ep": 2})
+    ep = predictors.predict("ep", cfg, 4, 8, {"ep": 2})
     held = dense + 4 * 2 * expert
     assert ep["state_per_rank"] == [{"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}] * 4
     a2a = 2 * (8 * 8 + 2 * (128 + 128) * 64 * 4)
@@ -127,21 +127,21 @@ def test_mixture_of_experts_shapes_flops_and_predictions_by_hand():
         assert comm == {"all_to_all": {"calls": 10, "bytes": a2a, "bus_bytes": a2a / 2},
                         "all_reduce": {"calls": 2, "bytes": 4 * dense + 4 * 4 * 2 * expert,
                                        "bus_bytes": 4 * dense * 1.5 + 4 * 4 * 2 * expert}}
-    ddp = theory.predict("ddp", cfg, 4, 8)["state_per_rank"][0]
+    ddp = predictors.predict("ddp", cfg, 4, 8)["state_per_rank"][0]
     assert sum(ddp.values()) - sum(ep["state_per_rank"][0].values()) == 16 * 4 * 2 * expert  # 4 experts not held
     routed = [[(100, 90), (120, 130)]] + [[(128, 128)] * 2] * 3  # rank 0 routed unevenly
-    uneven = theory.predict("ep", cfg, 4, 8, {"ep": 2, "routing": routed})["comm_per_rank"]
+    uneven = predictors.predict("ep", cfg, 4, 8, {"ep": 2, "routing": routed})["comm_per_rank"]
     assert uneven[0]["all_to_all"]["bytes"] == 2 * 8 * 8 + 2 * (100 + 90 + 120 + 130) * 64 * 4
     assert uneven[1] == ep["comm_per_rank"][1]
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        theory.predict("ep", dense_cfg, 4, 8)
+        predictors.predict("ep", dense_cfg, 4, 8)
 
-    cp = theory.predict("cp", dense_cfg, 4, 8, {"cp": 2})
+    cp = predictors.predict("cp", dense_cfg, 4, 8, {"cp": 2})
     hop = 2 * 4 * 16 * 64 * 4
     assert cp["comm_per_rank"][0] == {"send": {"calls": 8, "bytes": 8 * hop, "bus_bytes": 8 * hop},
                                       "recv": {"calls": 8, "bytes": 8 * hop, "bus_bytes": 8 * hop},
                                       "all_reduce": {"calls": 1, "bytes": 4 * 110_336, "bus_bytes": 4 * 110_336 * 1.5}}
-    assert cp["state_per_rank"] == theory.predict("ddp", dense_cfg, 4, 8)["state_per_rank"]
+    assert cp["state_per_rank"] == predictors.predict("ddp", dense_cfg, 4, 8)["state_per_rank"]
 
 
 # ---------------------------------------------------------------- the quick matrix (one launch)
@@ -170,7 +170,7 @@ def records_check():
 def _check_bars(records):
     failures = []
     for record in records:
-        comparison = theory.compare_record(record)
+        comparison = compare.compare_record(record)
         if comparison["comm_error"] > BYTES_TOLERANCE or comparison["state_error"] > STATE_TOLERANCE:
             failures.append((record["strategy"], record["world_size"], comparison["comm_error"],
                              comparison["state_error"]))
@@ -210,7 +210,7 @@ def test_quick_matrix_covers_every_strategy_and_meets_the_bars(quick_results):
                       find(BENCH / "records" / "outputs.jsonl", "quick_matrix")["output"]).groups()
     assert shown == ran, f"the README's quick-matrix block shows {shown}, the command runs {ran}: re-record it"
     moe = by_strategy["ep"]
-    assert moe["metrics"]["model_flops_per_token"] == theory.training_flops_per_token(theory.config_of_record(moe))
+    assert moe["metrics"]["model_flops_per_token"] == theory.training_flops_per_token(compare.config_of_record(moe))
     assert moe["metrics"]["mfu"] > 0 and len(moe["counted_routing_per_rank"]) == moe["world_size"]
     _check_bars(records)
 
@@ -373,7 +373,7 @@ def test_committed_figures_plot_the_records_numbers():
         state_ax, peak_ax = memory.axes[2 * k: 2 * k + 2]
         state = sorted(max(sum(s.values()) for s in r["metrics"]["model_state_bytes_per_rank"]) / 2**20
                        for r in raw.values())
-        predicted = sorted(max(sum(s.values()) for s in theory.predict_record(r)["state_per_rank"]) / 2**20
+        predicted = sorted(max(sum(s.values()) for s in compare.predict_record(r)["state_per_rank"]) / 2**20
                            for r in raw.values())
         assert bars(state_ax) == pytest.approx(state) and marks(state_ax) == pytest.approx(predicted)
         parts = []  # the highest rank's peak by category, stacked: every non-zero part is one bar segment

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from benchmarks_common import BENCH, BYTES_TOLERANCE, STATE_TOLERANCE
-from distkit import theory
+from distkit import compare
 from distkit.harness import read_records
 from launch import REPO, gpu_count, job_env, python, require_gpus
 
@@ -54,7 +54,7 @@ def test_single_gpu_matrix_runs_on_nccl_and_matches_theory(tmp_path):
     assert [r["strategy"] for r in records] == strategies, stdout[-3000:]
     for record in records:
         assert_gpu_cell(record, 1)
-        comparison = theory.compare_record(record)
+        comparison = compare.compare_record(record)
         assert comparison["state_error"] <= STATE_TOLERANCE, (record["strategy"], comparison["state"])
 
 
@@ -65,7 +65,7 @@ def test_two_gpu_matrix_meets_the_byte_bars(tmp_path):
     assert {r["strategy"] for r in records} == set(strategies), stdout[-3000:]
     for record in records:
         assert_gpu_cell(record, 2)
-        comparison = theory.compare_record(record)
+        comparison = compare.compare_record(record)
         assert comparison["state_error"] <= STATE_TOLERANCE, (record["strategy"], comparison["state"])
         if not record["strategy"].startswith("zero"):
             assert comparison["comm_error"] <= BYTES_TOLERANCE, (record["strategy"], comparison["comm"])

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ch05_common import CHAPTER, LOOKUPS, QUICK, README, TOLERANCE, launch, reference
-from distkit import theory
+from distkit import compare
 from distkit.harness import read_records
 from launch import load_script, parse_args_result, assert_one_line_error, assert_readme_covered, python, readme_command
 
@@ -169,7 +169,7 @@ def assert_predicted(record) -> None:
     """The model state every rank measured (parameters and gradients; SGD keeps no optimizer state)
     and its collectives per step, calls and bytes, equal what distkit.theory predicts for the cell
     (the prediction the benchmarks and plots use), exactly."""
-    prediction = theory.predict_record(record)
+    prediction = compare.predict_record(record)
     metrics = record["metrics"]
     for rank, (got, want) in enumerate(zip(metrics["model_state_bytes_per_rank"], prediction["state_per_rank"])):
         assert (got["params"], got["grads"]) == (want["params"], want["grads"]), (rank, got, want)

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ch05_common import CHAPTER, LOOKUPS, QUICK, TOLERANCE, launch, readme_command, reference
-from distkit import UsageError, theory
+from distkit import UsageError, compare, theory
 from distkit.harness import read_records
 from distkit.models import model_config
 from distkit.runtime import seed_everything
@@ -256,7 +256,7 @@ def test_expert_parallel_bytes_equal_the_formula(ep_runs, ep_reference):
     bytes; dispatch and the combine's gradient: the rows it sent; combine and the dispatch's gradient:
     the rows its experts received), x 64 wide x 4 bytes; one all-reduce of the dense gradients, and
     with dp 2 one of its experts'. Rows from the reference's routing, not the script's; and
-    theory.compare_record, given only the record (its counted routing), predicts every byte."""
+    compare.compare_record, given only the record (its counted routing), predicts every byte."""
     for nproc, (record, _) in ep_runs.items():
         _, final, _, routing = ep_reference[nproc]
         ep, dp, local = 2, nproc // 2, EP["num_experts"] // 2
@@ -275,7 +275,7 @@ def test_expert_parallel_bytes_equal_the_formula(ep_runs, ep_reference):
             assert {k: (v["calls"], v["bytes"]) for k, v in comm.items()} == by_hand, (nproc, rank)
         # the record says which routing the harness counted: theory predicts the cell from it alone
         assert record["counted_routing_per_rank"] == [rank[1] for rank in record["routing_per_rank"]]
-        assert theory.compare_record(record)["comm_error"] == 0, nproc  # (its state: SGD here, theory's AdamW)
+        assert compare.compare_record(record)["comm_error"] == 0, nproc  # (its state: SGD here, theory's AdamW)
 
 
 def test_expert_parallel_token_counts_are_conserved(ep_runs, ep_reference):

@@ -43,7 +43,7 @@ import torch
 import ch01_common as ch01
 import ch02_common as ch02
 import ch03_common as ch03
-from distkit import theory
+from distkit import compare, theory
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
 from distkit.models import build_model, model_config
@@ -139,7 +139,7 @@ def test_fsdp_bytes_of_the_llama_are_the_predicted_ones(jobs):
     cfg = model_config("llama", "tiny", vocab_size=65)
     for record in read_records(folder / "records.jsonl"):
         assert record["model"]["arch"] == "llama" and record["model"]["vocab_size"] == 65
-        compared = theory.compare_record(record)
+        compared = compare.compare_record(record)
         for row in compared["state"] + compared["comm"]:  # every rank, every collective
             assert row["measured"] == row["predicted"], (record["strategy"], row)
         metrics = record["metrics"]
@@ -209,6 +209,6 @@ def test_tied_embeddings_train_like_one_process_under_ddp_and_full_shard(jobs):
     assert [r["strategy"] for r in records] == ["fsdp_full_shard", "ddp"]
     for record in records:
         assert record["model"]["tie_embeddings"] is True and record["param_count"] == unique
-        compared = theory.compare_record(record)
+        compared = compare.compare_record(record)
         for row in compared["state"] + compared["comm"]:  # the shared matrix counted once
             assert row["measured"] == row["predicted"], (record["strategy"], row)

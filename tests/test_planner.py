@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
-from distkit import planner, theory
+from distkit import planner, predictors, theory
 from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.errors import UsageError
 from distkit.strategies import MEASURED, PLANNED
@@ -38,8 +38,8 @@ def psi(cfg) -> int:
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_busiest_rank_prediction_equals_predict(arch):
-    """``theory.busiest_rank_prediction`` (linear in the ranks, what the planner calls) returns, for
-    every strategy and 2, 3 and 4 ranks, exactly the state of :func:`theory.predict`'s busiest rank
+    """``predictors.busiest_rank_prediction`` (linear in the ranks, what the planner calls) returns, for
+    every strategy and 2, 3 and 4 ranks, exactly the state of :func:`predictors.predict`'s busiest rank
     and that rank's collectives. Shapes chosen so dim 0 does not divide by 3 or 4 (vocabulary 66,
     width 72: FSDP2's padding and ``torch.chunk``'s uneven shares). Expert parallelism runs on the
     same shape with 12 experts per block (12 split over 2, 3 and 4 ranks), at ep = n and, with 4
@@ -61,14 +61,14 @@ def test_busiest_rank_prediction_equals_predict(arch):
             if strategy == "ep":  # an MoE of this shape, experts over all ranks and, at 4, over 2 of them
                 cases = [({"ep": ep}, with_experts(cfg, 12, 2)) for ep in ([n, 2] if n == 4 else [n])]
             for knobs, model in cases:
-                want = theory.predict(strategy, model, n, 12, knobs)
-                got = theory.busiest_rank_prediction(strategy, model, n, 12, knobs)
+                want = predictors.predict(strategy, model, n, 12, knobs)
+                got = predictors.busiest_rank_prediction(strategy, model, n, 12, knobs)
                 totals = [sum(s.values()) for s in want["state_per_rank"]]
                 assert sum(got["state"].values()) == max(totals), (strategy, n)
                 assert got["state"] == want["state_per_rank"][got["rank"]], (strategy, n)
                 assert got["comm"] == want["comm_per_rank"][got["rank"]], (strategy, n)
-    rank0, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=0)
-    rank3, _ = theory.fsdp_rank_prediction(shapes, 4, 1, True, rank=3)
+    rank0, _ = predictors.fsdp_rank_prediction(shapes, 4, 1, True, rank=0)
+    rank3, _ = predictors.fsdp_rank_prediction(shapes, 4, 1, True, rank=3)
     assert rank0 != rank3  # the control: the fast path does tell ranks apart
 
 
@@ -135,7 +135,7 @@ def test_fp32_state_is_theory_and_precision_conversion():
     ddp = planner.estimate(fp32, cl, "ddp").memory_bytes
     assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (4 * p, 4 * p, 8 * p)
     z3 = planner.estimate(fp32, cl, "zero3").memory_bytes
-    want = theory.predict("zero3", cfg, 4, 8)["state_per_rank"][0]
+    want = predictors.predict("zero3", cfg, 4, 8)["state_per_rank"][0]
     assert (z3["params"], z3["grads"], z3["optimizer"]) == (want["params"], want["grads"], want["optimizer"])
     sgd = planner.estimate(replace(fp32, precision="bf16", optimizer="sgd"), cl, "ddp").memory_bytes
     assert (sgd["params"], sgd["grads"], sgd["optimizer"]) == (2 * p, 2 * p, 8 * p)

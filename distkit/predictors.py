@@ -1,0 +1,516 @@
+"""Per-strategy predictors: the model-state bytes each rank holds and the bytes each rank
+communicates per optimizer step, for every strategy of :data:`distkit.strategies.MEASURED`, from
+the model's parameter shapes, the world size and the mesh. Chapter scripts print them, and
+``benchmarks/plot.py``, the notebooks and the tests put them next to the harness's measurements
+(:mod:`distkit.compare`); the planner asks :func:`busiest_rank_prediction`.
+
+Each family's **implementation model** is its napkin formula (:mod:`distkit.theory`) applied
+parameter by parameter, with what the real implementation does on top: FSDP2 pads every parameter's
+dim 0 to a multiple of the shard group, DDP's buckets hold exactly the gradients, DeepSpeed ZeRO-3
+partitions each parameter to ``ceil(numel / n)`` elements, DTensor shards split with ``torch.chunk``
+sizes, tensor parallelism splits what the chapter-05 plans (:mod:`distkit.tp_plans`) say. Those
+details are why a prediction can match a measurement to the byte, and why the napkin formula is
+still within a fraction of a percent for models whose shapes divide evenly. :func:`predict` picks
+the family's model from :data:`PREDICTORS`. Bytes, bus bytes and fp32 AdamW as
+:mod:`distkit.theory` defines them.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from .models import GPTConfig, LlamaModelConfig, is_moe
+from .strategies import MEASURED, Strategy
+from .theory import (add_comm, buffer_bytes, chunk_sizes, comm_entry, expert_parallel_comm, megatron_tp_bytes,
+                     moe_param_split, numel, param_shapes, ring_attention_bytes)
+from .tp_plans import TP_PLANS
+
+
+# ----------------------------------------------------------------------------------------------
+# How a prediction is written down: fp32 AdamW state per rank, collectives per rank
+# ----------------------------------------------------------------------------------------------
+
+def _adamw_state(param_elems: float, grad_elems: float | None = None, bytes_per: int = 4) -> dict:
+    """fp32 AdamW: 4 bytes of weight, 4 of gradient and 8 of moments per element held."""
+    grad_elems = param_elems if grad_elems is None else grad_elems
+    return {"params": param_elems * bytes_per, "grads": grad_elems * bytes_per,
+            "optimizer": 2 * param_elems * bytes_per}
+
+
+def _same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
+    return [dict(state) for _ in range(n)], [comm for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallelism (DDP, DDP from scratch, ZeRO-0): the gradients as they are, no padding
+# ----------------------------------------------------------------------------------------------
+
+def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
+    """Every rank holds 16Ψ bytes of fp32 AdamW state and all-reduces 4Ψ bytes of gradients. DDP's
+    buckets are flat copies of the gradients (no padding); from scratch, one all-reduce per
+    parameter tensor moves the same bytes."""
+    psi = sum(numel(s) for s in shapes.values())
+    calls = len(shapes) if strategy == Strategy.DDP_FROM_SCRATCH else None
+    comm = {"all_reduce": comm_entry(calls, 4 * psi, "all_reduce", n)}
+    if strategy == Strategy.DDP and buffer_bytes(cfg):  # DDP broadcasts buffers before each forward (one per step)
+        comm["broadcast"] = comm_entry(1, buffer_bytes(cfg), "broadcast", n)
+    return _same_on_every_rank(n, _adamw_state(psi), comm)
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO (DeepSpeed) as this repository configures it: fp32, DeepSpeed's own padding and window
+# ----------------------------------------------------------------------------------------------
+
+def deepspeed_prediction(stage: int, shapes: dict, n: int, stage3_window: int | None = None) -> tuple[dict, dict]:
+    """DeepSpeed ZeRO with this repository's configs (fp32, torch AdamW as the client optimizer).
+
+    State held at the optimizer step (what chapter 03's harness counts): the fp32 weights (stage 3:
+    this rank's partition), the fp32 gradient partition handed to the optimizer, and K = 12 bytes of
+    optimizer state per partition element: DeepSpeed keeps its own fp32 master partition even in
+    fp32 training, plus AdamW's two moments. Stages 1-2 flatten all parameters into one buffer
+    padded to a multiple of 2n elements (DeepSpeed's ``nccl_start_alignment_factor`` = 2); stage 3
+    partitions each parameter to ``ceil(numel / n)`` elements.
+
+    Communication per step: stages 1-2 all-reduce the full gradient buffer on these CPU/gloo runs
+    (DeepSpeed reduces buckets with all-reduce, then each rank keeps its partition) and all-gather
+    the updated weights; stage 3 reduce-scatters the gradients and all-gathers the weights in
+    forward and again in backward (the paper's 3Ψ), except for what is still gathered when backward
+    starts: the last W parameter elements of forward, W = ``stage3_max_live_parameters``
+    (``stage3_window`` here, from the record's engine settings). So the weights are gathered
+    2 - min(W, Ψ)/Ψ times: twice when W is 0, once when W holds the whole model (and when the
+    record names no W: runs recorded before the chapter-03 configs set it used W = 1e9). Those
+    configs size W to one rank's share, ceil(Ψ/N): 1.5 gathers on 2 ranks, 1.75 on 4 (measured on
+    the tiny GPT, 2-core CPU, gloo: 1.505 and 1.763, the rest is module granularity, well inside the
+    1% bar on total bytes). Bookkeeping all-reduces of one or two scalars (overflow flag, gradient
+    norm) are not modelled (:data:`distkit.compare.BOOKKEEPING_SLACK_BYTES`).
+    """
+    psi = sum(numel(s) for s in shapes.values())
+    comm: dict = {}
+    if stage in (1, 2):
+        align = 2 * n
+        partition = math.ceil(psi / align) * align // n
+        state = {"params": 4 * psi, "grads": 4 * partition, "optimizer": 12 * partition}
+        add_comm(comm, "all_reduce", None, 4 * psi, n)
+        add_comm(comm, "all_gather", None, 4 * partition * n, n)
+    else:
+        partition = sum(math.ceil(numel(s) / n) for s in shapes.values())
+        state = {"params": 4 * partition, "grads": 4 * partition, "optimizer": 12 * partition}
+        gathers = 1.0 if stage3_window is None else 2.0 - min(stage3_window, psi) / psi
+        add_comm(comm, "all_gather", None, gathers * 4 * partition * n, n)
+        add_comm(comm, "reduce_scatter", None, 4 * partition * n, n)
+    return state, comm
+
+
+def _predict_zero(strategy, shapes, cfg, n, batch, knobs):
+    """ZeRO-1/2/3 (and ZeRO-3 offload, whose bytes are the same): :func:`deepspeed_prediction`."""
+    state, comm = deepspeed_prediction(int(strategy[4]), shapes, n, knobs.get("stage3_max_live_parameters"))
+    return _same_on_every_rank(n, state, comm)
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 (``torch.distributed.fsdp.fully_shard``). Source: the FSDP2 design (pytorch/pytorch issue
+# #114299): per-parameter sharding on dim 0, padded so every rank holds ceil(dim0 / n) rows; each
+# unit all-gathers its parameters before forward (and again before backward when
+# ``reshard_after_forward``) and reduce-scatters its gradients after backward; HSDP all-reduces the
+# reduced shard across replicas. Napkin: FULL_SHARD = ZeRO-3 (3Ψ), SHARD_GRAD_OP = ZeRO-2 (2Ψ).
+# ----------------------------------------------------------------------------------------------
+
+def fsdp_padded_numel(shape: tuple[int, ...], shard_group: int) -> int:
+    """Elements of a parameter after FSDP2 pads dim 0 up to a multiple of the shard-group size."""
+    if not shape:
+        return 1
+    rows = math.ceil(shape[0] / shard_group) * shard_group
+    return rows * math.prod(shape[1:])
+
+
+def _units(shapes: dict[str, tuple[int, ...]]) -> tuple[list[list[str]], list[str]]:
+    """FSDP units as the chapter scripts wrap them: one per transformer block (the small GPT's
+    ``blocks.N``, the Llama's ``model.layers.N``), then the root."""
+    blocks: dict[int, list[str]] = {}
+    root = []
+    for name in shapes:
+        block = re.match(r"(?:blocks|model\.layers)\.(\d+)\.", name)
+        if block:
+            blocks.setdefault(int(block.group(1)), []).append(name)
+        else:
+            root.append(name)
+    return [blocks[i] for i in sorted(blocks)], root
+
+
+def _fsdp_comm(blocks: list[list[str]], root: list[str], padded: dict[str, int], shard: int, replicas: int,
+               reshard_blocks: bool, gather_bytes: int) -> dict:
+    """FSDP2's collectives per step, the same on every rank: each block unit's parameters all-gathered
+    in forward and (when resharded after forward) again in backward, the root's once; every unit's
+    gradients reduce-scattered in the shard group; with replicas, the shards all-reduced across them."""
+    comm: dict = {}
+    if shard > 1:
+        gathers = 2 if reshard_blocks else 1
+        for unit in blocks:
+            add_comm(comm, "all_gather", gathers, gathers * gather_bytes * sum(padded[n] for n in unit), shard)
+        add_comm(comm, "all_gather", 1, gather_bytes * sum(padded[n] for n in root), shard)
+        for unit in [*blocks, root]:
+            add_comm(comm, "reduce_scatter", 1, 4 * sum(padded[n] for n in unit), shard)
+    if replicas > 1:
+        for unit in [*blocks, root]:
+            add_comm(comm, "all_reduce", 1, 4 * sum(padded[n] for n in unit) / shard, replicas)
+    return comm
+
+
+def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
+                    local_shapes: dict | None = None, gather_bytes: int = 4,
+                    wrap: str = "block") -> tuple[list[dict], dict]:
+    """FSDP2 per block + root: state held by each rank of a shard group, and collectives per step.
+
+    Each unit all-gathers its padded parameters before forward and, when resharded after forward,
+    again before backward; its gradients are reduce-scattered (input = the padded full size) and,
+    with replicas (HSDP), the reduced shard is all-reduced across them. A shard group of one rank
+    runs no all-gather / reduce-scatter (NO_SHARD = all-reduce only). The root unit (embeddings,
+    final norm, LM head) is never resharded after forward: its weights are the first needed in
+    backward (FSDP2 skips the root's reshard by default; chapter 02 sets it explicitly).
+
+    ``gather_bytes``: bytes per gathered element (2 when a bf16 ``MixedPrecisionPolicy`` casts the
+    parameters before the all-gather; gradients are still reduced in fp32). ``wrap="root"``: one
+    unit for the whole model (``fully_shard(model)`` alone), gathered once per step.
+    ``local_shapes``: the shapes this rank's FSDP sees when they differ from ``shapes`` (a TP shard
+    in a 2-D mesh).
+    """
+    shapes = local_shapes or shapes
+    blocks, root = _units(shapes)
+    if wrap == "root":
+        blocks, root = [], list(shapes)
+    padded = {name: fsdp_padded_numel(shape, shard) for name, shape in shapes.items()}
+    # A rank's local shard is its torch.chunk share of dim 0: the padding rides along in the
+    # collectives' buffers but is not part of the last ranks' stored shard.
+    held = [sum(chunk_sizes(shape[0], shard)[r] * numel(shape[1:]) if shape else 1
+                for shape in shapes.values()) for r in range(shard)]
+    comm = _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
+    return [_adamw_state(h) for h in held], comm
+
+
+def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
+    """FULL_SHARD / SHARD_GRAD_OP over all ranks, NO_SHARD as a shard group of one, HYBRID_SHARD /
+    HSDP as ``shard``-rank groups replicated n / shard times (:func:`fsdp_prediction`)."""
+    if strategy in (Strategy.FSDP_FULL_SHARD, Strategy.FSDP_SHARD_GRAD_OP):
+        states, comm = fsdp_prediction(shapes, n, 1, reshard_blocks=strategy == Strategy.FSDP_FULL_SHARD)
+        return states, [comm] * n
+    if strategy == Strategy.FSDP_NO_SHARD:
+        states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
+        return _same_on_every_rank(n, states[0], comm)
+    shard = int(knobs.get("shard", 2))
+    # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
+    # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
+    by_shard_rank, comm = fsdp_prediction(shapes, shard, n // shard, reshard_blocks=True)
+    # mesh (replicate, shard): rank r sits at shard coordinate r % shard
+    return [by_shard_rank[r % shard] for r in range(n)], [comm] * n
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: which parameters the chapter-05 plans split, and the collectives outside
+# the blocks that sequence parallelism adds
+# ----------------------------------------------------------------------------------------------
+
+def _tp_leaves(part: int, style: type) -> frozenset[str]:
+    """Last names of the modules the chapter-05 plans (:mod:`distkit.tp_plans`, the small GPT's and
+    the Llama's with sequence parallelism) split with ``style``: ``part`` 0 in the blocks, 1 outside."""
+    plans = [make(sequence_parallel=True)[part] for make in TP_PLANS.values()]
+    return frozenset(name.rsplit(".", 1)[-1] for plan in plans for name, how in plan.items() if isinstance(how, style))
+
+
+# The chapter-05 TP plan by module name (GQA's narrower k/v_proj split the same way, n_kv_head / tp
+# heads per rank): q/k/v_proj, fc_in, gate/up_proj column-parallel; out_proj, fc_out, o_proj,
+# down_proj row-parallel; under SP the embedding tables row-split and the LM head column-split.
+_TP_COLUMN = _tp_leaves(0, ColwiseParallel)
+
+
+_TP_ROW = _tp_leaves(0, RowwiseParallel)
+
+
+_TP_EMBEDDINGS = _tp_leaves(1, RowwiseParallel)
+
+
+_TP_SP_COLUMN = _tp_leaves(1, ColwiseParallel)
+
+
+def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, sequence_parallel: bool) -> int:
+    """Elements TP rank ``rank`` holds of one parameter under the chapter-05 plan.
+
+    Column-parallel (q/k/v_proj, fc_in, gate/up_proj; with SP also lm_head): weight and bias split
+    on dim 0. Row-parallel (out_proj, fc_out, o_proj, down_proj; with SP also the embedding tables,
+    which split by rows): weight split on dim 1 (embeddings: dim 0), bias replicated. Everything
+    else (norms) is replicated.
+    """
+    leaf = name.split(".")[-2] if "." in name else name
+    kind = name.rsplit(".", 1)[-1]
+    if leaf in _TP_COLUMN or (sequence_parallel and leaf in _TP_SP_COLUMN):
+        dim = 0
+    elif leaf in _TP_ROW and kind == "weight":
+        dim = 1
+    elif sequence_parallel and leaf in _TP_EMBEDDINGS:
+        dim = 0
+    else:
+        return numel(shape)
+    return chunk_sizes(shape[dim], tp)[rank] * numel(shape) // shape[dim]
+
+
+def _tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[int, ...]:
+    held = _tp_local_numel(name, shape, tp, rank, sequence_parallel=False)
+    if held == numel(shape):
+        return shape
+    leaf = name.split(".")[-2]
+    if leaf in _TP_ROW:
+        return (shape[0], held // shape[0])
+    return (held // numel(shape[1:]), *shape[1:])
+
+
+def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int) -> None:
+    """Sequence parallelism outside the blocks, and the replicated parameters' gradients.
+
+    tok_emb / pos_emb (the Llama: embed_tokens alone; its positions are rotary, no table) are
+    row-parallel with a sequence-sharded output: a reduce-scatter forward (of the batch's and of the
+    position table's activations), an all-gather of their gradients backward; the LM head gathers
+    the sequence (all-gather forward, reduce-scatter backward) and its column-parallel logits are
+    all-gathered (``batch x seq x vocab``).
+
+    The norms' parameters (LayerNorm weight and bias, RMSNorm weight) see only their sequence
+    shard, so their gradients come out of backward as ``Partial`` DTensors; the chapter-05 script
+    all-reduces each once after backward (``reduce_partial_grads``): one all-reduce of its size per
+    norm parameter. (Left Partial, the optimizer would all-reduce them inside its own ops, once per op
+    that reads the gradient.)
+    """
+    for name, shape in shapes.items():
+        leaf = name.split(".")[-2] if "." in name else name
+        if leaf not in _TP_ROW and _tp_local_numel(name, shape, tp, 0, sequence_parallel=True) == numel(shape):
+            add_comm(comm, "all_reduce", 1, 4 * numel(shape), tp)
+    act = batch * cfg.seq_len * cfg.n_embd * 4
+    tables, pos = (1, 0) if cfg.arch == "llama" else (2, cfg.seq_len * cfg.n_embd * 4)
+    logits = batch * cfg.seq_len * cfg.vocab_size * 4
+    add_comm(comm, "reduce_scatter", tables, act + pos, tp)
+    add_comm(comm, "all_gather", tables, act + pos, tp)
+    add_comm(comm, "all_gather", 2, act + logits, tp)
+    add_comm(comm, "reduce_scatter", 1, act, tp)
+
+
+def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
+    """Megatron tensor parallelism over all n ranks (:func:`~distkit.theory.megatron_tp_bytes`), with sequence
+    parallelism for ``tp_sp``. With SP the embedding tables are row-sharded, but their gradients
+    arrive as full replicated tensors (measured: DTensor's embedding backward returns Replicate)."""
+    sp = strategy == Strategy.TP_SP
+    states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
+                           sum(numel(s) if sp and k.split(".")[-2] in _TP_EMBEDDINGS
+                               else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
+              for r in range(n)]
+    comm = megatron_tp_bytes(cfg, batch, n, sp)
+    if sp:
+        _tp_sp_extras(comm, shapes, cfg, batch, n)
+    return states, [comm for _ in range(n)]
+
+
+def _predict_fsdp_tp(strategy, shapes, cfg, n, batch, knobs):
+    """2-D mesh (dp, tp): TP inside a group of ``tp`` ranks, FSDP2 over the dp ranks that hold the
+    same TP shard; each dp group's batch is the global batch / dp."""
+    tp = int(knobs.get("tp", 2))
+    dp = n // tp
+    states, comms = [], []
+    for rank in range(n):
+        local = {k: _tp_local_shape(k, s, tp, rank % tp) for k, s in shapes.items()}
+        by_dp_rank, comm = fsdp_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
+        tp_comm = megatron_tp_bytes(cfg, batch // dp, tp)
+        add_comm(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)
+        states.append(by_dp_rank[rank // tp])  # mesh (dp, tp): rank r sits at dp coordinate r // tp
+        comms.append(comm)
+    return states, comms
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline parallelism: each rank its stages' parameters, one activation per micro-batch and boundary
+# ----------------------------------------------------------------------------------------------
+
+def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> list[str]:
+    """Parameters of pipeline stage ``stage`` (blocks spread evenly; embeddings first, final norm
+    and head last): the GPT's ``blocks.N`` / ``tok_emb``, ``pos_emb``, the Llama's
+    ``model.layers.N`` / ``model.embed_tokens``."""
+    first, last = stage * n_layer // num_stages, (stage + 1) * n_layer // num_stages
+    names = []
+    for name in shapes:
+        block = re.match(r"(?:blocks|model\.layers)\.(\d+)\.", name)
+        if block:
+            if first <= int(block.group(1)) < last:
+                names.append(name)
+        elif name.startswith(("tok_emb", "pos_emb", "model.embed_tokens")):
+            if stage == 0:
+                names.append(name)
+        elif stage == num_stages - 1:
+            names.append(name)
+    return names
+
+
+def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
+    """Each rank holds its stages' parameters and, per micro-batch and stage boundary, sends one
+    activation of a micro-batch forward and receives its gradient backward; interleaved 1F1B gives
+    each rank ``stages_per_rank`` stages (r, r + n, ...)."""
+    per_rank = int(knobs.get("stages_per_rank", 2)) if strategy == Strategy.PP_INTERLEAVED_1F1B else 1
+    m = int(knobs.get("microbatches", 4))
+    num_stages = n * per_rank
+    micro_act = batch * cfg.seq_len * cfg.n_embd * 4 / m  # one fp32 activation of a micro-batch
+    states, comms = [], []
+    for rank in range(n):
+        mine = [s for s in range(num_stages) if s % n == rank]
+        names = [k for s in mine for k in _pp_stage_names(shapes, s, num_stages, cfg.n_layer)]
+        states.append(_adamw_state(sum(numel(shapes[k]) for k in names)))
+        comm: dict = {}
+        for s in mine:  # activations forward, their gradients backward, one per micro-batch
+            if s < num_stages - 1:
+                add_comm(comm, "send", m, m * micro_act, 2)
+                add_comm(comm, "recv", m, m * micro_act, 2)
+            if s > 0:
+                add_comm(comm, "recv", m, m * micro_act, 2)
+                add_comm(comm, "send", m, m * micro_act, 2)
+        comms.append(comm)
+    return states, comms
+
+
+# ----------------------------------------------------------------------------------------------
+# Context and expert parallelism
+# ----------------------------------------------------------------------------------------------
+
+def _predict_cp(strategy, shapes, cfg, n, batch, knobs):
+    """Context parallelism (``05-advanced/context_parallel.py --impl ring``): every rank a full fp32
+    AdamW replica (16 bytes per parameter, as DDP), a ring of ``cp`` ranks (default: all n) per
+    group of sequences, and the gradients all-reduced over all n ranks. With n / cp > 1 replicas
+    (data parallel x context parallel, the planner's layout) each ring attends its replica's share of
+    the batch; the chapter script runs cp = n: one ring, the whole global batch. A K/V block is as
+    wide as the key/value heads: the GPT's n_embd, a grouped-query Llama's n_embd x n_kv_head /
+    n_head."""
+    cp = int(knobs.get("cp", n))
+    if n % cp or batch % (n // cp):
+        raise ValueError(f"cp {cp} does not divide {n} ranks, or the batch {batch} the {n // cp} replicas")
+    kv_width = cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
+    comm = ring_attention_bytes(batch // (n // cp), cfg.seq_len, kv_width, cfg.n_layer, cp)
+    psi = sum(numel(shape) for shape in shapes.values())
+    comm["all_reduce"] = comm_entry(1, 4 * psi, "all_reduce", n)
+    return _same_on_every_rank(n, _adamw_state(psi), comm)
+
+
+def _predict_ep(strategy, shapes, cfg, n, batch, knobs):
+    """Expert parallelism (``05-advanced/expert_parallel.py``) on a (dp, ep) mesh, rank = dp index x
+    ep + ep index: each rank holds the dense parameters and the num_experts / ep experts of its ep
+    index (fp32 AdamW, 16 bytes per parameter held); collectives from :func:`~distkit.theory.expert_parallel_comm`
+    with the rows it routed (``knobs["routing"]``, what the record counted: routing depends on the
+    data) or, without them, balanced routing: each rank's T = batch / n x seq_len tokens send k T
+    rows and receive k T (every expert gets T k / E of every rank, within its capacity when the
+    capacity factor is at least 1: nothing dropped)."""
+    if not is_moe(cfg):
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model (gpt_moe / llama_moe), got {cfg.arch}")
+    ep = int(knobs.get("ep", n))
+    if n % ep or cfg.num_experts % ep or batch % n:
+        raise ValueError(f"ep {ep} must divide {n} ranks and {cfg.num_experts} experts, and {n} ranks the "
+                         f"batch {batch}")
+    dp, local = n // ep, cfg.num_experts // ep
+    dense, per_expert = moe_param_split(shapes, cfg.num_experts)
+    held = [sum(per_expert[j * local:(j + 1) * local]) for j in range(ep)]  # by ep index
+    balanced = [(cfg.top_k * batch // n * cfg.seq_len,) * 2] * cfg.n_layer
+    routing = knobs.get("routing") or [balanced] * n
+    states, comms = [], []
+    for rank in range(n):
+        sent, received = zip(*routing[rank])
+        states.append(_adamw_state(dense + held[rank % ep]))
+        comms.append(expert_parallel_comm(cfg.n_embd, list(sent), list(received), cfg.num_experts, ep, dp,
+                                          dense_numel=dense, expert_numel=held[rank % ep]))
+    return states, comms
+
+
+# ----------------------------------------------------------------------------------------------
+# predict: the family's implementation model for one benchmark cell
+# ----------------------------------------------------------------------------------------------
+
+PREDICTORS = {
+    Strategy.DDP: _predict_ddp, Strategy.DDP_FROM_SCRATCH: _predict_ddp, Strategy.ZERO0: _predict_ddp,
+    Strategy.FSDP_NO_SHARD: _predict_fsdp, Strategy.FSDP_SHARD_GRAD_OP: _predict_fsdp,
+    Strategy.FSDP_FULL_SHARD: _predict_fsdp, Strategy.FSDP_HYBRID_SHARD: _predict_fsdp, Strategy.HSDP: _predict_fsdp,
+    Strategy.ZERO1: _predict_zero, Strategy.ZERO2: _predict_zero, Strategy.ZERO3: _predict_zero,
+    Strategy.ZERO3_OFFLOAD: _predict_zero,
+    Strategy.TP: _predict_tp, Strategy.TP_SP: _predict_tp,
+    Strategy.PP_GPIPE: _predict_pipeline, Strategy.PP_1F1B: _predict_pipeline,
+    Strategy.PP_INTERLEAVED_1F1B: _predict_pipeline,
+    Strategy.FSDP_TP_2D: _predict_fsdp_tp,
+    Strategy.CP: _predict_cp, Strategy.EP: _predict_ep,
+}
+
+
+def predict(strategy: str, cfg: GPTConfig, world_size: int, global_batch_size: int,
+            knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted model-state bytes per rank and collectives per step per rank for one benchmark cell.
+
+    Returns ``{"state_per_rank": [{"params", "grads", "optimizer"}, ...],
+    "comm_per_rank": [{collective: {"calls", "bytes", "bus_bytes"}}, ...], "param_count": Ψ}``
+    (bytes and bus bytes as :mod:`distkit.theory` defines them). ``knobs``: ``shard`` (HSDP
+    shard-group size), ``tp`` (2-D mesh TP size), ``microbatches``, ``stage3_max_live_parameters``
+    (ZeRO-3's window of gathered parameters), ``stages_per_rank`` (interleaved pipeline), ``cp``
+    (context-parallel group size), ``ep`` (expert-parallel group size) and ``routing`` (expert
+    parallelism: rows each rank sent and received per MoE layer; balanced routing without it).
+    """
+    if strategy not in PREDICTORS:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(MEASURED)}")
+    shapes = param_shapes(cfg)
+    states, comms = PREDICTORS[strategy](strategy, shapes, cfg, world_size, global_batch_size, knobs or {})
+    return {"strategy": strategy, "param_count": sum(numel(s) for s in shapes.values()),
+            "state_per_rank": states, "comm_per_rank": comms}
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning at scale (``distkit.planner``): the busiest rank's share without listing every rank
+# ----------------------------------------------------------------------------------------------
+
+def fsdp_rank_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool, rank: int = 0,
+                         local_shapes: dict | None = None, gather_bytes: int = 4) -> tuple[dict, dict]:
+    """:func:`fsdp_prediction` for the one rank ``rank`` of the shard group: the same state and the
+    same collectives, in time linear in the parameters. ``fsdp_prediction`` lists every rank's
+    share (parameters x shard group squared: two minutes for the Llama-3.1-8B shape over 512 ranks),
+    which a planner asking "does rank 0 fit?" for 1 to 512 GPUs cannot wait for. Rank 0 holds the
+    most: ``torch.chunk`` gives the first ranks ``ceil(rows / n)`` rows and the last ones the rest.
+    ``tests/test_planner.py`` checks it equals ``fsdp_prediction`` rank by rank."""
+    shapes = local_shapes or shapes
+    blocks, root = _units(shapes)
+    padded = {name: fsdp_padded_numel(shape, shard) for name, shape in shapes.items()}
+
+    def rows(length: int) -> int:  # chunk_sizes(length, shard)[rank], without the list
+        size = math.ceil(length / shard)
+        return max(0, min(size, length - rank * size))
+
+    held = sum(rows(shape[0]) * numel(shape[1:]) if shape else 1 for shape in shapes.values())
+    return _adamw_state(held), _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
+
+
+def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, world_size: int,
+                            global_batch_size: int, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`predict` for the rank holding the most model state (the one that decides whether a
+    configuration fits): ``{"rank", "state": {"params", "grads", "optimizer"}, "comm": {...},
+    "param_count"}``. The FSDP family (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HSDP,
+    FSDP x TP) goes through :func:`fsdp_rank_prediction` for rank 0, which holds the most of every
+    parameter; every other strategy through :func:`predict` itself (linear in the ranks)."""
+    knobs = knobs or {}
+    shapes = param_shapes(cfg)
+    n = world_size
+    psi = sum(numel(s) for s in shapes.values())
+    if strategy in (Strategy.FSDP_FULL_SHARD, Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD,
+                    Strategy.FSDP_HYBRID_SHARD, Strategy.HSDP):
+        shard = {Strategy.FSDP_FULL_SHARD: n, Strategy.FSDP_SHARD_GRAD_OP: n, Strategy.FSDP_NO_SHARD: 1}.get(strategy)
+        shard = shard or int(knobs.get("shard", 2))
+        resharded = strategy not in (Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD)
+        state, comm = fsdp_rank_prediction(shapes, shard, n // shard, reshard_blocks=resharded)
+        return {"rank": 0, "state": state, "comm": comm, "param_count": psi}
+    if strategy == Strategy.FSDP_TP_2D:
+        tp = int(knobs.get("tp", 2))
+        dp = n // tp
+        local = {k: _tp_local_shape(k, s, tp, 0) for k, s in shapes.items()}
+        state, comm = fsdp_rank_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
+        tp_comm = megatron_tp_bytes(cfg, global_batch_size // dp, tp)
+        add_comm(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)
+        return {"rank": 0, "state": state, "comm": comm, "param_count": psi}
+    pred = predict(strategy, cfg, n, global_batch_size, knobs)
+    rank = max(range(n), key=lambda r: sum(pred["state_per_rank"][r].values()))
+    return {"rank": rank, "state": pred["state_per_rank"][rank], "comm": pred["comm_per_rank"][rank],
+            "param_count": psi}
