@@ -492,7 +492,7 @@ def test_negative_control_time_model_without_collective_latency_leaves_the_bound
     all-reduces), must leave the time bound: DDP from scratch (one all-reduce per parameter) and
     sequence parallelism (three collectives per block) are then predicted far too fast."""
     original = planner.collective_time
-    monkeypatch.setattr(planner, "collective_time", lambda cl, coll, group, calls, bus, spans:
+    monkeypatch.setattr(planner.costs, "collective_time", lambda cl, coll, group, calls, bus, spans:
                         original(cl, coll, group, 0, bus, spans))
     summary = planner.validation_summary(_matrix_rows())["step"]
     assert summary["worst"] > 0.50, summary

@@ -1,0 +1,62 @@
+"""Does it fit, which strategy, how fast: the chapters' formulas turned into a planner.
+
+For a model (a :mod:`distkit.models` config), a batch, a precision and a cluster of GPUs, every
+strategy of :data:`distkit.strategies.PLANNED` gets an :class:`Estimate`: memory per GPU in five
+parts (parameters, gradients, optimizer state, activations, temporaries), whether it fits, a step
+time (compute + exposed communication + pipeline bubble + optimizer step) and tokens/s per GPU.
+:func:`recommend` picks the fastest configuration that fits and says in one line why each other one
+lost.
+
+Every byte count comes from the modules the chapters print their predictions from and the
+benchmarks measure against: model state from :func:`~distkit.predictors.busiest_rank_prediction`
+(the fp32 AdamW bytes the CPU matrix measures to the byte, converted to the plan's precision and
+optimizer the ZeRO paper's way), collectives from the same call, activations from
+:func:`~distkit.theory.activation_bytes_per_layer`, FLOPs from
+:func:`~distkit.theory.training_flops_per_token`, the bubble from
+:func:`~distkit.theory.pipeline_bubble`. What the planner adds is *time* and *placement*:
+
+* compute = training FLOPs per GPU x the recompute of activation checkpointing / (achievable
+  fraction x peak FLOP/s of the precision);
+* communication = per collective call ``alpha + bus_bytes / beta`` (alpha-beta, Hockney), beta
+  the intra-node link when the collective's group fits in a node, else the inter-node one, minus
+  what the strategy can hide behind compute (DDP and ZeRO-1/2 overlap their gradient reduction with
+  backward, FSDP and ZeRO-3 prefetch their gathers under forward and backward, tensor parallelism
+  and the pipeline's sends sit on the critical path, ZeRO-1/2's weight gather follows the step);
+* the pipeline stretches compute by 1 / (1 - bubble).
+
+GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity) and stated assumptions for
+links and efficiency, labelled as such; :func:`cpu_cluster` calibrates a CPU "cluster" from the
+records this repository measures (collective alpha/beta from the bandwidth sweep, matmul FLOP/s and
+a compute efficiency from the benchmark matrix), and :func:`validate` puts every prediction next to
+the measurement of every matrix cell.
+
+The modules, each importing only those above it:
+
+* :mod:`.inputs`: GPUs, links, the :class:`Cluster`, the job (:class:`Plan`), resized inputs;
+* :mod:`.costs`: memory in five parts, time per collective and of compute;
+* :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies;
+* :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
+* :mod:`.calibration`: a CPU cluster calibrated from this machine's records;
+* :mod:`.validation`: every matrix cell, predicted vs measured;
+* :mod:`.report`: table, JSON and plot.
+
+What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
+"""
+from .calibration import CPU, cpu_cluster, fit_collectives, read_matrix, with_measured_speed
+from .choose import (Recommendation, estimate, estimate_all, estimate_record, plan_of_record, recommend,
+                     with_overhead)
+from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
+from .inputs import (AC_MODES, GPU, GPU_NAME_PARTS, GPUS, OPTIMIZERS, PRECISIONS, Cluster, GiB, Link, Plan,
+                     check_whole_nodes, cluster, gpu_type, override_cluster, with_params)
+from .layouts import Estimate
+from .report import describe, format_report, plot_estimates, report_json
+from .validation import (VALIDATION_BOUNDS, validate, validation_bounds_text, validation_misses,
+                         validation_summary, validation_table)
+
+__all__ = ["AC_MODES", "CPU", "GPU", "GPUS", "GPU_NAME_PARTS", "OPTIMIZERS", "PARTS", "PRECISIONS",
+           "VALIDATION_BOUNDS", "Cluster", "Estimate", "GiB", "Link", "Plan", "Recommendation",
+           "activation_bytes", "check_whole_nodes", "cluster", "collective_time", "compute_rate",
+           "cpu_cluster", "describe", "estimate", "estimate_all", "estimate_record", "fit_collectives",
+           "format_report", "gpu_type", "override_cluster", "plan_of_record", "plot_estimates", "read_matrix",
+           "recommend", "report_json", "state_bytes", "validate", "validation_bounds_text", "validation_misses",
+           "validation_summary", "validation_table", "with_measured_speed", "with_overhead", "with_params"]

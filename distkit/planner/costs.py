@@ -1,0 +1,160 @@
+"""What a configuration costs, part by part: memory per GPU in the five :data:`PARTS` (model state
+from the predictors' bytes, activations, temporaries) and time (alpha-beta communication per
+collective call, compute at the plan's precision, the share of a node's cores)."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from .. import theory
+from ..models import LlamaModelConfig
+from .inputs import Cluster, Plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: the five parts
+# ----------------------------------------------------------------------------------------------
+
+PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+def state_bytes(fp32_state: dict, plan: Plan, zero: bool = False) -> dict[str, float]:
+    """Convert :mod:`distkit.theory`'s fp32 AdamW state of one rank to the plan's precision and
+    optimizer. fp32 AdamW is theory's own count (4 + 4 + 8 bytes per element held; DeepSpeed's
+    ZeRO keeps a separate fp32 master partition even in fp32: 12). bf16 mixed precision counts the
+    ZeRO paper's way: 2 bytes of weights and 2 of gradients per element held, and K bytes of
+    optimizer state per partition element: 12 for AdamW (fp32 master, two moments), 8 for SGD
+    (master, momentum). fp32 SGD keeps one momentum (4; ZeRO: plus the master copy, 8)."""
+    k_theory = 12 if zero else 8
+    elems = fp32_state["optimizer"] / k_theory
+    if plan.precision == "fp32":
+        k = {"adamw": 8, "sgd": 4}[plan.optimizer] + (4 if zero else 0)
+        return {"params": fp32_state["params"], "grads": fp32_state["grads"], "optimizer": elems * k}
+    k = {"adamw": 12, "sgd": 8}[plan.optimizer]
+    return {"params": fp32_state["params"] / 2, "grads": fp32_state["grads"] / 2, "optimizer": elems * k}
+
+
+def _act_dtype_bytes(plan: Plan) -> float:
+    return 2.0 if plan.precision == "bf16" else 4.0
+
+
+def _replicated_per_token(cfg, ac: str, sp: bool = False) -> int:
+    """Floats per token of a block's saved activations that tensor parallelism does NOT split:
+    without sequence parallelism the norms' inputs and outputs (the column-parallel layers' inputs
+    are full on every TP rank) and their statistics; with it, the norms' outputs all-gathered for
+    the column-parallel layers (2h: saved for their weight gradients). The rest (Q, K, V, attention
+    output, the MLP's wide tensors) is split over the TP ranks. Full AC keeps the block input only
+    (replicated; sequence-split with SP)."""
+    h = cfg.n_embd
+    if ac == "full":
+        return 0 if sp else h
+    if sp or ac == "selective":
+        return 2 * h if ac == "none" else h
+    return 6 * h + 2 if isinstance(cfg, LlamaModelConfig) else 4 * h + 4
+
+
+def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, sp: bool = False,
+                     in_flight: float = 1.0) -> float:
+    """Activations one GPU keeps alive at its memory peak, the top of backward (MemTracker finds it
+    there: right after the LM head's backward, before any block's): ``layers`` blocks of
+    ``micro_batch`` sequences (:func:`distkit.theory.activation_bytes_per_layer`, fp32; bf16 halves
+    it), split over ``tp`` ranks as :func:`_replicated_per_token` says (all of it with sequence
+    parallelism), times the ``in_flight`` micro-batches a pipeline stage holds. The loss's tensors
+    are no longer activations then: see :func:`head_working_set`."""
+    cfg = plan.model
+    per_layer = theory.activation_bytes_per_layer(cfg, micro_batch, plan.ac)
+    head = 0.0
+    if tp > 1:
+        replicated = min(per_layer, 4 * cfg.seq_len * micro_batch * _replicated_per_token(cfg, plan.ac, sp))
+        per_layer = replicated + (per_layer - replicated) / tp
+        # the replicated LM head's input and the loss's log-probabilities (split over TP ranks with
+        # SP) are saved by DTensor ops inside the model: activations at the peak
+        tokens = cfg.seq_len * micro_batch
+        head = tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
+    return layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4 + head
+
+
+def head_working_set(plan: Plan, micro_batch: int) -> float:
+    """Temporaries alive during the LM head's backward, where the step peaks: the logits (held by
+    the training loop), the loss's log-probabilities, their gradient and the logits' gradient (four
+    ``b x s x vocab`` tensors, fp32; in bf16 the logits and their gradient are bf16), and the head's
+    input gradient with the final norm's (two ``b x s x width``). Measured on the CPU matrix:
+    ``tests/test_planner.py``."""
+    cfg = plan.model
+    tokens = cfg.seq_len * micro_batch
+    if plan.precision == "bf16":
+        return tokens * (12 * cfg.vocab_size + 4 * cfg.n_embd)
+    return tokens * 4 * (4 * cfg.vocab_size + 2 * cfg.n_embd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Time: alpha-beta communication, compute, overlap
+# ----------------------------------------------------------------------------------------------
+
+def collective_time(cluster: Cluster, collective: str, group: int, calls: float, bus_bytes: float,
+                    spans_nodes: bool) -> float:
+    """Seconds for ``calls`` calls of ``collective`` moving ``bus_bytes`` bus bytes in all over a
+    ``group`` of ranks: ``calls x alpha + bus_bytes / beta``. Measured fits (``cluster.collectives``,
+    the nearest group size) when the cluster has them; else the link (intra-node, or inter-node when
+    the group spans nodes) with alpha = latency x ceil(log2 group) (a tree's depth: NCCL's small
+    messages) and beta = the link's bus bandwidth."""
+    if group <= 1 or (calls == 0 and bus_bytes == 0):
+        return 0.0
+    if cluster.collectives:
+        # A point-to-point send or receive is what an all-to-all between two ranks does (one message
+        # each way): its measured fit at 2 ranks, when the sweep has it; else the all-reduce's.
+        if collective in ("send", "recv"):
+            name, group = "all_to_all", 2
+        else:
+            name = "all_reduce" if collective == "broadcast" else collective
+        fits = {g: v for (c, g), v in cluster.collectives.items() if c == name} or \
+               {g: v for (c, g), v in cluster.collectives.items() if c == "all_reduce"}
+        alpha, beta = fits[min(fits, key=lambda g: (abs(g - group), -g))]
+    else:
+        link = cluster.gpu.inter if spans_nodes else cluster.gpu.intra
+        alpha, beta = link.latency * math.ceil(math.log2(group)), link.bandwidth
+    return calls * alpha + bus_bytes / beta
+
+
+def _comm_seconds(cluster: Cluster, comm: dict, group: int, spans_nodes: bool, scale: float = 1.0,
+                  calls_scale: float = 1.0, only: Iterable[str] | None = None) -> float:
+    """Alpha-beta seconds of a theory ``comm`` dict ({collective: {calls, bytes, bus_bytes}}) over one
+    group; ``scale`` multiplies the bytes (precision), ``calls_scale`` the calls (micro-batches).
+    Calls theory leaves open (None: DDP's buckets, DeepSpeed's flat buffers) count as one per 25 MiB
+    bucket."""
+    total = 0.0
+    for name, stat in comm.items():
+        if name == "barrier" or (only is not None and name not in only):
+            continue
+        calls = stat["calls"] if stat["calls"] is not None else max(1, math.ceil(stat["bytes"] / (25 * 2 ** 20)))
+        total += collective_time(cluster, name, group, calls * calls_scale, stat["bus_bytes"] * scale, spans_nodes)
+    return total
+
+
+def core_share(cluster: Cluster) -> float:
+    """The share of a core one rank computes with: CPU ranks that outnumber a node's ``cores`` run
+    at cores / ranks-per-node of one each; a GPU (no ``cores``) is all its own."""
+    return min(1.0, cluster.cores / cluster.gpus_per_node) if cluster.cores else 1.0
+
+
+def compute_rate(cluster: Cluster, plan: Plan) -> float:
+    """Achieved FLOP/s of one GPU (one rank): efficiency x peak of the precision, at the rank's
+    :func:`core_share` on CPU."""
+    peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
+    return cluster.efficiency * peak * core_share(cluster)
+
+
+def _flops_per_token(plan: Plan, lora: bool = False) -> float:
+    """theory's ``6N + 12Lsd`` (model FLOPs), plus the forward that full AC recomputes (2N + 4Lsd:
+    hardware FLOPs that the step takes time for), and for LoRA minus the frozen weights' gradient
+    matmuls (2N: backward computes input gradients only)."""
+    cfg = plan.model
+    full = theory.training_flops_per_token(cfg)
+    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    matmul = full - attention
+    flops = full
+    if plan.ac == "full":
+        flops += (matmul + attention) / 3
+    if lora:
+        flops -= matmul / 3
+    return flops

@@ -1,0 +1,228 @@
+"""What the planner is asked about: the hardware (GPU types and links, :data:`GPUS`, a
+:class:`Cluster`), the job (model, batch, precision: :class:`Plan`), and inputs made from other
+inputs (a model resized to a parameter count, a cluster with overridden figures)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .. import theory
+from ..errors import UsageError
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardware: GPU types and links
+# ----------------------------------------------------------------------------------------------
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as the alpha-beta model sees it: ``bandwidth`` bus bytes/s one rank reaches on it
+    (what nccl-tests calls busbw) and ``latency`` seconds per collective step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator type. ``memory_bytes``: what the framework can allocate (before the usable
+    fraction of :class:`Cluster`); ``peak_flops``: dense FLOP/s per precision (``bf16``: tensor
+    cores; ``fp32``: plain FP32, which is what PyTorch matmuls use unless TF32 is allowed);
+    ``hbm_bandwidth``: bytes/s of device memory (the optimizer step is bound by it);
+    ``intra``/``inter``: default links inside a node and between nodes (per GPU);
+    ``host_link``: bytes/s to CPU memory (offload); ``source``: where the numbers come from."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: dict
+    hbm_bandwidth: float
+    intra: Link
+    inter: Link
+    host_link: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+
+# Datasheet figures (NVIDIA product briefs; dense, i.e. without the 2:4-sparsity doubling), the
+# memory as torch.cuda reports it, and ASSUMED achievable link speeds: 80% of one direction of the
+# NVLink / PCIe link inside a node, and of one 400 (H100, H200) / 200 (A100) / 100 Gb/s (L4, for the
+# whole node) network port per GPU between nodes. Override any of them from the CLI.
+_NV4 = Link(0.8 * 450e9, 10e-6)   # NVLink 4: 900 GB/s both directions
+
+
+_NV3 = Link(0.8 * 300e9, 10e-6)   # NVLink 3: 600 GB/s both directions
+
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU("H100 SXM 80GB", 79.2 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, _NV4,
+                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H100 SXM5, 989 TFLOP/s bf16 dense, 67 fp32"),
+    "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
+                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
+    "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+    "a100-40gb": GPU("A100 SXM 40GB", 39.4 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.56e12, _NV3,
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+    "l4": GPU("L4 24GB", 22.5 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 0.3e12, Link(0.8 * 32e9, 15e-6),
+              Link(0.8 * 12.5e9 / 4, 30e-6), 0.8 * 32e9, 4,
+              "datasheet: L4, 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 fp32; PCIe Gen4, no NVLink"),
+}
+
+
+# the planner's GPU type of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100")
+GPU_NAME_PARTS = {"H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
+
+
+def gpu_type(device_name: str) -> str | None:
+    """The :data:`GPUS` key of a device as ``torch.cuda.get_device_name`` names it, or None."""
+    return next((key for part, key in GPU_NAME_PARTS.items() if part in device_name), None)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
+
+    ``efficiency``: the achievable fraction of the peak FLOP/s (0.35: torchtitan reports 33-39% MFU
+    for Llama 3.1 8B under FSDP on 8 to 128 H100s, ``docs/performance.md``; an assumption
+    elsewhere); ``usable_memory``: the fraction of the GPU's
+    memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
+    ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
+    share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
+    (collective, group size) (:func:`cpu_cluster`), which replace the links when given;
+    ``cores``: CPU cores the ranks of a node share (compute then runs at cores / ranks of a core
+    each), None for GPUs. ``overheads``: measured seconds per step that a strategy's framework
+    code adds beyond its compute and collectives, at one rank per core (:func:`cpu_cluster`)."""
+
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    efficiency: float = 0.35
+    usable_memory: float = 0.9
+    overlap: bool = True
+    collectives: dict | None = None
+    cores: int | None = None
+    overheads: dict | None = None
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.gpu.memory_bytes * self.usable_memory
+
+
+def cluster(gpu: str | GPU, gpus: int, gpus_per_node: int | None = None, **overrides) -> Cluster:
+    """A :class:`Cluster` of a :data:`GPUS` type (or a :class:`GPU`), fields overridden by keyword."""
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise UsageError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+        gpu = GPUS[gpu]
+    per_node = gpus_per_node or min(gpu.gpus_per_node, gpus)
+    if gpus < 1 or per_node < 1:
+        raise UsageError(f"need at least one GPU, got --gpus {gpus} --gpus-per-node {per_node}")
+    check_whole_nodes(gpus, per_node)
+    return Cluster(gpu=gpu, gpus=gpus, gpus_per_node=min(per_node, gpus), **overrides)
+
+
+def check_whole_nodes(gpus: int, per_node: int) -> None:
+    """A job larger than one node fills whole nodes (the nodes are alike, and every layout here puts
+    the same ranks on each); 8 GPUs in nodes of 3 would be a node and two thirds."""
+    if gpus > per_node and gpus % per_node:
+        raise UsageError(f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; give a multiple of "
+                         f"{per_node} or a --gpus-per-node that divides {gpus}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The job: model, batch, precision
+# ----------------------------------------------------------------------------------------------
+
+PRECISIONS = ("fp32", "bf16")
+
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to train: ``model`` (a GPT or Llama config of :mod:`distkit.models`, or its mixture of
+    experts, :func:`~distkit.models.with_experts`; its ``seq_len`` is the sequence length),
+    ``global_batch`` sequences per optimizer step, ``micro_batch`` sequences per GPU per forward
+    (the rest is gradient accumulation), ``precision`` fp32 or bf16 (mixed: bf16 weights,
+    gradients and activations, fp32 master weights in the optimizer), ``optimizer`` adamw (two
+    moments) or sgd (with momentum: one), ``ac`` activation checkpointing, ``offload`` whether
+    CPU-offload configurations may be chosen, ``lora_rank`` and ``lora_targets`` the adapters of
+    the LoRA row, ``microbatches`` for the pipeline (None: as many micro-batches of
+    ``micro_batch`` as one replica's share of the batch holds)."""
+
+    model: Any
+    global_batch: int
+    micro_batch: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    ac: str = "none"
+    offload: bool = False
+    lora_rank: int = 16
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    microbatches: int | None = None
+
+    def __post_init__(self):
+        for name, value, allowed in (("precision", self.precision, PRECISIONS),
+                                     ("optimizer", self.optimizer, OPTIMIZERS), ("ac", self.ac, AC_MODES)):
+            if value not in allowed:
+                raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise UsageError(f"global batch and micro-batch must be >= 1, got {self.global_batch}, {self.micro_batch}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs made from other inputs: a parameter count, overridden hardware
+# ----------------------------------------------------------------------------------------------
+
+def _block_params(cfg) -> int:
+    """Parameters of one transformer block (an FSDP unit as the chapters wrap it)."""
+    return sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
+               if k.startswith(("blocks.0.", "model.layers.0.")))
+
+
+def with_params(cfg, params: float):
+    """``cfg`` with as many blocks as bring its parameter count closest to ``params`` (width, heads
+    and vocabulary kept): the way to ask about "a 7B model" of a known family."""
+    fixed = sum(math.prod(s) for k, s in theory.param_shapes(cfg).items()
+                if not k.startswith(("blocks.", "model.layers.")))
+    per_block = _block_params(cfg)
+    layers = max(1, round((params - fixed) / per_block))
+    return replace(cfg, n_layer=layers)
+
+
+def override_cluster(cl: Cluster, *, memory_gib=None, peak_tflops=None, precision="bf16", efficiency=None,
+                     usable_memory=None, intra_bw_gbps=None, intra_latency_us=None, inter_bw_gbps=None,
+                     inter_latency_us=None, collectives=None, gpus_per_node=None) -> Cluster:
+    """``cl`` with the values the reader gave instead of the table's (None keeps the table's)."""
+    gpu = cl.gpu
+    if memory_gib:
+        gpu = replace(gpu, memory_bytes=memory_gib * GiB)
+    if peak_tflops:
+        gpu = replace(gpu, peak_flops={**gpu.peak_flops, precision: peak_tflops * 1e12})
+    if intra_bw_gbps or intra_latency_us:
+        gpu = replace(gpu, intra=Link((intra_bw_gbps or gpu.intra.bandwidth / 1e9) * 1e9,
+                                      (intra_latency_us or gpu.intra.latency * 1e6) / 1e6))
+    if inter_bw_gbps or inter_latency_us:
+        gpu = replace(gpu, inter=Link((inter_bw_gbps or gpu.inter.bandwidth / 1e9) * 1e9,
+                                      (inter_latency_us or gpu.inter.latency * 1e6) / 1e6))
+    changes = {k: v for k, v in (("efficiency", efficiency), ("usable_memory", usable_memory),
+                                 ("collectives", collectives)) if v is not None}
+    if gpus_per_node:
+        check_whole_nodes(cl.gpus, gpus_per_node)
+        changes["gpus_per_node"] = min(gpus_per_node, cl.gpus)
+    return replace(cl, gpu=gpu, **changes)

@@ -1,0 +1,409 @@
+"""One :class:`Estimate` per configuration: each family of strategies laid out on the cluster (data
+parallel and sharded, TP x FSDP, the pipelines, context and expert parallelism), with its memory
+per GPU, whether it fits, its step time and what of its communication is exposed."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .. import predictors, theory
+from ..strategies import Strategy
+from .costs import (PARTS, _act_dtype_bytes, _comm_seconds, _flops_per_token, activation_bytes, compute_rate,
+                    core_share, head_working_set, state_bytes)
+from .inputs import Cluster, Plan, _block_params
+
+
+# ----------------------------------------------------------------------------------------------
+# One estimate per configuration
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    """One configuration: ``name`` (the strategy), ``layout`` (dp/tp/pp/shard sizes, micro-batches),
+    ``memory_bytes`` per GPU by :data:`PARTS` (+ ``total``), ``fits``, ``step_time_s`` and its parts
+    (``compute_s``, ``comm_s`` (all communication), ``exposed_comm_s`` (what compute does not hide),
+    ``bubble_s``, ``optimizer_s``), ``tokens_per_s_per_gpu``, ``note`` (why it cannot run, when it
+    cannot: ``valid`` is then False)."""
+
+    name: str
+    layout: dict
+    memory_bytes: dict
+    fits: bool
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    times: dict = field(default_factory=dict)
+    valid: bool = True
+    note: str = ""
+    offload: bool = False
+    lora: bool = False
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "valid": self.valid, "fits": self.fits, "layout": self.layout,
+                "memory_bytes": self.memory_bytes, "step_time_s": self.step_time_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "times_s": self.times, "note": self.note}
+
+
+def _invalid(name: str, layout: dict, note: str) -> Estimate:
+    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total", "peak")}, False, math.inf, 0.0, valid=False,
+                    note=note)
+
+
+def peak_bytes(memory: dict, head: float, accumulating: bool) -> float:
+    """The step's peak, the larger of its two high-water moments. Top of backward (where
+    MemTracker finds the peak of every CPU matrix cell): parameters, optimizer state, every
+    activation, the temporaries; no gradients yet (``zero_grad(set_to_none=True)``), unless
+    earlier micro-batches of an accumulation left theirs. End of backward: every gradient, the
+    activations freed, the buffers kept (the head's working set gone)."""
+    top = memory["params"] + memory["optimizer"] + memory["activations"] + memory["temporaries"]
+    if accumulating:
+        top += memory["grads"]
+    end = memory["params"] + memory["grads"] + memory["optimizer"] + memory["temporaries"] - head
+    return max(top, end)
+
+
+def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed_s, bubble_s=0.0,
+            optimizer_s=None, head=0.0, accumulating=False, **flags) -> Estimate:
+    memory = {**state, "activations": act, "temporaries": temp}
+    memory["total"] = sum(memory[p] for p in PARTS)
+    memory["peak"] = peak_bytes(memory, head, accumulating)
+    if optimizer_s is None:  # read and write every state byte once: memory-bound
+        optimizer_s = 2 * sum(state.values()) / cluster.gpu.hbm_bandwidth
+    step = compute_s + bubble_s + exposed_s + optimizer_s
+    times = {"compute_s": compute_s, "bubble_s": bubble_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
+             "optimizer_s": optimizer_s}
+    return Estimate(name, layout, memory, memory["peak"] <= cluster.capacity_bytes, step,
+                    plan.tokens_per_step / cluster.gpus / step, times, **flags)
+
+
+def _data_parallel_layout(plan: Plan, dp: int, name: str) -> tuple[dict, str | None]:
+    per_replica = plan.global_batch / dp
+    if per_replica < 1 or per_replica != int(per_replica):
+        return {}, f"the global batch {plan.global_batch} does not split over {dp} data-parallel ranks"
+    micro = min(plan.micro_batch, int(per_replica))
+    if per_replica % micro:
+        return {}, f"{int(per_replica)} sequences per rank do not split into micro-batches of {micro}"
+    return {"dp": dp, "micro_batch": micro, "accumulation": int(per_replica) // micro}, None
+
+
+def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
+    """DDP, ZeRO-1/2/3 (+ offload), FSDP SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD, LoRA with FSDP:
+    every GPU a data-parallel rank, accumulation over micro-batches of ``plan.micro_batch``. One
+    function for the whole family, and so a long one, because its members share the layout, the
+    state and activation bytes and the compute time, and differ only in a few lines (the buffers each
+    keeps at the top of backward, which collectives it can hide): side by side, they compare."""
+    n, cfg = cluster.gpus, plan.model
+    layout, problem = _data_parallel_layout(plan, n, name)
+    if problem:
+        return _invalid(name, {"dp": n}, problem)
+    theory_name = {Strategy.LORA_FSDP: Strategy.FSDP_FULL_SHARD}.get(name, name)
+    knobs = {}
+    if name == Strategy.FSDP_HYBRID_SHARD:
+        knobs["shard"] = cluster.gpus_per_node if n % cluster.gpus_per_node == 0 else n
+        layout["shard"] = knobs["shard"]
+    if name == Strategy.FSDP_NO_SHARD:
+        knobs["shard"] = 1
+    if name.startswith("zero3"):
+        knobs["stage3_max_live_parameters"] = 1e9  # DeepSpeed's default window
+    pred = predictors.busiest_rank_prediction(theory_name, cfg, n, plan.global_batch, knobs)
+    psi = pred["param_count"]
+    zero = name.startswith("zero") and name != Strategy.ZERO0
+    state = state_bytes(pred["state"], plan, zero=zero)
+    if name == Strategy.ZERO1:  # theory counts at the optimizer step; through backward ZeRO-1 holds every gradient
+        state["grads"] = psi * (2 if plan.precision == "bf16" else 4)
+    lora = name == Strategy.LORA_FSDP
+    if lora:  # frozen base, sharded; adapters (r x (d_in + d_out) per adapted matrix) replicated-ish
+        shapes = theory.param_shapes(cfg)
+        adapters = sum(plan.lora_rank * (s[0] + s[1]) for k, s in shapes.items()
+                       if len(s) == 2 and k.split(".")[-2] in plan.lora_targets)
+        w = _act_dtype_bytes(plan)
+        state = {"params": pred["state"]["params"] / 4 * w + adapters / n * 4,
+                 "grads": adapters / n * 4,
+                 "optimizer": adapters / n * {"adamw": 8, "sgd": 4}[plan.optimizer]}
+        layout["adapter_params"] = adapters
+    offload = name.endswith("_offload")
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    # fp32 gathers/reductions of theory; bf16 gathers move half, gradient reductions in bf16 too
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    shard_group = knobs.get("shard", n)
+    spans = n > cluster.gpus_per_node
+    comm = pred["comm"]
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan, lora) / compute_rate(cluster, plan)
+    backward_s = compute_s * 2 / 3
+    w = _act_dtype_bytes(plan)
+    act = activation_bytes(plan, cfg.n_layer, micro)
+    head = head_working_set(plan, micro)
+    unit = _block_params(cfg)
+    root = psi - unit * cfg.n_layer
+    grad_w = 2 if plan.precision == "bf16" else 4
+    if name in (Strategy.DDP, Strategy.DDP_FROM_SCRATCH):
+        # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False);
+        # the from-scratch version all-reduces each gradient in place
+        temp = head + (state["grads"] if name == Strategy.DDP else 0)
+        t_grad = _comm_seconds(cluster, comm, n, spans, scale)
+        exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
+        comm_s = t_grad
+    elif name in (Strategy.ZERO1, Strategy.ZERO2):
+        # DeepSpeed's flat gradient buffers: ZeRO-2 keeps the reduced partition (Ψ/n), ZeRO-1 two
+        # partition-sized buffers (2Ψ/n, measured by MemTracker at 2 and 4 ranks on both models),
+        # at most a bucket of reduce_bucket_size = 5e8 elements
+        temp = head + min(2 * psi / n if name == Strategy.ZERO1 else psi / n, 5e8) * grad_w
+        t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
+        t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
+        if name == Strategy.ZERO2:
+            t_grad *= accum
+        exposed = (max(0.0, t_grad - backward_s) if cluster.overlap else t_grad) + t_gather
+        comm_s = t_grad + t_gather
+    else:  # FSDP / ZeRO-3 / LoRA: gathers and reduce-scatters per micro-batch, prefetched under compute
+        # At the top of backward: FULL_SHARD / HYBRID hold the root unit and the last block
+        # unsharded (in the compute dtype) plus the all-gather buffer they came from (on GPUs the
+        # prefetched next block's too); SHARD_GRAD_OP keeps every unit unsharded from forward to
+        # backward. ZeRO-3 reduces into a gradient partition buffer. Gathered copies count as
+        # temporaries here (MemTracker files them under parameters): "params" stays the held shard.
+        gathers = 2 if cluster.overlap else 1
+        if name.startswith("zero3"):
+            temp = head + psi / n * grad_w
+        elif name in (Strategy.FSDP_SHARD_GRAD_OP, Strategy.FSDP_NO_SHARD):
+            temp = head + psi * w
+        else:
+            temp = head + (unit + root) * w + gathers * unit * w
+        t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
+                                only=("all_gather", "reduce_scatter"))
+        if lora:  # frozen base: gathers only (reduce-scatters carry the adapters' few gradients)
+            t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
+                                    only=("all_gather",))
+        t_rep = _comm_seconds(cluster, comm, n // shard_group, True, 1.0, only=("all_reduce",))
+        t_total = (t_shard + t_rep) * accum
+        first = t_shard * accum / max(2 * cfg.n_layer + 1, 1)  # the first gather is never hidden
+        exposed = (max(first, t_total - compute_s) if cluster.overlap else t_total)
+        comm_s = t_total
+    optimizer_s = None
+    if offload:  # gradients down, weights up over the host link; the optimizer runs on the CPU
+        moved = (state["grads"] + state["params"])
+        optimizer_s = moved / cluster.gpu.host_link + state["optimizer"] / 12 * 16 / 10e9
+        if not cluster.cores:  # on CPU ranks the "host" memory is the same memory: nothing leaves
+            state = {**state, "optimizer": 0.0}
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed, head=head,
+                   accumulating=accum > 1,
+                   optimizer_s=optimizer_s, offload=offload, lora=lora)
+
+
+def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimate:
+    """Megatron TP over ``tp`` GPUs of a node (per block: 2 all-reduces of ``b x s x h`` forward, 2
+    backward, on the critical path), FSDP FULL_SHARD of each TP shard over the ``gpus / tp``
+    data-parallel ranks (theory's ``fsdp_tp_2d``; pure ``tp`` when they are 1)."""
+    n, cfg = cluster.gpus, plan.model
+    name = Strategy.FSDP_TP
+    dp = n // tp
+    layout, problem = _data_parallel_layout(plan, dp, name)
+    if problem:
+        return _invalid(name, {"tp": tp, "dp": dp}, problem)
+    layout["tp"] = tp
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    if dp == 1:
+        pred = predictors.busiest_rank_prediction(Strategy.TP_SP if sp else Strategy.TP, cfg, tp, plan.global_batch)
+    else:
+        pred = predictors.busiest_rank_prediction(Strategy.FSDP_TP_2D, cfg, n, plan.global_batch, {"tp": tp})
+    state = state_bytes(pred["state"], plan)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    tp_comm = pred["comm"] if dp == 1 else theory.megatron_tp_bytes(cfg, plan.global_batch // dp, tp)
+    t_tp = _comm_seconds(cluster, tp_comm, tp, tp > cluster.gpus_per_node, scale, calls_scale=accum)
+    fsdp_comm = {k: v for k, v in pred["comm"].items() if k != "all_reduce"} if dp > 1 else {}
+    t_fsdp = _comm_seconds(cluster, fsdp_comm, dp, n > cluster.gpus_per_node, scale, calls_scale=accum) * accum
+    if dp == 1:  # pure TP: the replicated parameters' gradients are not reduced (theory: none)
+        t_fsdp = 0.0
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    exposed = t_tp + (max(0.0, t_fsdp - compute_s) if cluster.overlap else t_fsdp)
+    w = _act_dtype_bytes(plan)
+    act = activation_bytes(plan, cfg.n_layer, micro, tp=tp, sp=sp)
+    if dp > 1:  # the 2-D script leaves the LM head to FSDP: its tensors are the head's working set
+        act -= activation_bytes(plan, 0, micro, tp=tp, sp=sp)
+    unit = _block_params(cfg) / tp
+    # the logits and their gradient (the LM head is replicated: full vocabulary on every TP rank),
+    # and with FSDP over dp the gathered TP shard of a block and its all-gather buffer
+    temp = 2 * micro * cfg.seq_len * cfg.vocab_size * 4
+    if dp > 1:
+        temp += 2 * unit * w
+    return _finish(name, layout, plan, cluster, state, act, temp, compute_s, t_tp + t_fsdp, exposed,
+                   head=2 * micro * cfg.seq_len * cfg.vocab_size * 4, accumulating=accum > 1)
+
+
+def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_rank: int = 2) -> Estimate:
+    """``pp`` pipeline stages (one per GPU; interleaved: 2 per GPU) x ``gpus / pp`` data-parallel
+    replicas that all-reduce their stage's gradients (DDP). Micro-batches of ``plan.micro_batch``;
+    compute stretched by theory's bubble; in flight: GPipe all m micro-batches, 1F1B p, interleaved
+    p x (1 + (p - 1) / (v p)) (Narayanan et al. 2021)."""
+    n, cfg = cluster.gpus, plan.model
+    name = Strategy(f"pp_{schedule}")
+    dp = n // pp
+    v = stages_per_rank if schedule == "interleaved_1f1b" else 1
+    if pp * v > cfg.n_layer:
+        return _invalid(name, {"pp": pp}, f"{pp * v} stages need at least as many blocks ({cfg.n_layer})")
+    per_replica = plan.global_batch / dp
+    if per_replica != int(per_replica) or per_replica < 1:
+        return _invalid(name, {"pp": pp, "dp": dp}, f"the global batch does not split over {dp} replicas")
+    micro = min(plan.micro_batch, int(per_replica))
+    m = plan.microbatches or int(per_replica) // micro
+    micro = int(per_replica) // m
+    if m * micro != per_replica:
+        return _invalid(name, {"pp": pp, "dp": dp}, f"{int(per_replica)} sequences do not split into {m} micro-batches")
+    knobs = {"microbatches": m, "stages_per_rank": v}
+    pred = predictors.predict(name, cfg, pp, int(per_replica), knobs)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    bubble = theory.pipeline_bubble(pp, m, v)
+    # A stage idles for the bubble. On GPUs that time is lost: step = compute / (1 - bubble). CPU
+    # ranks that share fewer cores than there are ranks (compute_s already runs each at its share of
+    # a core) lend an idle stage's core to the busy ones, so the step is the longer of the critical
+    # path at a whole core and the machine's total work over its cores.
+    bubble_s = max(compute_s * core_share(cluster) / (1 - bubble), compute_s) - compute_s
+    w = _act_dtype_bytes(plan)
+    # The stage that decides the fit: the first holds the most micro-batches in flight (1F1B: p - r
+    # on rank r, GPipe: all m everywhere), the last the LM head and its working set, another rank
+    # may hold the most parameters. Estimate each and keep the largest peak.
+    busiest = max(range(pp), key=lambda r: sum(pred["state_per_rank"][r].values()))
+    candidates = []
+    for rank in sorted({0, pp - 1, busiest}):
+        state = state_bytes(pred["state_per_rank"][rank], plan)
+        layout = {"pp": pp, "dp": dp, "microbatches": m, "micro_batch": micro, "stages_per_rank": v, "rank": rank}
+        ahead = min(pp - rank, m)
+        # (interleaved: its warm-up runs (v - 1) p + 2 (p - 1 - r) chunks of L / (p v) blocks before the
+        # first backward, which is never more than all m micro-batches of both chunks)
+        in_flight = {"gpipe": m, "1f1b": ahead, "interleaved_1f1b": min(m, ahead * (1 + (pp - 1) / (v * pp)))}[schedule]
+        # + each in-flight micro-batch's stage input and output, held by the schedule until its backward
+        act = (activation_bytes(plan, cfg.n_layer / pp, micro, in_flight=in_flight)
+               + in_flight * 2 * micro * cfg.seq_len * cfg.n_embd * w)
+        t_p2p = _comm_seconds(cluster, pred["comm_per_rank"][rank], 2, pp > cluster.gpus_per_node, scale)
+        grads = theory.ddp_bytes(state["params"] / (2 if plan.precision == "bf16" else 4), dp,
+                                 2 if plan.precision == "bf16" else 4)
+        t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
+        exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
+        # the last stage's head working set, the send/receive buffers of a micro-batch's activation
+        # and its gradient, and with data parallelism DDP's gradient buckets
+        head = head_working_set(plan, micro) if rank == pp - 1 else 0.0
+        temp = head + 2 * micro * cfg.seq_len * cfg.n_embd * w
+        if dp > 1:
+            temp += state["grads"]
+        # 1F1B runs its first backward while later micro-batches are in flight: gradients then exist
+        candidates.append(_finish(name, layout, plan, cluster, state, act, temp, compute_s, t_p2p + t_dp, exposed,
+                                  bubble_s, head=head, accumulating=schedule != "gpipe"))
+    worst = max(candidates, key=lambda e: e.memory_bytes["peak"])
+    slowest = max(candidates, key=lambda e: e.step_time_s)
+    worst.step_time_s, worst.tokens_per_s_per_gpu, worst.times = \
+        slowest.step_time_s, slowest.tokens_per_s_per_gpu, slowest.times
+    return worst
+
+
+def _after_backward_peak(est: Estimate, cluster: Cluster, flat_bytes: float) -> Estimate:
+    """``est`` with the moment after backward counted in its peak: every gradient, the optimizer
+    state and a flat copy of ``flat_bytes`` gradients being averaged (the chapter scripts' one flat
+    all-reduce per group of parameters, divided in place), the activations and the head's working
+    set gone."""
+    m = est.memory_bytes
+    m["peak"] = max(m["peak"], m["params"] + m["grads"] + m["optimizer"] + flat_bytes)
+    est.fits = m["peak"] <= cluster.capacity_bytes
+    return est
+
+
+def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
+    """Context parallelism (``05-advanced/context_parallel.py``: ring attention) over ``cp`` GPUs of a
+    node x ``gpus / cp`` data-parallel replicas. Every GPU holds the whole model state (as DDP,
+    theory's ``cp`` prediction) and 1/cp of each of its replica's micro-batch sequences: the
+    activations of s/cp tokens per sequence (theory's per-layer bytes at that length), plus, without
+    activation checkpointing, the copy of the ring's heads-major attention output that the output
+    projection keeps as its input (h per token; SDPA returns O in the projection's layout), and the
+    LM head's working set for its s/cp tokens.
+
+    Time: compute is the tokens' FLOPs over all GPUs (zig-zag balances the causal attention). The
+    ring passes one rank's K and V per hop, 3cp - 2 hops per layer per micro-batch (cp - 1 forward,
+    2cp - 1 backward with dK/dV); a hop's send and receive run at once, so its time is one send's
+    (alpha-beta, a group of 2: neighbours). On GPUs each hop hides under the attention of the block
+    in hand: exposed = ring - attention compute (its 12 L s d FLOPs per token, half of which a causal
+    kernel computes), never below 0; without overlap (CPU) all of it. The gradient all-reduce over
+    all GPUs is DDP's (hidden under backward on GPUs). After backward the chapter script averages
+    the gradients through one flat copy (:func:`_after_backward_peak`)."""
+    n, cfg = cluster.gpus, plan.model
+    name, dp = Strategy.CP, n // cp
+    layout, problem = _data_parallel_layout(plan, dp, name)
+    if problem:
+        return _invalid(name, {"cp": cp, "dp": dp}, problem)
+    layout["cp"] = cp
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    pred = predictors.busiest_rank_prediction(Strategy.CP, cfg, n, plan.global_batch, {"cp": cp})
+    state = state_bytes(pred["state"], plan)
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    w = _act_dtype_bytes(plan)
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    attention_s = plan.tokens_per_step / n * 6 * cfg.n_layer * cfg.n_embd * cfg.seq_len / compute_rate(cluster, plan)
+    t_ring = _comm_seconds(cluster, pred["comm"], 2, cp > cluster.gpus_per_node, scale, calls_scale=accum,
+                           only=("send",))
+    t_grad = _comm_seconds(cluster, pred["comm"], n, n > cluster.gpus_per_node, scale, only=("all_reduce",))
+    if cluster.overlap:
+        exposed = max(0.0, t_ring - attention_s) + max(0.0, t_grad - compute_s * 2 / 3)
+    else:
+        exposed = t_ring + t_grad
+    local = replace(plan, model=replace(cfg, seq_len=cfg.seq_len // cp))  # what one rank holds of a sequence
+    tokens = micro * local.model.seq_len
+    act = activation_bytes(local, cfg.n_layer, micro)
+    if plan.ac == "none":  # the output projection's input: a copy of the ring's heads-major output
+        act += cfg.n_layer * tokens * cfg.n_embd * w
+    head = head_working_set(local, micro)
+    est = _finish(name, layout, plan, cluster, state, act, head, compute_s, t_ring + t_grad, exposed, head=head,
+                  accumulating=accum > 1)
+    return _after_backward_peak(est, cluster, state["grads"])
+
+
+def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None = None) -> Estimate:
+    """Expert parallelism (``05-advanced/expert_parallel.py``) for an MoE model (``--experts``): a
+    (dp, ep) mesh, ``ep`` GPUs sharing one copy of the experts, each holding num_experts / ep of them
+    with their gradients and optimizer state, the dense parameters (attention, norms, routers,
+    embeddings) replicated on all GPUs (theory's ``ep`` prediction). Every GPU routes its own share
+    of the batch: its activations are theory's MoE block bytes for the rows it sends and receives,
+    balanced routing in a plan (k rows per token each way), a record's own routing when ``routing``
+    is given (per rank, per layer, (sent, received); the estimate is then the rank that received
+    the most rows, the one deciding the fit).
+
+    Time: compute is the active parameters' FLOPs (theory's FLOPs per token). Each MoE layer runs 5
+    all-to-alls over the ep group per micro-batch (the counts, dispatch and combine forward and both
+    again backward), on the critical path: a token's expert output is needed before the block goes
+    on (alpha-beta with the all_to_all collective; a CPU calibration without an all_to_all sweep uses
+    all_reduce's fit). The dense gradients are all-reduced over all GPUs and the experts' over the dp
+    GPUs holding the same experts, as DDP does (hidden under backward on GPUs). After backward the
+    chapter script averages each group through one flat copy (:func:`_after_backward_peak`)."""
+    n, cfg = cluster.gpus, plan.model
+    name, dp = Strategy.EP, n // ep
+    layout, problem = _data_parallel_layout(plan, n, name)
+    if problem:
+        return _invalid(name, {"ep": ep, "dp": dp}, problem)
+    layout.update(dp=dp, ep=ep)
+    micro, accum = layout["micro_batch"], layout["accumulation"]
+    knobs = {"ep": ep, **({"routing": routing} if routing else {})}
+    pred = predictors.predict(Strategy.EP, cfg, n, plan.global_batch, knobs)
+    rank = 0
+    if routing:
+        rank = max(range(n), key=lambda r: sum(received for _, received in routing[r]))
+        layout["rank"] = rank
+    state = state_bytes(pred["state_per_rank"][rank], plan)
+    comm = pred["comm_per_rank"][rank]
+    scale = 0.5 if plan.precision == "bf16" else 1.0
+    w = _act_dtype_bytes(plan)
+    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
+    t_a2a = _comm_seconds(cluster, comm, ep, ep > cluster.gpus_per_node, scale, calls_scale=accum,
+                          only=("all_to_all",))
+    dense, per_expert = theory.moe_param_split(theory.param_shapes(cfg), cfg.num_experts)
+    held_experts = sum(per_expert[:cfg.num_experts // ep])
+    grad_w = 2 if plan.precision == "bf16" else 4
+    t_dense = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(dense, n, grad_w)}}, n,
+                            n > cluster.gpus_per_node)
+    t_experts = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(held_experts, dp, grad_w)}},
+                              dp, True) if dp > 1 else 0.0
+    t_grad = t_dense + t_experts
+    exposed = t_a2a + (max(0.0, t_grad - compute_s * 2 / 3) if cluster.overlap else t_grad)
+    if routing:  # the rows this rank routed, layer by layer (a record: one micro-batch)
+        act = sum(theory.moe_activation_bytes_per_layer(cfg, micro, plan.ac, received, sent)
+                  for sent, received in routing[rank]) * w / 4
+    else:
+        act = activation_bytes(plan, cfg.n_layer, micro)
+    head = head_working_set(plan, micro)
+    est = _finish(name, layout, plan, cluster, state, act, head, compute_s, t_a2a + t_grad, exposed, head=head,
+                  accumulating=accum > 1)
+    return _after_backward_peak(est, cluster, max(dense, held_experts) * grad_w)
