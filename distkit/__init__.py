@@ -10,8 +10,16 @@
   small GPT and its synthetic token task; :mod:`distkit.checkpoint`: atomic, safe checkpoints.
 * :mod:`distkit.flags`: range-checked argparse types and the flags every script shares, one name and
   one meaning per concept (``add_training_args``, ``add_checkpoint_args``, ``add_bucket_arg``).
-* :mod:`distkit.theory`: every formula (ZeRO, FSDP2, Megatron TP, pipeline bubble, bus bytes), the one
-  place chapters and benchmarks take their predictions from.
+* :mod:`distkit.strategies`: the strategy names (``Strategy``, a StrEnum), the benchmark matrix's
+  (``MEASURED``) and the planner's (``PLANNED``).
+* :mod:`distkit.theory`: the textbook formulas the chapters print (ZeRO, Megatron TP, pipeline
+  bubble, ring attention, expert parallelism, activations, FLOPs per token, bus bytes);
+  :mod:`distkit.predictors`: the per-strategy model-state and communication bytes built on them
+  (FSDP2's padding, DeepSpeed's partitions, the TP plans); :mod:`distkit.compare`: a record next to
+  its prediction. The one place chapters and benchmarks take their predictions from.
+* :mod:`distkit.tp_plans`: the Megatron tensor-parallel plan of the small GPT and of the Llama.
+* :mod:`distkit.planner` (a package): does it fit, which strategy, how fast, built on the
+  predictors and calibrated from the records.
 * :mod:`distkit.deepspeed`: what chapter 03 needs around DeepSpeed that is not its lesson (config
   checks and ``"auto"`` values, the CPU accelerator set-up, engine clean-up, ZeRO state counting).
 * :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
