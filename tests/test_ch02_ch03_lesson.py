@@ -14,6 +14,10 @@ fsdp_transformer.py (FSDP2 ``fully_shard``, 2 ranks):
   length over the slowest rank's median step; MFU follows from the FLOPs counted from the built model
   and the recorded peak. Mutant: the harness told one rank's tokens.
 
+fsdp_basics.py (2 ranks): ``test_fsdp_basics_feeds_each_rank_its_own_rows`` (every step, the traced
+step 0 included; mutant: rank 0's rows everywhere) and
+``test_fsdp_basics_logged_losses_are_the_observed_logits`` (each logged loss, 4 decimals, is the job's mean cross-entropy; mutant: not divided by W).
+
 deepspeed_train.py (ZeRO-2, the script's default config, 2 ranks):
 
 * ``test_deepspeed_feeds_each_rank_its_rows_and_evaluates_the_held_out_batch``: at step s rank r's
@@ -30,6 +34,7 @@ else is pinned and what is not yet).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +183,53 @@ def test_deepspeed_tokens_per_s_is_the_step_times(ds_runs):
     (record,) = read_records(job(ds_runs, "per_rank_tokens")[0] / "r.jsonl")
     with pytest.raises(AssertionError):
         check_tokens_per_s(record, B * CFG.seq_len)
+
+
+# ==== fsdp_basics.py (chapter 02's first script) ===================================================
+
+BASICS_SCRIPT = REPO / "02-fsdp" / "fsdp_basics.py"
+BASICS_STEPS = 6
+BASICS_RUNS = {
+    "correct": None,
+    "rank0_rows": ("rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device),",
+                   "rank_slice(inputs, 0, ctx.world_size).to(ctx.device),"),
+    "loss_not_averaged": ("loss.item() / ctx.world_size:.4f", "loss.item():.4f"),
+}
+
+
+@pytest.fixture(scope="module")
+def basics_runs(tmp_path_factory):
+    return observe_jobs(tmp_path_factory, BASICS_SCRIPT, "TinyGPT,FSDPTinyGPT", BASICS_RUNS, lambda folder: [
+        "--model-size", "tiny", "--global-batch-size", B, "--steps", BASICS_STEPS, "--warmup-steps", 1,
+        "--log-every", 1, "--results", folder / "r.jsonl"], nproc=W, outputs=True)
+
+
+def check_basics_rows(folder: Path) -> None:
+    """Every step (the traced step 0 included) rank r's model gets its own rows of the global batch."""
+    for rank in range(W):
+        got = [call["rows"] for call in seen_calls(folder, rank)]
+        assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(BASICS_STEPS)], f"rank {rank}"
+
+
+def check_basics_losses(out: str, folder: Path) -> None:
+    """Each logged loss (4 decimals) is the job's mean token cross-entropy of the observed logits."""
+    logged = {int(s): float(v) for s, v in re.findall(r"\] step +(\d+) \| loss ([\d.]+)", out)}
+    assert sorted(logged) == list(range(BASICS_STEPS)), logged
+    calls = [seen_calls(folder, rank) for rank in range(W)]
+    for step, loss in logged.items():
+        expected = sum(cross_entropy(calls[r][step], rows_of(step, r)[1]) for r in range(W)) / W
+        assert abs(loss - expected) <= 5e-5 + 1e-6, (step, loss, expected)
+
+
+def test_fsdp_basics_feeds_each_rank_its_own_rows(basics_runs):
+    check_basics_rows(job(basics_runs, "correct")[0])
+    with pytest.raises(AssertionError):
+        check_basics_rows(job(basics_runs, "rank0_rows")[0])
+
+
+def test_fsdp_basics_logged_losses_are_the_observed_logits(basics_runs):
+    folder, done = job(basics_runs, "correct")
+    check_basics_losses(done.stdout, folder)
+    folder, done = job(basics_runs, "loss_not_averaged")
+    with pytest.raises(AssertionError):
+        check_basics_losses(done.stdout, folder)
