@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from launch import WORKERS, run_jobs, torchrun
+from launch import WORKERS, job, run_jobs, torchrun
 from workers.observe import digest_rows  # noqa: F401  (the recorder's digest: the tests compare with it)
 
 
@@ -39,6 +39,36 @@ def observe_jobs(tmp_path_factory, script: Path, class_name: str, mutations: dic
         return observe(script, class_name, folder, args(folder), ranks, mutations[name], outputs, options)
 
     return run_jobs({name: functools.partial(launch, name) for name in mutations}, tmp_path_factory)
+
+
+def pinned(runs: dict, check: Callable, *bugs: str, output: bool = False, correct: str = "correct") -> None:
+    """A lesson test's shape: ``check(folder)`` (``check(folder, stdout)`` with ``output``) holds on the
+    ``correct`` run of ``runs`` and fails on each mutant in ``bugs``, its negative controls. A mutant
+    launch that failed re-raises here, outside the expected failure: a crash is not a caught bug."""
+    import pytest
+
+    def args(name: str) -> tuple:
+        folder, done = job(runs, name)
+        return (folder, done.stdout) if output else (folder,)
+
+    check(*args(correct))
+    for bug in bugs:
+        mutant = args(bug)
+        with pytest.raises(AssertionError):
+            check(*mutant)
+
+
+def rate_check(tokens_per_step: int, cfg=None) -> Callable[[Path], None]:
+    """A ``pinned`` check of a run's record (``folder/r.jsonl``): tokens/s from the step times, and
+    MFU from the formula when ``cfg`` is given (see :func:`check_tokens_per_s`, :func:`check_mfu`)."""
+    from distkit.harness import read_records
+
+    def check(folder: Path) -> None:
+        (record,) = read_records(folder / "r.jsonl")
+        check_tokens_per_s(record, tokens_per_step)
+        if cfg is not None:
+            check_mfu(record, cfg, tokens_per_step)
+    return check
 
 
 def seen_calls(folder: Path, rank: int) -> list[dict]:

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
-from launch import REPO, job
-from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls
+from launch import REPO
+from observed import digest_rows, observe_jobs, pinned, rate_check, seen_calls
 
 W, B, STEPS = 2, 8, 4
 CFG = model_config("gpt", "tiny")
@@ -102,24 +102,15 @@ def check_fsdp_losses(folder: Path) -> None:
 
 
 def test_fsdp_feeds_each_rank_its_own_rows(fsdp_runs):
-    check_fsdp_rows(job(fsdp_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_fsdp_rows(job(fsdp_runs, "rank0_rows")[0])
+    pinned(fsdp_runs, check_fsdp_rows, "rank0_rows")
 
 
 def test_fsdp_logged_losses_are_the_observed_logits(fsdp_runs):
-    check_fsdp_losses(job(fsdp_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_fsdp_losses(job(fsdp_runs, "loss_not_averaged")[0])
+    pinned(fsdp_runs, check_fsdp_losses, "loss_not_averaged")
 
 
 def test_fsdp_tokens_per_s_and_mfu_are_the_step_times_and_the_formula(fsdp_runs):
-    (record,) = read_records(job(fsdp_runs, "correct")[0] / "r.jsonl")
-    check_tokens_per_s(record, B * CFG.seq_len)
-    check_mfu(record, CFG, B * CFG.seq_len)
-    (record,) = read_records(job(fsdp_runs, "per_rank_tokens")[0] / "r.jsonl")
-    with pytest.raises(AssertionError):
-        check_tokens_per_s(record, B * CFG.seq_len)
+    pinned(fsdp_runs, rate_check(B * CFG.seq_len, CFG), "per_rank_tokens")
 
 
 # ==== deepspeed_train.py ===========================================================================
@@ -165,24 +156,15 @@ def check_ds_losses(folder: Path) -> None:
 
 
 def test_deepspeed_feeds_each_rank_its_rows_and_evaluates_the_held_out_batch(ds_runs):
-    check_ds_rows(job(ds_runs, "correct")[0])
-    for bug in ("rank0_rows", "eval_on_training_batch"):
-        with pytest.raises(AssertionError):
-            check_ds_rows(job(ds_runs, bug)[0])
+    pinned(ds_runs, check_ds_rows, "rank0_rows", "eval_on_training_batch")
 
 
 def test_deepspeed_reported_losses_are_the_observed_logits(ds_runs):
-    check_ds_losses(job(ds_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_ds_losses(job(ds_runs, "eval_on_training_batch")[0])
+    pinned(ds_runs, check_ds_losses, "eval_on_training_batch")
 
 
 def test_deepspeed_tokens_per_s_is_the_step_times(ds_runs):
-    (record,) = read_records(job(ds_runs, "correct")[0] / "r.jsonl")
-    check_tokens_per_s(record, B * CFG.seq_len)
-    (record,) = read_records(job(ds_runs, "per_rank_tokens")[0] / "r.jsonl")
-    with pytest.raises(AssertionError):
-        check_tokens_per_s(record, B * CFG.seq_len)
+    pinned(ds_runs, rate_check(B * CFG.seq_len), "per_rank_tokens")
 
 
 # ==== fsdp_basics.py (chapter 02's first script) ===================================================
@@ -211,7 +193,7 @@ def check_basics_rows(folder: Path) -> None:
         assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(BASICS_STEPS)], f"rank {rank}"
 
 
-def check_basics_losses(out: str, folder: Path) -> None:
+def check_basics_losses(folder: Path, out: str) -> None:
     """Each logged loss (4 decimals) is the job's mean token cross-entropy of the observed logits."""
     logged = {int(s): float(v) for s, v in re.findall(r"\] step +(\d+) \| loss ([\d.]+)", out)}
     assert sorted(logged) == list(range(BASICS_STEPS)), logged
@@ -222,14 +204,8 @@ def check_basics_losses(out: str, folder: Path) -> None:
 
 
 def test_fsdp_basics_feeds_each_rank_its_own_rows(basics_runs):
-    check_basics_rows(job(basics_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_basics_rows(job(basics_runs, "rank0_rows")[0])
+    pinned(basics_runs, check_basics_rows, "rank0_rows")
 
 
 def test_fsdp_basics_logged_losses_are_the_observed_logits(basics_runs):
-    folder, done = job(basics_runs, "correct")
-    check_basics_losses(done.stdout, folder)
-    folder, done = job(basics_runs, "loss_not_averaged")
-    with pytest.raises(AssertionError):
-        check_basics_losses(done.stdout, folder)
+    pinned(basics_runs, check_basics_losses, "loss_not_averaged", output=True)

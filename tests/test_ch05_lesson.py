@@ -29,8 +29,8 @@ import torch
 from ch05_common import QUICK, STEPS
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
-from launch import REPO, job
-from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls
+from launch import REPO
+from observed import digest_rows, observe_jobs, pinned, rate_check, seen_calls
 
 CP_SCRIPT = REPO / "05-advanced" / "context_parallel.py"
 CP = 2
@@ -73,11 +73,7 @@ def check_cp_chunks(folder: Path) -> None:
 
 
 def test_context_parallel_feeds_each_rank_its_two_chunks(cp_runs):
-    folder, _ = job(cp_runs, "correct")
-    check_cp_chunks(folder)
-    folder, _ = job(cp_runs, "zigzag_contiguous")
-    with pytest.raises(AssertionError):
-        check_cp_chunks(folder)
+    pinned(cp_runs, check_cp_chunks, "zigzag_contiguous")
 
 
 # ==== pipeline_parallel.py: micro-batches into the first stage, the loss out of the last =============
@@ -143,19 +139,11 @@ def check_pipeline_losses(folder: Path) -> None:
 
 
 def test_pipeline_first_stage_gets_each_micro_batch_in_order(pp_runs):
-    folder, _ = job(pp_runs, "correct")
-    check_first_stage_rows(folder)
-    folder, _ = job(pp_runs, "previous_batch")
-    with pytest.raises(AssertionError):
-        check_first_stage_rows(folder)
+    pinned(pp_runs, check_first_stage_rows, "previous_batch")
 
 
 def test_pipeline_loss_is_the_mean_over_micro_batches_of_the_last_stage(pp_runs):
-    folder, _ = job(pp_runs, "correct")
-    check_pipeline_losses(folder)
-    folder, _ = job(pp_runs, "loss_summed")
-    with pytest.raises(AssertionError):
-        check_pipeline_losses(folder)
+    pinned(pp_runs, check_pipeline_losses, "loss_summed")
 
 
 # ==== tensor_parallel.py: every TP rank the whole batch =============================================
@@ -203,25 +191,16 @@ def check_tp_losses(folder: Path) -> None:
 
 
 def test_tensor_parallel_gives_every_rank_the_whole_batch(tp_runs):
-    check_tp_rows(job(tp_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_tp_rows(job(tp_runs, "batch_per_rank")[0])
+    pinned(tp_runs, check_tp_rows, "batch_per_rank")
 
 
 def test_tensor_parallel_loss_is_the_whole_batchs_cross_entropy(tp_runs):
-    check_tp_losses(job(tp_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_tp_losses(job(tp_runs, "loss_over_ranks")[0])
+    pinned(tp_runs, check_tp_losses, "loss_over_ranks")
 
 
 def test_tensor_parallel_tokens_per_s_counts_the_batch_once(tp_runs):
     cfg = model_config("gpt", "tiny")
-    (record,) = read_records(job(tp_runs, "correct")[0] / "r.jsonl")
-    check_tokens_per_s(record, TP_BATCH * cfg.seq_len)
-    check_mfu(record, cfg, TP_BATCH * cfg.seq_len)
-    (record,) = read_records(job(tp_runs, "tokens_per_rank_summed")[0] / "r.jsonl")
-    with pytest.raises(AssertionError):
-        check_tokens_per_s(record, TP_BATCH * cfg.seq_len)
+    pinned(tp_runs, rate_check(TP_BATCH * cfg.seq_len, cfg), "tokens_per_rank_summed")
 
 
 # ==== hybrid_parallelism.py --mode 2d: data parallel along dp, the same rows along tp ================
@@ -253,9 +232,7 @@ def check_hybrid_rows(folder: Path) -> None:
 
 
 def test_fsdp_tp_slices_the_data_along_dp_only(hybrid_runs):
-    check_hybrid_rows(job(hybrid_runs, "correct")[0])
-    with pytest.raises(AssertionError):
-        check_hybrid_rows(job(hybrid_runs, "tp_axis_slices_data")[0])
+    pinned(hybrid_runs, check_hybrid_rows, "tp_axis_slices_data")
 
 
 # ==== expert_parallel.py: each token to the experts it chose, on the ranks that own them =============
@@ -320,7 +297,4 @@ def check_routing(folder: Path) -> None:
 
 
 def test_expert_parallel_sends_each_token_to_its_chosen_experts(ep_runs):
-    check_routing(job(ep_runs, "correct")[0])
-    for bug in ("not_regrouped", "capacity_off_by_one"):
-        with pytest.raises(AssertionError):
-            check_routing(job(ep_runs, bug)[0])
+    pinned(ep_runs, check_routing, "not_regrouped", "capacity_off_by_one")

@@ -29,8 +29,8 @@ import torch
 from distkit.checkpoint import safe_load
 from distkit.models import build_model, model_config, rank_slice
 from distkit.text import TextTask
-from launch import REPO, job, python
-from observed import digest_rows, observe_jobs, seen_calls
+from launch import REPO, python
+from observed import digest_rows, observe_jobs, pinned, seen_calls
 
 CFG = model_config("llama", "tiny", vocab_size=256)
 
@@ -141,17 +141,11 @@ def check_sample(folder: Path, out: str) -> None:
 
 
 def test_a_script_trains_on_the_text_rank_by_rank(runs):
-    check_text_rows(job(runs, "text")[0])
-    with pytest.raises(AssertionError):
-        check_text_rows(job(runs, "flag_ignored")[0])
+    pinned(runs, check_text_rows, "flag_ignored", correct="text")
 
 
 def test_the_printed_sample_is_the_checkpoints_greedy_continuation(runs):
-    folder, done = job(runs, "text")
-    check_sample(folder, done.stdout)
-    folder, done = job(runs, "untrained_model")
-    with pytest.raises(AssertionError):
-        check_sample(folder, done.stdout)
+    pinned(runs, check_sample, "untrained_model", output=True, correct="text")
 
 
 def test_text_with_a_small_vocabulary_is_one_line():
