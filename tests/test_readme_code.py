@@ -28,7 +28,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CHAPTER_READMES = sorted(REPO.glob("0*/README.md"))
 # Chapters whose sections open with their scripts' code: each must show at least one marked block.
-SHOWS_CODE = {"01-ddp-basics", "02-fsdp", "03-deepspeed", "04-nccl-operations"}
+SHOWS_CODE = {"01-ddp-basics", "02-fsdp", "03-deepspeed", "04-nccl-operations", "05-advanced"}
 _MARKED = re.compile(r"<!-- (code|diff): ([^\n]*?) -->\n```(\w*)\n(.*?)^```", re.S | re.M)
 _ANY_BLOCK = re.compile(r"^```(python|diff)\n", re.M)
 
