@@ -19,13 +19,13 @@ dispatch mode runs below autocast's casts.
 from __future__ import annotations
 
 import functools
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (as the dispatcher names it) -> (collective, how to find payload tensors)
@@ -66,6 +66,13 @@ _FUNCTIONAL_OPS = {
     "_c10d_functional::broadcast": ("broadcast", "arg0"),
     "_c10d_functional::broadcast_": ("broadcast", "arg0"),
 }
+
+
+def _has_dtensor(types) -> bool:
+    """Whether an op's tensor types include a DTensor. DTensor's module is imported only where a
+    script uses it (it costs a plain DDP rank about 0.7 s at start): without it there is no DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(issubclass(t, module.DTensor) for t in types)
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -136,7 +143,7 @@ class CommCounter(TorchDispatchMode):
         # needs (a Partial gradient read by the optimizer, a redistribution) inside its own
         # dispatch, where this mode is switched off: let DTensor go first, so its local ops and
         # collectives come back through here (MemTracker does the same).
-        if any(issubclass(t, DTensor) for t in types):
+        if _has_dtensor(types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -219,7 +226,7 @@ class MatmulCounter(TorchDispatchMode):
         self.flops_by_dtype: dict[torch.dtype, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if _has_dtensor(types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

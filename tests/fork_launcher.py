@@ -62,7 +62,9 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
                   "distkit.records", "distkit.runtime", "distkit.theory", "distkit.predictors", "distkit.compare",
                   # torch's reference ops import the compiler stack on first use (1-2 s per rank): a model
                   # built on the meta device to predict bytes reaches it through nn.init.normal_
-                  "torch._dynamo")
+                  "torch._dynamo",
+                  # the harness's memory tracker, built on the first instrumented step of every run
+                  "torch.distributed._tools.mem_tracker", "torch.distributed._tools.fsdp2_mem_tracker")
 # Environment read while those import (threads, devices, paths, logging): a job that sets any of
 # these differently from the server imports them itself, so it sees exactly what it asked for.
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
@@ -234,6 +236,26 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
         os._exit(code)
 
 
+def _preload_deepspeed(env: dict[str, str]) -> None:
+    """DeepSpeed, imported as the chapter 03 scripts import it, when this server sees no GPU (the CPU
+    suite hides them): DeepSpeed picks its accelerator once, at import, so on a machine with visible
+    GPUs the choice is left to each job (``--device cpu`` or not). Also the modules DeepSpeed imports
+    inside ``deepspeed.initialize``: its optimizer check imports the Muon optimizer, which calls
+    ``torch.compile`` at import and so loads the inductor, about 2 s per rank of every job."""
+    if env.get("CUDA_VISIBLE_DEVICES") != "":
+        return
+    try:
+        import torch
+
+        importlib.import_module("distkit.deepspeed").import_deepspeed(torch.device("cpu"))
+        importlib.import_module("deepspeed.runtime.engine")
+        for name in ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_config",
+                     "deepspeed.module_inject.auto_ep_layer"):
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - a job then imports (and fails on) it itself
+        print(f"fork server: cannot import deepspeed: {exc}", file=sys.stderr, flush=True)
+
+
 def serve(path: str) -> None:
     """The fork server: listen on ``path``, import torch and distkit once, then fork one launcher
     per request (see the module docstring). Runs until terminated."""
@@ -246,6 +268,7 @@ def serve(path: str) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a job then imports (and fails on) it itself
             print(f"fork server: cannot import {name}: {exc}", file=sys.stderr, flush=True)
+    _preload_deepspeed(own_env)
     try:  # Hugging Face transformers and its Llama (a lazy module: the class imports the modeling code),
         # through distkit's torchvision workaround; the class is cached, so ranks inherit it built
         importlib.import_module("distkit.models")._llama_class()
