@@ -37,7 +37,7 @@ PLOT, PLOT_GPU = ("plot.py", "runs/benchmarks.jsonl"), ("plot.py", "--out-dir")
 DRY_RUNS = [("distributed_benchmarks.py", f"--results runs/{name}.jsonl") for name in ("full_cpu", "gpu", "one_gpu")]
 OVERHEAD = "harness_overhead.py"
 RENDER, CHECK = "distkit.records render benchmarks", "distkit.records check benchmarks"
-PARITY = "benchmarks/parity.py"  # tests/test_parity.py runs it, for 20 steps
+PARITY = "benchmarks/parity.py"  # tests/test_parity.py runs it, for 10 steps
 
 
 def test_every_readme_command_is_run_by_a_test():

@@ -48,13 +48,15 @@ class Report:
     def pytest_collection_finish(self, session):
         for item in session.items:
             print("item", item.nodeid, item.get_closest_marker("timeout") is not None)
-sys.exit(pytest.main(["-m", "gpu", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+sys.exit(pytest.main(["-m", "gpu", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", "--time-box", "0",
                       "--basetemp", sys.argv[1]], plugins=[Report()]))
 """
 
 
-def test_the_gpu_suite_is_ordered_and_every_test_has_a_timeout(tmp_path):
-    """Collected as ``pytest -m gpu`` collects it, with each item's id and whether it has a timeout."""
+def test_the_gpu_suite_is_ordered_timed_and_boxed(tmp_path):
+    """``pytest -m gpu --time-box 0``, run as a GPU node would run it, with each collected item's id and
+    whether it has a timeout: the order, the timeouts, and every test skipped by the box (not for
+    lack of a GPU: the box is checked before anything else)."""
     done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect")], cwd=REPO,
                           env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"), capture_output=True, text=True,
                           timeout=300)
@@ -67,12 +69,12 @@ def test_the_gpu_suite_is_ordered_and_every_test_has_a_timeout(tmp_path):
     ranks = [gpu_rank(i) for i in ids]
     assert ranks == sorted(ranks), "collected out of GPU_ORDER"
     assert ids[0].endswith("test_ddp_mnist.py::test_ddp_mnist_on_one_gpu_with_nccl")  # the quick start first
+    assert f"{len(ids)} skipped" in done.stdout and "time box (0 s) was spent" in done.stdout, done.stdout[-2000:]
+    assert "needs 1 GPU" not in done.stdout and "this machine has 0" not in done.stdout
 
 
-def test_the_time_box_skips_what_would_start_after_it(tmp_path):
-    target = "tests/test_ch04_gpu.py"
-    boxed = pytest_gpu(target, "-n", "0", "-rs", "--time-box", "0", tmp_path=tmp_path)
-    assert boxed.returncode == 0 and "time box (0 s) was spent" in boxed.stdout, boxed.stdout[-2000:]
-    assert "needs 1 GPU" not in boxed.stdout
-    plain = pytest_gpu(target, "-n", "0", "-rs", tmp_path=tmp_path)  # negative control: no box
+def test_without_a_box_the_gpu_tests_skip_for_want_of_a_gpu(tmp_path):
+    """The box's negative control: the same kind of run without ``--time-box`` skips for the reason
+    the GPU tests always skip here."""
+    plain = pytest_gpu("tests/test_ch04_gpu.py", "-n", "0", "-rs", tmp_path=tmp_path)
     assert "time box" not in plain.stdout and "this machine has 0" in plain.stdout, plain.stdout[-2000:]

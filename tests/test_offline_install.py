@@ -40,6 +40,50 @@ def load_offline():
     return module
 
 
+def preinstall_torch(python: Path) -> None:
+    """The node's preinstalled torch in the venv at ``python``: this interpreter's torch and the
+    distributions it requires, file by file as their RECORDs list them, hard-linked into the venv's
+    site-packages (copied across file systems), and torch's console scripts (``torchrun``) written
+    for the venv's interpreter. What ``pip install torch==X`` would leave there, metadata included,
+    without unpacking a gigabyte of wheel again."""
+    import shutil
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    timeout=60).stdout.strip())
+    todo, done = ["torch"], set()
+    while todo:
+        dist = distribution(todo.pop())
+        name = offline_canonical(dist.metadata["Name"])
+        if name in done:
+            continue
+        done.add(name)
+        for file in dist.files:
+            target = (site / file).resolve()
+            if site not in target.parents:  # a console script in bin/, written below for this venv
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(dist.locate_file(file), target)
+            except OSError:
+                shutil.copy2(dist.locate_file(file), target)
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    for entry in distribution("torch").entry_points.select(group="console_scripts"):
+        module, function = entry.value.split(":")
+        script = python.parent / entry.name
+        script.write_text(f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+        script.chmod(0o755)
+
+
+def offline_canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """(wheel folder, the node's venv python): the folder written for this interpreter, and a fresh
@@ -57,9 +101,7 @@ def node(tmp_path_factory):
 
     def node_venv():
         run([sys.executable, "-m", "venv", str(venv)], timeout=120)
-        # the node's own torch, installed the usual way before the node goes offline
-        run([str(python), "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH}"], env=job_env(root),
-            timeout=600)
+        preinstall_torch(python)
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # independent, and both mostly wait on the index
         for done in [pool.submit(download), pool.submit(node_venv)]:

@@ -1,5 +1,5 @@
 """Loss-curve parity, the short version: benchmarks/README.md's ``python benchmarks/parity.py`` with
-``--steps 20`` (the full run is recorded, not run here).
+``--steps 10`` (the full run is recorded, not run here).
 
 * ``test_every_strategy_follows_one_process_and_the_control_leaves_the_band``: DDP, FSDP (full,
   grad-op, hybrid), ZeRO-1/2/3, TP+SP, PP (1F1B), FSDP x TP and CP each recorded a loss at every step
@@ -24,7 +24,7 @@ from distkit.models import build_model, lm_loss, model_config
 from distkit.text import TextTask
 from launch import REPO, job_env, launcher_argv, load_script, readme_command, run
 
-STEPS = 20
+STEPS = 10
 PARITY = load_script(REPO / "benchmarks" / "parity.py")
 
 
