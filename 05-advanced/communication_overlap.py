@@ -40,6 +40,7 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.flags import add_bucket_arg, add_training_args, positive_float, positive_int
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
+from distkit.models import rank_slice
 from distkit.paths import check_outputs
 
 
@@ -181,7 +182,9 @@ def main():
         if args.global_batch_size % ctx.world_size:
             raise UsageError(f"--global-batch-size {args.global_batch_size} does not split over "
                              f"{ctx.world_size} ranks")
-        x = torch.randn(args.global_batch_size // ctx.world_size, args.width, device=ctx.device)
+        # the global batch, drawn from the job's seed; each rank trains on its own slice of it, as DDP does
+        batch = torch.randn(args.global_batch_size, args.width, generator=torch.Generator().manual_seed(args.seed))
+        x = rank_slice(batch, ctx.rank, ctx.world_size).to(ctx.device)
         params = sum(p.numel() for p in many_tensor_model(args.layers, args.width).parameters())
         log.info(f"model: {args.layers} linear layers x {args.width} -> {2 * args.layers} tensors, "
                  f"{params * 4 / 2**20:.2f} MiB of fp32 gradients per step | {ctx.world_size} ranks, {ctx.backend}")

@@ -34,9 +34,9 @@ micro-batches of M = 2 sequences):
 05-advanced/communication_overlap.py (4 layers of width 16, one bucket size, 2 sweep steps):
 
 * ``test_overlap_feeds_each_rank_its_share_of_the_batch``: every forward (2 warm-up, the profiled
-  step, the sweep's steps) of rank r's model gets the same B/W rows: ``randn(B/W, width)`` drawn right
-  after the job's seed (every rank draws the same rows: a communication benchmark on random inputs,
-  where only the shapes matter). Mutant: each rank given a whole global batch of rows.
+  step, the sweep's steps) of rank r's model gets rows r*B/W..(r+1)*B/W-1 of the global batch
+  ``randn(B, width)`` drawn from the job's seed. Mutants: each rank given the whole global batch;
+  every rank given rank 0's rows.
 * ``test_overlap_samples_per_s_is_the_step_times``: the record's samples/s is B over the slowest
   rank's median step, and the printed table row (all-reduces, samples/s, ms/step) is that record.
   Mutant: the harness told one rank's samples.
@@ -239,8 +239,8 @@ CO_SCRIPT = REPO / "05-advanced" / "communication_overlap.py"
 CO_B, CO_WIDTH, CO_STEPS, CO_BUCKET = 8, 16, 2, 25
 CO_RUNS = {
     "correct": None,
-    "whole_batch_per_rank": ("x = torch.randn(args.global_batch_size // ctx.world_size, args.width",
-                             "x = torch.randn(args.global_batch_size, args.width"),
+    "whole_batch_per_rank": ("x = rank_slice(batch, ctx.rank, ctx.world_size)", "x = batch"),
+    "rank0_rows": ("x = rank_slice(batch, ctx.rank, ctx.world_size)", "x = rank_slice(batch, 0, ctx.world_size)"),
     "per_rank_samples": ("harness.step(samples=args.global_batch_size)",
                          "harness.step(samples=args.global_batch_size // ctx.world_size)"),
 }
@@ -255,9 +255,9 @@ def co_runs(tmp_path_factory):
 
 
 def check_co_rows(folder: Path) -> None:
-    torch.manual_seed(0)  # the job's seed, set as its process group starts; nothing draws before x
-    rows = digest_rows(torch.randn(CO_B // W, CO_WIDTH))
+    batch = torch.randn(CO_B, CO_WIDTH, generator=torch.Generator().manual_seed(0))  # the job's seed
     for rank in range(W):
+        rows = digest_rows(batch[rank * CO_B // W:(rank + 1) * CO_B // W])
         calls = seen_calls(folder, rank)
         assert [c["rows"] for c in calls] == [rows] * (3 + CO_STEPS), f"rank {rank}"  # 2 warm-up + profiled
 
@@ -274,7 +274,7 @@ def check_co_rate(folder: Path, out: str) -> None:
 
 
 def test_overlap_feeds_each_rank_its_share_of_the_batch(co_runs):
-    pinned(co_runs, check_co_rows, "whole_batch_per_rank")
+    pinned(co_runs, check_co_rows, "whole_batch_per_rank", "rank0_rows")
 
 
 def test_overlap_samples_per_s_is_the_step_times(co_runs):
