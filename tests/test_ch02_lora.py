@@ -21,7 +21,6 @@ each gradient by its own running RMS, so a gradient N times too large moves the 
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest

@@ -29,7 +29,6 @@ run there: the mesh, the shards and the batch slices are those of 4 ranks.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 

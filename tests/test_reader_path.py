@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import io
 import os
-import re
 import shlex
 import subprocess
 import sys
