@@ -53,11 +53,12 @@ def launched_rank() -> int:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag once (from rank 0), not once per rank, and exits 2."""
+    """argparse that reports a bad flag in one line, once (from rank 0), not once per rank, and exits
+    2. The usage block is for ``--help``: repeated above every error, it buries the one line that
+    says what was wrong."""
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         if launched_rank() == 0:
-            self.print_usage(sys.stderr)
             print(f"error: {message}", file=sys.stderr, flush=True)
         else:
             _let_rank0_report_first()
