@@ -213,6 +213,20 @@ def test_recommendation_8b_on_8_gpus_excludes_ddp_and_offload():
     assert planner.recommend(estimates, small, allow_offload=True).best.name == "zero3_offload"
 
 
+def test_an_overridden_gpu_is_labelled_as_what_it_is():
+    """``--gpu h100 --gpu-memory-gib 24`` plans a 24 GiB GPU with the H100's other figures: the header
+    and the JSON say so, instead of "H100 SXM 80GB" (seen failing before the label was fixed); the
+    table's own H100, with nothing overridden, keeps its name. Overridden speeds are named too."""
+    h100 = planner.cluster("h100", 8)
+    assert h100.gpu.name == "H100 SXM 80GB" and planner.override_cluster(h100).gpu.name == h100.gpu.name
+    small = planner.override_cluster(h100, memory_gib=24)
+    assert small.gpu.name == "24 GiB GPU (H100 SXM 80GB's other figures)" and small.gpu.memory_bytes == 24 * 2**30
+    fast = planner.override_cluster(h100, peak_tflops=500, inter_bw_gbps=50)
+    assert fast.gpu.name == "H100 SXM 80GB, peak FLOP/s and inter-node link as given"
+    done = python(BENCH / "plan.py", "--gpus", "8", "--gpu-memory-gib", "24", "--json")
+    assert json.loads(done.stdout[done.stdout.index("{"):])["cluster"]["gpu"] == small.gpu.name
+
+
 def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     """Llama-3.2-1B at 65,536 tokens per sequence on 8 H100s (71.3 GiB usable), bf16, full AC, 16
     sequences: every rank of DDP, ZeRO and FSDP holds whole sequences, and the LM head's working set

@@ -208,10 +208,16 @@ def with_params(cfg, params: float):
 def override_cluster(cl: Cluster, *, memory_gib=None, peak_tflops=None, precision="bf16", efficiency=None,
                      usable_memory=None, intra_bw_gbps=None, intra_latency_us=None, inter_bw_gbps=None,
                      inter_latency_us=None, collectives=None, gpus_per_node=None) -> Cluster:
-    """``cl`` with the values the reader gave instead of the table's (None keeps the table's)."""
+    """``cl`` with the values the reader gave instead of the table's (None keeps the table's). The GPU is
+    then labelled as what it is: ``--gpu h100 --gpu-memory-gib 24`` plans a 24 GiB GPU with the H100's
+    other figures, not an "H100 SXM 80GB"."""
     gpu = cl.gpu
+    given = [what for what, value in (("peak FLOP/s", peak_tflops), ("intra-node link", intra_bw_gbps or intra_latency_us),
+                                      ("inter-node link", inter_bw_gbps or inter_latency_us)) if value]
     if memory_gib:
-        gpu = replace(gpu, memory_bytes=memory_gib * GiB)
+        gpu = replace(gpu, memory_bytes=memory_gib * GiB, name=f"{memory_gib:g} GiB GPU ({gpu.name}'s other figures)")
+    if given:
+        gpu = replace(gpu, name=f"{gpu.name}, {' and '.join(given)} as given")
     if peak_tflops:
         gpu = replace(gpu, peak_flops={**gpu.peak_flops, precision: peak_tflops * 1e12})
     if intra_bw_gbps or intra_latency_us:
