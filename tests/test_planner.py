@@ -227,6 +227,19 @@ def test_an_overridden_gpu_is_labelled_as_what_it_is():
     assert json.loads(done.stdout[done.stdout.index("{"):])["cluster"]["gpu"] == small.gpu.name
 
 
+def test_a_halved_micro_batch_is_said():
+    """A micro-batch that does not split the per-rank batch (3 of 64) or does not fit is halved by the
+    planner; the report says which micro-batches the layouts use instead of printing the asked one
+    alone. Negative control: a micro-batch every layout keeps (1) gets no such line."""
+    cl = planner.cluster("h100", 8)
+    for micro, said in ((3, True), (1, False)):
+        plan = planner.Plan(LLAMA_8B, global_batch=512, micro_batch=micro)
+        estimates = planner.estimate_all(plan, cl)
+        text = planner.format_report(plan, cl, estimates, planner.recommend(estimates, cl))
+        used = {e.layout["micro_batch"] for e in estimates if e.valid}
+        assert (f"micro-batch {micro} was asked" in text) == said == (used != {micro}), text
+
+
 def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     """Llama-3.2-1B at 65,536 tokens per sequence on 8 H100s (71.3 GiB usable), bf16, full AC, 16
     sequences: every rank of DDP, ZeRO and FSDP holds whole sequences, and the LM head's working set

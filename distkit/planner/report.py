@@ -66,6 +66,11 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
                      " ".join(f"{m[p] / unit:7.2f}" for p in (*PARTS, "peak")) +
                      f" {'yes' if e.fits else 'no':>4} {e.step_time_s:8.3f} {e.tokens_per_s_per_gpu:10,.0f}")
     lines.append("")
+    halved = sorted({e.layout["micro_batch"] for e in estimates if e.valid and "micro_batch" in e.layout}
+                    - {plan.micro_batch})
+    if halved:  # estimate() halves a micro-batch that does not split the batch or fit: said, not silent
+        lines += [f"micro-batch {plan.micro_batch} was asked; layouts where it does not split the per-rank batch "
+                  f"or does not fit use {' or '.join(map(str, halved))} (their micro= above)", ""]
     if rec.best:
         b = rec.best
         lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): "
