@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit import planner
@@ -130,6 +131,12 @@ def build_plan(args) -> planner.Plan:
         raise UsageError("give --global-batch (sequences) or --global-batch-tokens, not both")
     tokens = args.global_batch_tokens or (None if args.global_batch else 2 ** 20)
     batch = args.global_batch or max(1, round(tokens / cfg.seq_len))
+    if not args.global_batch and batch % args.gpus:
+        # a batch derived from tokens is the planner's choice: one that splits over every GPU, said
+        rounded = math.ceil(batch / args.gpus) * args.gpus
+        print(f"global batch {rounded} sequences: {tokens:,} tokens of {cfg.seq_len} make {batch}, rounded up "
+              f"to split over {args.gpus} GPUs (--global-batch picks another)", file=sys.stderr)
+        batch = rounded
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
                         lora_rank=args.lora_rank)
@@ -171,6 +178,8 @@ def main(argv=None) -> None:
         planner.plot_estimates(estimates, cluster, args.plot, title=planner.describe(plan, cluster))
         if not args.json:
             print(f"plot: {args.plot}")
+    if rec.best is None:  # the report said why for each strategy; the exit code says it to a script
+        sys.exit(1)
 
 
 def _finite(value):

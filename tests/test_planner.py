@@ -223,7 +223,7 @@ def test_an_overridden_gpu_is_labelled_as_what_it_is():
     assert small.gpu.name == "24 GiB GPU (H100 SXM 80GB's other figures)" and small.gpu.memory_bytes == 24 * 2**30
     fast = planner.override_cluster(h100, peak_tflops=500, inter_bw_gbps=50)
     assert fast.gpu.name == "H100 SXM 80GB, peak FLOP/s and inter-node link as given"
-    done = python(BENCH / "plan.py", "--gpus", "8", "--gpu-memory-gib", "24", "--json")
+    done = python(BENCH / "plan.py", "--gpus", "8", "--gpu-memory-gib", "24", "--json", check=False)
     assert json.loads(done.stdout[done.stdout.index("{"):])["cluster"]["gpu"] == small.gpu.name
 
 
@@ -238,6 +238,20 @@ def test_a_halved_micro_batch_is_said():
         text = planner.format_report(plan, cl, estimates, planner.recommend(estimates, cl))
         used = {e.layout["micro_batch"] for e in estimates if e.valid}
         assert (f"micro-batch {micro} was asked" in text) == said == (used != {micro}), text
+
+
+def test_a_derived_batch_splits_over_the_gpus_and_nothing_fitting_exits_1():
+    """``--gpus 3`` without a batch: the planner's own batch (2^20 tokens of 2,048 = 512 sequences)
+    is rounded up to 513 so that it splits over 3 GPUs, and it says so; a strategy is recommended.
+    An explicit ``--global-batch 512`` is kept as given (the negative control: nothing can split it,
+    every strategy says why) and the exit code is 1, not 0."""
+    derived = python(BENCH / "plan.py", "--gpus", "3", check=False)
+    assert derived.returncode == 0, derived.stdout[-2000:]
+    assert "global batch 513 sequences: 1,048,576 tokens of 2048 make 512, rounded up to split over 3 GPUs" \
+        in derived.stdout and re.search(r"^recommended: \w+ \(dp=3 ", derived.stdout, re.M), derived.stdout[-2000:]
+    given = python(BENCH / "plan.py", "--gpus", "3", "--global-batch", "512", check=False)
+    assert given.returncode == 1 and "rounded" not in given.stdout, given.stdout[-2000:]
+    assert "recommended: none" in given.stdout and "global batch 512 does not split over 3" in given.stdout
 
 
 def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
@@ -326,6 +340,14 @@ def test_cli_json_schema(capsys):
     assert f"recommended: {out['recommended']}" in capsys.readouterr().out
 
 
+def plan_main(plan, argv: list[str]) -> None:
+    """plan.py's main in this process; a plan where nothing fits exits 1 after its report."""
+    try:
+        plan.main(argv)
+    except SystemExit as exc:
+        assert exc.code == 1, exc.code
+
+
 def test_cli_experts_make_a_mixture_of_experts(capsys):
     """``--experts 8 --top-k 2`` on the Llama-3.1-8B shape (Mixtral's layout): every block's SwiGLU
     MLP becomes 8 of itself. By hand: one MLP is 3 x 4,096 x 14,336 = 176,160,768 parameters and a
@@ -333,14 +355,14 @@ def test_cli_experts_make_a_mixture_of_experts(capsys):
     47,491,321,856 parameters, 13,668,454,400 of them active (the dense part and 2 experts per
     block); the ep strategy runs and is described by its layout."""
     plan = load_script(BENCH / "plan.py")
-    plan.main(["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--json"])
+    plan_main(plan, ["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["model"]["arch"] == "llama_moe" and out["plan"]["model"]["num_experts"] == 8
     mlp = 3 * 4096 * 14336
     total = 8_030_261_248 + 32 * (7 * mlp + 8 * 4096)
     cfg = with_experts(LLAMA_8B, 8, 2)
     assert psi(cfg) == total == 47_491_321_856
-    plan.main(["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--strategies", "ep"])
+    plan_main(plan, ["--model", "llama-3.1-8b", "--experts", "8", "--top-k", "2", "--gpus", "64", "--strategies", "ep"])
     printed = capsys.readouterr().out
     active = total - 6 * 32 * mlp  # 6 of the 8 experts idle for a token
     assert f"{total / 1e9:.2f}B params" in printed and f"8 experts top-2: {active / 1e9:.2f}B active" in printed
