@@ -108,3 +108,21 @@ def check_mfu(record: dict, cfg, tokens_per_step: int) -> None:
     per_device = tokens_per_step / slowest_median(metrics) / record["world_size"]
     assert metrics["model_flops_per_token"] == flops
     assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9)
+
+
+def rank_rows(cfg, step: int, batch: int, rank: int, world_size: int):
+    """(inputs, targets) rank ``rank`` trains on at ``step``: its contiguous share of the token task's
+    global batch ``step`` of ``batch`` sequences (seed 0, the scripts' default)."""
+    from distkit.models import TokenTask, rank_slice
+
+    inputs, targets = TokenTask(cfg, seed=0).global_batch(step, batch)
+    return rank_slice(inputs, rank, world_size), rank_slice(targets, rank, world_size)
+
+
+def cross_entropy(call: dict, targets) -> float:
+    """The token cross-entropy of one observed forward's logits (``--outputs``), in float64."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = torch.tensor(call["outputs"], dtype=torch.float64)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()

@@ -39,30 +39,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
 from launch import REPO
-from observed import digest_rows, observe_jobs, pinned, rate_check, seen_calls
+from observed import cross_entropy, digest_rows, observe_jobs, pinned, rank_rows, rate_check, seen_calls
 
 W, B, STEPS = 2, 8, 4
 CFG = model_config("gpt", "tiny")
 
 
 def rows_of(step: int, rank: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) rank ``rank`` trains on at ``step``: its contiguous B/W rows of the token
-    task's global batch (seed 0, the scripts' default)."""
-    inputs, targets = TokenTask(CFG, seed=0).global_batch(step, batch)
-    size = batch // W
-    return inputs[rank * size:(rank + 1) * size], targets[rank * size:(rank + 1) * size]
-
-
-def cross_entropy(call: dict, targets: torch.Tensor) -> float:
-    """The token cross-entropy of one observed forward's logits, in float64."""
-    logits = torch.tensor(call["outputs"], dtype=torch.float64)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    """(inputs, targets) rank ``rank`` trains on at ``step`` (this file's model and world size)."""
+    return rank_rows(CFG, step, batch, rank, W)
 
 
 # ==== fsdp_transformer.py ==========================================================================

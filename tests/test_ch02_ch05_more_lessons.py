@@ -65,12 +65,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distkit.harness import read_records
-from distkit.models import TokenTask, model_config
+from distkit.models import model_config
 from launch import REPO
-from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, pinned, seen_calls, slowest_median
+from observed import (check_mfu, check_tokens_per_s, cross_entropy, digest_rows, observe_jobs, pinned,
+                      rank_rows, seen_calls, slowest_median)
 
 W = 2
 GPT = model_config("gpt", "tiny")
@@ -78,17 +78,8 @@ LLAMA = model_config("llama", "tiny")
 
 
 def mine(cfg, step: int, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) rank ``rank`` trains on at ``step``: its contiguous size/W rows of the token
-    task's global batch ``step`` of ``size`` sequences (seed 0, the scripts' default)."""
-    share = size // W
-    inputs, targets = TokenTask(cfg, seed=0).global_batch(step, size)
-    return inputs[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]
-
-
-def cross_entropy(call: dict, targets: torch.Tensor) -> float:
-    """The token cross-entropy of one observed forward's logits, in float64."""
-    logits = torch.tensor(call["outputs"], dtype=torch.float64)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    """(inputs, targets) rank ``rank`` trains on at ``step`` of ``size`` sequences, on W ranks."""
+    return rank_rows(cfg, step, size, rank, W)
 
 
 def job_loss(calls: list[list[dict]], index: int, cfg, step: int, size: int) -> float:
