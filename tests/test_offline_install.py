@@ -53,10 +53,11 @@ def preinstall_torch(python: Path) -> None:
 
     site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                     timeout=60).stdout.strip())
+    canonical = load_offline().canonical
     todo, done = ["torch"], set()
     while todo:
         dist = distribution(todo.pop())
-        name = offline_canonical(dist.metadata["Name"])
+        name = canonical(dist.metadata["Name"])
         if name in done:
             continue
         done.add(name)
@@ -78,10 +79,6 @@ def preinstall_torch(python: Path) -> None:
         script = python.parent / entry.name
         script.write_text(f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
         script.chmod(0o755)
-
-
-def offline_canonical(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 @pytest.fixture(scope="module")
