@@ -24,14 +24,20 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distkit import (ArgumentParser, UsageError, add_runtime_args, choose_backend_and_device, distributed,
-                     run_main, seed_everything)
+from distkit import (
+    ArgumentParser,
+    UsageError,
+    add_runtime_args,
+    choose_backend_and_device,
+    distributed,
+    run_main,
+    seed_everything,
+)
 from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 from distkit.paths import check_outputs
-
 
 HERE = Path(__file__).resolve().parent
 

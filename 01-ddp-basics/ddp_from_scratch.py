@@ -25,11 +25,18 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_args, non_negative_float,
-                           non_negative_int, positive_int, save_path)
+from distkit.flags import (
+    add_bucket_arg,
+    add_checkpoint_args,
+    add_training_args,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.text import make_task
 

@@ -24,16 +24,21 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import ArgumentParser, DistContext, UsageError, add_runtime_args, run_main
-from distkit.paths import check_outputs
-from distkit.runtime import (choose_backend_and_device, local_world_size_from_env, seed_everything,
-                             use_launcher_env)
 from distkit.checkpoint import atomic_save
 from distkit.data import prepare_mnist
-from distkit.flags import (add_checkpoint_args, add_training_args, non_negative_int, positive_float,
-                           positive_int, save_path)
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MnistCNN
+from distkit.paths import check_outputs
+from distkit.runtime import choose_backend_and_device, local_world_size_from_env, seed_everything, use_launcher_env
 
 
 def parse_args():

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import add_training_args, positive_int
 from distkit.logs import setup_logging
-from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.text import make_task
 
 

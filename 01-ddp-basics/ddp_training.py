@@ -31,11 +31,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, load_model_state, remove_stale_temporaries, safe_load
-from distkit.flags import (add_bucket_arg, add_checkpoint_args, add_training_args, check_value,
-                           non_negative_float, non_negative_int, positive_int)
+from distkit.flags import (
+    add_bucket_arg,
+    add_checkpoint_args,
+    add_training_args,
+    check_value,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.runtime import launched_rank
 from distkit.text import make_task
@@ -43,7 +50,8 @@ from distkit.text import make_task
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Production DDP template: the shared transformer on the token task with "
-                            "gradient accumulation, AMP, atomic checkpoints and automatic resume. Launch with torchrun.",
+                            "gradient accumulation, AMP, atomic checkpoints and automatic resume. "
+                            "Launch with torchrun.",
                             epilog="example: torchrun --standalone --nproc_per_node=4 --max-restarts=3 "
                                    "01-ddp-basics/ddp_training.py --config 01-ddp-basics/ddp_training.yaml")
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag values (keys: flag names, e.g. "

@@ -28,15 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.predictors import fsdp_prediction
-from distkit.theory import param_shapes
-from distkit.models import (add_model_args, build_model, model_config_from_args, lm_loss,
-                            rank_slice)
 from distkit.text import make_task
+from distkit.theory import param_shapes
 
 # What the root unit holds besides the blocks, per architecture (the names are each model's own).
 ROOT_PARTS = {"gpt": "embeddings, ln_f, lm_head", "llama": "embed_tokens, norm, lm_head"}

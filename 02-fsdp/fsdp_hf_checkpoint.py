@@ -25,19 +25,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, atomic_write_json, temporary_prefix
-from distkit.flags import (check_global_batch, add_checkpoint_args, add_training_args, positive_int,
-                           set_flag_default)
+from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, set_flag_default
 from distkit.harness import Harness, device_clock
 from distkit.logs import progress, setup_logging
-from distkit.models import (add_model_args, build_model, import_transformers, lm_loss,
-                            model_config_from_args, rank_slice)
+from distkit.models import add_model_args, build_model, import_transformers, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.text import make_task
 

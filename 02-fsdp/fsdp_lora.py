@@ -27,16 +27,30 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, safe_load
-from distkit.flags import (check_global_batch, add_checkpoint_args, add_training_args, positive_float, positive_int,
-                           save_path, set_flag_default)
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    check_global_batch,
+    positive_float,
+    positive_int,
+    save_path,
+    set_flag_default,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
-from distkit.models import (add_model_args, build_model, config_from_dict, import_transformers,
-                            lm_loss, model_config_from_args, rank_slice)
+from distkit.models import (
+    add_model_args,
+    build_model,
+    config_from_dict,
+    import_transformers,
+    lm_loss,
+    model_config_from_args,
+    rank_slice,
+)
 from distkit.paths import check_outputs
 from distkit.predictors import fsdp_padded_numel
-from distkit.theory import param_shapes
 from distkit.text import make_task
+from distkit.theory import param_shapes
 
 import_transformers()  # before peft: it imports transformers, which needs the repository's workaround
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402

@@ -28,15 +28,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, save_path
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import (build_model, add_model_args, model_config_from_args, lm_loss,
-                            rank_slice)
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.predictors import fsdp_padded_numel, fsdp_prediction
-from distkit.theory import param_shapes
 from distkit.text import generate, make_task
+from distkit.theory import param_shapes
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 SAMPLE_PROMPT, SAMPLE_BYTES = "The ", 120  # --data text: the sample printed after training

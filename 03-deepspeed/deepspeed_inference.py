@@ -28,7 +28,6 @@ from distkit.logs import setup_logging
 from distkit.models import TokenTask, build_model, config_from_dict, lm_loss
 
 
-
 def parse_args():
     parser = ArgumentParser(
         description="Generate tokens from a consolidated fp32 checkpoint with deepspeed.init_inference.",

@@ -30,11 +30,20 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_ds_config, release_engine,
-                               resolve_auto, strategy_name, zero_harness, zero_stage)
+from distkit.deepspeed import (
+    check_batch,
+    clean_slate,
+    import_deepspeed,
+    load_ds_config,
+    release_engine,
+    resolve_auto,
+    strategy_name,
+    zero_harness,
+    zero_stage,
+)
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.logs import setup_logging
-from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.records import provenance, upsert
 from distkit.text import make_task

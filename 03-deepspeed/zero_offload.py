@@ -23,12 +23,20 @@ from pathlib import Path
 import torch
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
-from distkit.deepspeed import (check_batch, clean_slate, import_deepspeed, load_ds_config, release_engine,
-                               resolve_auto, zero_harness, zero_stage)
+from distkit.deepspeed import (
+    check_batch,
+    clean_slate,
+    import_deepspeed,
+    load_ds_config,
+    release_engine,
+    resolve_auto,
+    zero_harness,
+    zero_stage,
+)
 from distkit.flags import add_training_args
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
-from distkit.models import build_model, add_model_args, model_config_from_args, lm_loss, rank_slice
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
 from distkit.text import make_task
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
 from distkit.flags import positive_int
-from distkit.runtime import launched_rank
 from distkit.harness import CommCounter
+from distkit.runtime import launched_rank
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}

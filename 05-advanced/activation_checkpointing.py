@@ -43,14 +43,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import check_global_batch, add_checkpoint_args, add_training_args, non_negative_float, save_path
+from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, non_negative_float, save_path
 from distkit.harness import Harness, fresh_memory_peak, memory_tracker, peak_by_category
 from distkit.logs import setup_logging
+from distkit.models import LlamaModelConfig, add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
-from distkit.theory import activation_bytes_per_layer
-from distkit.models import (LlamaModelConfig, add_model_args, build_model, lm_loss,
-                            model_config_from_args, rank_slice)
 from distkit.text import make_task
+from distkit.theory import activation_bytes_per_layer
 
 aten = torch.ops.aten
 # Selective AC saves these ops' outputs (matmuls, attention kernels on every device) and recomputes

@@ -32,8 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.autograd import DeviceType
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything

@@ -45,7 +45,7 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, save_path
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
-from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
 from distkit.paths import check_outputs
 from distkit.runtime import reduce_gradients
 from distkit.text import make_task

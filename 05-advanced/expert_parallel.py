@@ -45,8 +45,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import (add_checkpoint_args, add_training_args, check_global_batch, non_negative_float,
-                           positive_float, positive_int, save_path)
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    check_global_batch,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import MLP, TinyGPT, add_model_args, lm_loss, model_config_from_args, rank_slice

@@ -31,15 +31,14 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
 from distkit.checkpoint import atomic_save
 from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
-from distkit.models import add_model_args, build_model, model_config_from_args, lm_loss
+from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
 from distkit.paths import check_outputs
 from distkit.text import make_task
 

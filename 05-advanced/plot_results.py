@@ -111,7 +111,8 @@ def pipeline_figures(out_dir: Path) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in map(bubble_row, pipeline_runs(records)):
         lines.append(f"| {r['p']} | {r['schedule']} | {r['m']} | {r['theory']:.2f} | {r['measured']:.2f} | "
-                     f"{r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['idle_ms']:.0f} | {r['compute_ms'] / r['m']:.1f} | "
+                     f"{r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['idle_ms']:.0f} | "
+                     f"{r['compute_ms'] / r['m']:.1f} | "
                      f"{r['extra_per_mb_ms']:.1f} |")
     lines.append("")
     rows = [bubble_row(r) for r in pipeline_runs(records)]
@@ -182,7 +183,8 @@ def ac_rows(records: list[dict]) -> list[dict]:
         rows.append({"ac": ac, "compile": compiled, "peak": peak, "step_s": m["step_time_s_median"],
                      "first_step_s": r["first_step_s"], "per_block": r["activation_bytes_per_layer"],
                      "formula": r["activation_bytes_per_layer_formula"], "record": r,
-                     "step_vs_base": m["step_time_s_median"] / base["metrics"]["step_time_s_median"] - 1 if base else None})
+                     "step_vs_base": (m["step_time_s_median"] / base["metrics"]["step_time_s_median"] - 1
+                                      if base else None)})
     return rows
 
 
@@ -206,7 +208,8 @@ def ac_decision(out_dir: Path) -> str:
             freed = base["peak"]["total"] - row["peak"]["total"]
             notes.append(f"- **{row['ac']} AC** keeps {row['peak']['activations'] / MIB:.2f} MiB of activations "
                          f"instead of {base['peak']['activations'] / MIB:.2f}: the peak drops by {freed / MIB:.2f} MiB "
-                         f"({100 * freed / base['peak']['total']:.0f}%) for {100 * row['step_vs_base']:+.0f}% step time.")
+                         f"({100 * freed / base['peak']['total']:.0f}%) "
+                         f"for {100 * row['step_vs_base']:+.0f}% step time.")
     compiled = [row for row in rows if row["compile"]]
     if compiled:
         best = min(compiled, key=lambda row: row["step_s"])
@@ -221,7 +224,8 @@ def ac_decision(out_dir: Path) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", nargs="+", default=[str(RECORDS / f) for f in (PIPELINE, PIPELINE_2RANKS, OVERLAP)],
+    parser.add_argument("--results", nargs="+",
+                        default=[str(RECORDS / f) for f in (PIPELINE, PIPELINE_2RANKS, OVERLAP)],
                         help="harness record files (default: the committed 05-advanced/records/*.jsonl)")
     parser.add_argument("--out-dir", default="runs/plots", help="where the PNGs go (default: runs/plots)")
     args = parser.parse_args()

@@ -389,8 +389,9 @@ def run_bandwidth(world: int, args, results_file: Path, gpus: int) -> dict:
     if isinstance(where, str):
         return {"world_size": world, "ok": False, "error": f"skipped: {where}", "note": None, "seconds": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench_bw_") as tmp:
-        cmd = [*launcher_argv(args, world), "04-nccl-operations/bandwidth_test.py", "--collectives", "all_reduce", "all_gather",
-               "reduce_scatter", "all_to_all", "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
+        cmd = [*launcher_argv(args, world), "04-nccl-operations/bandwidth_test.py",
+               "--collectives", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+               "--max-bytes", args.bandwidth_max_bytes, "--results", str(results_file),
                "--plot", str(Path(tmp) / "bw.png"), "--backend", where.backend, "--device", where.device]
         rc, output, seconds = launch(cmd, Path(tmp), args.cell_timeout_s, where.hide_gpus)
     return {"world_size": world, "ok": rc == 0, "error": None if rc == 0 else error_line(output),

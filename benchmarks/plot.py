@@ -27,8 +27,8 @@ from distkit import ArgumentParser, UsageError, run_main  # noqa: E402
 from distkit.compare import predict_record  # noqa: E402
 from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
 from distkit.paths import check_outputs  # noqa: E402
-from distkit.strategies import MEASURED  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
+from distkit.strategies import MEASURED  # noqa: E402
 
 MIB = 2**20
 COMMITTED = Path(__file__).resolve().parent / "records" / "results_cpu.jsonl"

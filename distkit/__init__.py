@@ -27,9 +27,18 @@
   the chapter notebooks re-executed by :mod:`distkit.notebooks`; both stamp what they write with
   :mod:`distkit.provenance` (machine, command, torch version, date).
 """
-from .runtime import (ArgumentParser, DistContext, UsageError, add_runtime_args,
-                      choose_backend_and_device, distributed, init_distributed, run_main,
-                      seed_everything, shutdown_distributed)
+from .runtime import (
+    ArgumentParser,
+    DistContext,
+    UsageError,
+    add_runtime_args,
+    choose_backend_and_device,
+    distributed,
+    init_distributed,
+    run_main,
+    seed_everything,
+    shutdown_distributed,
+)
 
 __all__ = ["ArgumentParser", "DistContext", "UsageError", "add_runtime_args", "choose_backend_and_device",
            "distributed", "init_distributed", "run_main", "seed_everything", "shutdown_distributed"]

@@ -18,8 +18,9 @@ Three measurements, one JSON record per run:
   gradients and optimizer state this rank *holds* (sharded tensors count only their local shard),
   which is what the ZeRO/FSDP formulas predict.
 * **communication per step by collective**, counted from the collectives that really ran: a
-  ``TorchDispatchMode`` (:class:`~distkit.comm_counter.CommCounter`) sees every ``c10d`` operation (DDP's C++ bucket all-reduce, FSDP's
-  all-gather and reduce-scatter, DTensor's functional collectives, DeepSpeed's calls) with its
+  ``TorchDispatchMode`` (:class:`~distkit.comm_counter.CommCounter`) sees every ``c10d`` operation
+  (DDP's C++ bucket all-reduce, FSDP's all-gather and reduce-scatter, DTensor's functional
+  collectives, DeepSpeed's calls) with its
   tensors and process group, and adds up their sizes. Counting runs on its own step(s) after the
   warm-up (the *instrumented* step, which also tracks memory) and never on a timed step, so it adds
   nothing to the measured step time.

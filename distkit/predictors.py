@@ -24,10 +24,19 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .models import GPTConfig, LlamaModelConfig, is_moe
 from .strategies import MEASURED, Strategy
-from .theory import (add_comm, buffer_bytes, chunk_sizes, comm_entry, expert_parallel_comm, megatron_tp_bytes,
-                     moe_param_split, numel, param_shapes, ring_attention_bytes)
+from .theory import (
+    add_comm,
+    buffer_bytes,
+    chunk_sizes,
+    comm_entry,
+    expert_parallel_comm,
+    megatron_tp_bytes,
+    moe_param_split,
+    numel,
+    param_shapes,
+    ring_attention_bytes,
+)
 from .tp_plans import TP_PLANS
-
 
 # ----------------------------------------------------------------------------------------------
 # How a prediction is written down: fp32 AdamW state per rank, collectives per rank

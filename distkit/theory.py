@@ -30,7 +30,6 @@ from .comm_counter import bus_factor
 from .models import GPTConfig, LlamaModelConfig, build_model, config_from_dict, dense_config, is_moe
 from .strategies import Strategy
 
-
 # ----------------------------------------------------------------------------------------------
 # Shared: parameter shapes, shard sizes, and how a collective is written down
 # ----------------------------------------------------------------------------------------------
@@ -415,8 +414,9 @@ def activation_bytes_per_layer(cfg, micro_batch: int, ac: str) -> int:
     LayerNorm's mean and 1/std (2 floats per token, 2 norms): 16*s*b. So none = 64*sbh + 4*asb + 16*sb.
 
     Full AC keeps the block's input only: 4*sbh (Korthikanti's 2sbh in 16-bit). Selective AC
-    (``SAVE_OPS`` of ``05-advanced/activation_checkpointing.py``) keeps the input (1), the outputs of the matmuls (Q, K, V: 3, output projection
-    1, MLP up 4 and down 1) and attention's output O (1) and log-sum-exp: 4*11*sbh + 4*asb, and
+    (``SAVE_OPS`` of ``05-advanced/activation_checkpointing.py``) keeps the input (1), the outputs
+    of the matmuls (Q, K, V: 3, output projection 1, MLP up 4 and down 1) and attention's output O
+    (1) and log-sum-exp: 4*11*sbh + 4*asb, and
     recomputes the norms, GELU and residual adds in backward.
 
     The Llama (``--arch llama``, per token, 4 bytes each): each RMSNorm keeps its normalized input

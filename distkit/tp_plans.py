@@ -25,8 +25,7 @@ second for the model outside the blocks (empty without sequence parallelism).
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 
 def gpt_tp_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:

@@ -3,7 +3,6 @@ share: where benchmarks/ lives, the issue's bars for theory vs measurement, load
 script by path, and running a script's argument parser in this process."""
 from __future__ import annotations
 
-
 from launch import REPO
 
 BENCH = REPO / "benchmarks"
@@ -15,7 +14,9 @@ STATE_TOLERANCE = 0.05   # model-state bytes within 5%
 # coverage check needs them next to test_benchmarks.py's own lookups.
 # A lookup is needles, or (needles, without), as readme_command takes them.
 PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gib"),
-                   "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"), "plan_8b_64xh100": ("plan.py", "--gpus 64 "),
-                   "plan_1b_4xl4": ("plan.py", "--gpu l4"), "plan_validation": (("plan.py", "--validate"), "--only-misses"),
+                   "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"),
+                   "plan_8b_64xh100": ("plan.py", "--gpus 64 "),
+                   "plan_1b_4xl4": ("plan.py", "--gpu l4"),
+                   "plan_validation": (("plan.py", "--validate"), "--only-misses"),
                    "plan_validation_repeat": ("plan.py", "--validate", "--only-misses")}
 

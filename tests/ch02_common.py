@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from launch import REPO, command_argv, job_env, lookup_command, run
-
 from distkit.models import TinyGPT, build_model, gpt_config, model_config
+from launch import REPO, command_argv, job_env, lookup_command, run
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "02-fsdp"

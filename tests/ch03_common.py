@@ -3,7 +3,6 @@ test_ch03_gpu.py): the tolerance, the small run's flags, the single-process refe
 the measured bytes are held to, and loading a chapter script as a module."""
 from __future__ import annotations
 
-
 import torch
 
 from distkit import theory

@@ -33,7 +33,8 @@ LOOKUPS = {
 NCCL_TESTS_FACTOR = {c: (lambda n, c=c: float(ring_model.bus_factor(c, n))) for c in ring_model.COLLECTIVES}
 
 # torchrun's failure summary: the first failure's rank and exit code
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank +: (\d+) .*\n  exitcode +: (-?\d+)")
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?"
+                        r"  rank +: (\d+) .*\n  exitcode +: (-?\d+)")
 
 
 def readme_argv(name: str, nproc: int | None = None, launcher: str = "fork") -> list[str]:

@@ -14,7 +14,8 @@ import torch
 
 from distkit.models import TokenTask, build_model, lm_loss, model_config
 from distkit.runtime import seed_everything
-from launch import REPO, readme_command as find_command, torchrun
+from launch import REPO, torchrun
+from launch import readme_command as find_command
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "05-advanced"

@@ -44,6 +44,10 @@ def test_deepspeed_launcher_local_size_counts_as_local_world_size(monkeypatch):
         choose_backend_and_device("nccl", "auto", gpu_count=1, nccl_available=True)
 
 
+# The first two run under the real torchrun: its agent adds its own summary to a failed rank's output,
+# and they show that summary holds no traceback either. A data-path error is the same clean exit of
+# every rank, so the rest start through the fork launcher (tests/launch.py), which costs no interpreter
+# start per rank.
 def test_nccl_on_this_machine_is_one_line(tmp_path):
     # CPU build: no NCCL at all. On a GPU box with fewer GPUs than ranks the line names the counts.
     result = torchrun(SCRIPT, "--backend", "nccl", nproc=2, launcher="torchrun", tmp_path=tmp_path,
@@ -63,15 +67,15 @@ def test_unknown_flag_is_one_line(tmp_path):
 ])
 def test_wrong_data_dir_is_one_line(tmp_path, make_dir, expected):
     data_dir = make_dir(tmp_path)
-    result = torchrun(SCRIPT, "--data-dir", data_dir, "--offline", nproc=2, launcher="torchrun", tmp_path=tmp_path,
-                      check=False, timeout=120)
+    result = torchrun(SCRIPT, "--data-dir", data_dir, "--offline", nproc=2, tmp_path=tmp_path, check=False,
+                      timeout=120)
     assert_one_line_error(result, expected)
 
 
 def test_no_network_and_no_offline_sample_is_one_line(tmp_path):
     env = job_env(tmp_path, DISTKIT_MNIST_SAMPLE=str(tmp_path / "missing.csv.gz"))
-    result = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", nproc=2, launcher="torchrun", env=env,
-                      check=False, timeout=120)
+    result = torchrun(SCRIPT, "--data-dir", tmp_path / "data", "--offline", nproc=2, env=env, check=False,
+                      timeout=120)
     assert_one_line_error(result, "offline sample is missing")
 
 

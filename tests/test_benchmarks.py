@@ -19,13 +19,24 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks_common import (BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNER_LOOKUPS, README, STATE_TOLERANCE)
+from benchmarks_common import BENCH, BYTES_TOLERANCE, COMMITTED_RESULTS, PLANNER_LOOKUPS, README, STATE_TOLERANCE
 from distkit import compare, predictors, theory
 from distkit.errors import UsageError
 from distkit.models import gpt_config, model_config, with_experts
 from distkit.strategies import MEASURED
-from launch import (REPO, assert_one_line_error, assert_readme_covered, command_argv, job_env, launcher_argv,
-                    load_script, parse_args_result, python, readme_command, run)
+from launch import (
+    REPO,
+    assert_one_line_error,
+    assert_readme_covered,
+    command_argv,
+    job_env,
+    launcher_argv,
+    load_script,
+    parse_args_result,
+    python,
+    readme_command,
+    run,
+)
 
 # The README's commands, as the tests find them (launch.readme_command). The --quick matrix runs as
 # written: its 5 steps are the fewest the byte bars allow, because the counted step must come after
@@ -276,7 +287,8 @@ def _check_table(table: str, raw: list[dict]) -> None:
             if m["peak_memory_kind"] == "cpu_mem_tracker":  # on GPU the peak is max_memory_allocated
                 assert top["total"] == max(m["peak_memory_bytes_per_rank"]), row
             assert sum(top[k] for k in ("params", "grads", "optimizer", "activations", "temporaries")) == top["total"]
-            assert (row["peak MiB/rank"], row["activations MiB"]) == (f"{peak:.2f}", f"{top['activations'] / 2**20:.2f}")
+            assert (row["peak MiB/rank"], row["activations MiB"]) == (f"{peak:.2f}",
+                                                                       f"{top['activations'] / 2**20:.2f}")
         else:  # records from before: the process's peak RSS
             assert (row["peak MiB/rank"], row["activations MiB"]) == (f"{peak:,.0f}", "-"), row
     # one definition: of two cells that process the same tokens per step, the faster median step has
@@ -401,7 +413,8 @@ def test_committed_figures_plot_the_records_numbers():
         multi = {s for s, w in raw if (s, min(worlds)) in raw and (s, max(worlds)) in raw}
         assert set(curves) == multi
         for strategy in multi:  # efficiency = tokens/s at 4 / (2 x tokens/s at 2)
-            expected = _independent_tokens_per_s(raw[(strategy, 4)]) / (2 * _independent_tokens_per_s(raw[(strategy, 2)]))
+            expected = (_independent_tokens_per_s(raw[(strategy, 4)])
+                        / (2 * _independent_tokens_per_s(raw[(strategy, 2)])))
             assert curves[strategy][4] == pytest.approx(expected, rel=1e-9) and curves[strategy][2] == 1.0
 
 
@@ -488,7 +501,8 @@ def test_plot_keeps_cells_from_different_devices_apart(tmp_path):
 def test_failed_cells_are_recorded_and_the_run_goes_on(tmp_path):
     # NCCL without a GPU: each cell fails as its script starts (one rank each keeps it cheap)
     results = tmp_path / "r.jsonl"
-    out = python(load_script(BENCH / "distributed_benchmarks.py").__file__, "--strategies", "ddp", "tp", "--world-sizes", "1",
+    out = python(load_script(BENCH / "distributed_benchmarks.py").__file__,
+                 "--strategies", "ddp", "tp", "--world-sizes", "1",
                  "--steps", "4", "--backend", "nccl", "--device", "cpu", "--results", results,
                  tmp_path=tmp_path, timeout=600)
     records = [json.loads(line) for line in results.read_text().splitlines()]

@@ -67,8 +67,16 @@ import torch
 from distkit.harness import read_records
 from distkit.models import model_config
 from launch import REPO, job, job_env, launcher_argv, python, run_jobs
-from observed import (check_tokens_per_s, cross_entropy, digest_rows, observe_jobs, pinned, rank_rows,
-                      seen_calls, slowest_median)
+from observed import (
+    check_tokens_per_s,
+    cross_entropy,
+    digest_rows,
+    observe_jobs,
+    pinned,
+    rank_rows,
+    seen_calls,
+    slowest_median,
+)
 
 W, B, STEPS = 2, 8, 2
 CFG = model_config("gpt", "tiny")

@@ -17,11 +17,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch01_common import (CHAPTER, README, STEPS, TINY, TOLERANCE, final_params, max_diff,
-                         readme_argv, restart_env, single_process_params, training_flags)
+from ch01_common import (
+    CHAPTER,
+    README,
+    STEPS,
+    TINY,
+    TOLERANCE,
+    final_params,
+    max_diff,
+    readme_argv,
+    restart_env,
+    single_process_params,
+    training_flags,
+)
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from launch import load_script, free_port, job, job_env, readme_command, run, run_jobs
+from launch import free_port, job, job_env, load_script, readme_command, run, run_jobs
+
 
 def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
     """ddp_training.py with 4 ranks, 2 micro-batches per step, checkpoints every 2 steps, no faults."""

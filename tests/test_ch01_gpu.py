@@ -14,10 +14,19 @@ import sys
 import pytest
 import torch
 
+from ch01_common import (
+    CHAPTER,
+    STEPS,
+    TINY,
+    TOLERANCE,
+    final_params,
+    max_diff,
+    readme_argv,
+    single_process_params,
+    training_flags,
+)
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from ch01_common import (CHAPTER, STEPS, TINY, TOLERANCE, final_params, max_diff, readme_argv,
-                         single_process_params, training_flags)
 from launch import assert_one_line_error, gpu_count, job_env, require_gpus, run
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,8 @@ fsdp_transformer.py (FSDP2 ``fully_shard``, 2 ranks):
 
 fsdp_basics.py (2 ranks): ``test_fsdp_basics_feeds_each_rank_its_own_rows`` (every step, the traced
 step 0 included; mutant: rank 0's rows everywhere) and
-``test_fsdp_basics_logged_losses_are_the_observed_logits`` (each logged loss, 4 decimals, is the job's mean cross-entropy; mutant: not divided by W).
+``test_fsdp_basics_logged_losses_are_the_observed_logits`` (each logged loss, 4 decimals, is the
+job's mean cross-entropy; mutant: not divided by W).
 
 deepspeed_train.py (ZeRO-2, the script's default config, 2 ranks):
 
@@ -60,7 +61,8 @@ def rows_of(step: int, rank: int, batch: int = B) -> tuple[torch.Tensor, torch.T
 FSDP_SCRIPT = REPO / "02-fsdp" / "fsdp_transformer.py"
 FSDP_RUNS = {
     "correct": None,
-    "rank0_rows": ("inputs = rank_slice(inputs, ctx.rank, ctx.world_size)", "inputs = rank_slice(inputs, 0, ctx.world_size)"),
+    "rank0_rows": ("inputs = rank_slice(inputs, ctx.rank, ctx.world_size)",
+                   "inputs = rank_slice(inputs, 0, ctx.world_size)"),
     "loss_not_averaged": ("global_loss.item() / ctx.world_size", "global_loss.item()"),
     "per_rank_tokens": ("tokens=tokens_per_step)", "tokens=tokens_per_step // ctx.world_size)"),
 }
@@ -108,7 +110,8 @@ def test_fsdp_tokens_per_s_and_mfu_are_the_step_times_and_the_formula(fsdp_runs)
 DS_SCRIPT = REPO / "03-deepspeed" / "deepspeed_train.py"
 DS_RUNS = {
     "correct": None,
-    "rank0_rows": ("inputs = rank_slice(inputs, ctx.rank, ctx.world_size)", "inputs = rank_slice(inputs, 0, ctx.world_size)"),
+    "rank0_rows": ("inputs = rank_slice(inputs, ctx.rank, ctx.world_size)",
+                   "inputs = rank_slice(inputs, 0, ctx.world_size)"),
     "eval_on_training_batch": ("task.global_batch(EVAL_STEP, EVAL_BATCH)", "task.global_batch(0, EVAL_BATCH)"),
     "per_rank_tokens": ("tokens=batch * cfg.seq_len)", "tokens=batch * cfg.seq_len // ctx.world_size)"),
 }
@@ -134,7 +137,8 @@ def check_ds_rows(folder: Path) -> None:
         assert [c["rows"] for c in training] == [digest_rows(rows_of(step, rank)[0]) for step in range(STEPS)]
         assert all(c["grad"] for c in training)
         (evaluated,) = evaluation
-        assert evaluated["rows"] == digest_rows(held_out) and not evaluated["grad"], f"rank {rank}: not the held-out batch"
+        assert evaluated["rows"] == digest_rows(held_out) and not evaluated["grad"], \
+            f"rank {rank}: not the held-out batch"
 
 
 def check_ds_losses(folder: Path) -> None:

@@ -69,8 +69,17 @@ import torch
 from distkit.harness import read_records
 from distkit.models import model_config
 from launch import REPO
-from observed import (check_mfu, check_tokens_per_s, cross_entropy, digest_rows, observe_jobs, pinned,
-                      rank_rows, seen_calls, slowest_median)
+from observed import (
+    check_mfu,
+    check_tokens_per_s,
+    cross_entropy,
+    digest_rows,
+    observe_jobs,
+    pinned,
+    rank_rows,
+    seen_calls,
+    slowest_median,
+)
 
 W = 2
 GPT = model_config("gpt", "tiny")

@@ -27,16 +27,38 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ch02_common import (BASICS, BF16, BF16_RELATIVE, CHAPTER, FP32_ATOL, LOOKUPS, OFFLOAD, README,
-                         RECORD, RESUME_FULL, RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE,
-                         TINY, check_ok, expected_bytes, max_diff, readme_argv, reference_state,
-                         relative_error, run_all, run_readme, shard_bytes)
-from launch import WORKERS, launcher_argv, load_script, assert_one_line_error, assert_readme_covered
-
+from ch02_common import (
+    BASICS,
+    BF16,
+    BF16_RELATIVE,
+    CHAPTER,
+    FP32_ATOL,
+    LOOKUPS,
+    OFFLOAD,
+    README,
+    RECORD,
+    RESUME_FULL,
+    RESUME_LATEST,
+    SAVE,
+    STEPS,
+    STRATEGIES,
+    SWEEP,
+    TABLE,
+    TINY,
+    check_ok,
+    expected_bytes,
+    max_diff,
+    readme_argv,
+    reference_state,
+    relative_error,
+    run_all,
+    run_readme,
+    shard_bytes,
+)
 from distkit import UsageError
 from distkit.harness import read_records
 from distkit.models import GPTConfig, TinyGPT, gpt_config
-
+from launch import WORKERS, assert_one_line_error, assert_readme_covered, launcher_argv, load_script
 
 
 def model_of(record: dict) -> GPTConfig:

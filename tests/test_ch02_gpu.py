@@ -23,13 +23,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch02_common import (BASICS, BF16, BF16_RELATIVE, FP32_ATOL, LR, OFFLOAD, RECORD, RESUME_FULL,
-                         RESUME_LATEST, SAVE, STEPS, STRATEGIES, SWEEP, TABLE, TINY, command,
-                         expected_bytes, max_diff, reference_state, relative_error, shard_bytes)
-from launch import command_argv, gpu_count, job_env, require_gpus, run
-
+from ch02_common import (
+    BASICS,
+    BF16,
+    BF16_RELATIVE,
+    FP32_ATOL,
+    LR,
+    OFFLOAD,
+    RECORD,
+    RESUME_FULL,
+    RESUME_LATEST,
+    SAVE,
+    STEPS,
+    STRATEGIES,
+    SWEEP,
+    TABLE,
+    TINY,
+    command,
+    expected_bytes,
+    max_diff,
+    reference_state,
+    relative_error,
+    shard_bytes,
+)
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
+from launch import command_argv, gpu_count, job_env, require_gpus, run
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20

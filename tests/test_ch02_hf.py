@@ -42,10 +42,9 @@ import pytest
 import torch
 
 from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, README, check_ok, readme_argv, run_all
-from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
-
 from distkit import UsageError
 from distkit.models import build_model, import_transformers, model_config
+from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
 from workers.reference import train_one_process
 
 SCRIPT = CHAPTER / "fsdp_hf_checkpoint.py"
@@ -56,7 +55,8 @@ STEPS = 4
 LOGITS_ATOL = 1e-5
 WIDE = 20  # a negative control must miss the tolerance by at least this factor
 # The negative controls: (piece of fsdp_hf_checkpoint.py, its broken replacement).
-BROADCAST = "set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))"
+BROADCAST = ("set_model_state_dict(model, state, "
+             "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))")
 MUTANTS = {
     # rank 0's weights are broadcast, then every other rank overwrites its shards with a random init:
     # what a job gets when ranks != 0 skip the load (each initialised the model itself)

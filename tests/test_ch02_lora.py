@@ -27,10 +27,9 @@ import pytest
 import torch
 
 from ch02_common import CHAPTER, LORA, README, check_ok, command, readme_argv, run_all
-from launch import WORKERS, launcher_argv, load_script, parse_args_result, assert_one_line_error
-
 from distkit.harness import MEMORY_CATEGORIES, read_records
 from distkit.models import build_model, import_transformers, model_config
+from launch import WORKERS, assert_one_line_error, launcher_argv, load_script, parse_args_result
 from workers.reference import train_one_process
 
 STEPS, BATCH, LR, R, ALPHA, TARGETS = 4, 8, 1e-2, 8, 16, ("q_proj", "v_proj")
@@ -196,7 +195,8 @@ def test_per_rank_bytes_match_the_formula(launches, reference):
         assert peak["params"] >= totals["params"] and peak["optimizer"] >= totals["optimizer"]
     # the printout shows the record's numbers
     assert f"rank-0 adapters: params {4 * adapter // n:,} B, grads {4 * adapter // n:,} B" in output
-    assert f"rank-0 peak memory of one step: {record['metrics']['peak_memory_by_category_per_rank'][0]['total']:,} B" in output
+    rank0_peak = record["metrics"]["peak_memory_by_category_per_rank"][0]["total"]
+    assert f"rank-0 peak memory of one step: {rank0_peak:,} B" in output
 
 
 def test_bad_input_gives_one_error_line():

@@ -38,15 +38,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch03_common import (CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state,
-                         max_diff, reference_weights)
+from ch03_common import CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state, max_diff, reference_weights
 from distkit import UsageError, theory
 from distkit import deepspeed as dk
 from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import describe_model, read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from launch import (load_script, assert_one_line_error, assert_readme_covered, command_argv, free_port, job_env,
-                    readme_command, run)
+from launch import (
+    assert_one_line_error,
+    assert_readme_covered,
+    command_argv,
+    free_port,
+    job_env,
+    load_script,
+    readme_command,
+    run,
+)
 
 TRAIN = ("torchrun", "deepspeed_train.py")
 RESUME = ("deepspeed --num_gpus", "deepspeed_train.py")
@@ -252,8 +259,10 @@ def test_numeric_flags_are_checked_where_they_are_defined(tmp_path, monkeypatch,
     DeepSpeed import (DeepSpeed's own AssertionError for a batch of 0 is never reached): each case
     through the script's parse_args here, and one through a launched script."""
     cases = [
-        ("deepspeed_train.py", ["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer, got 0"),
-        ("deepspeed_train.py", ["--global-batch-size", "-8"], "argument --global-batch-size: must be a positive integer, got -8"),
+        ("deepspeed_train.py", ["--global-batch-size", "0"],
+         "argument --global-batch-size: must be a positive integer, got 0"),
+        ("deepspeed_train.py", ["--global-batch-size", "-8"],
+         "argument --global-batch-size: must be a positive integer, got -8"),
         ("deepspeed_train.py", ["--steps", "0"], "argument --steps: must be a positive integer"),
         ("deepspeed_train.py", ["--lr", "nan"], "argument --lr: must be a positive number"),
         ("deepspeed_train.py", ["--weight-decay", "-0.1"], "argument --weight-decay: must be a number >= 0"),

@@ -32,12 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ch03_common import LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state, max_diff, reference_weights
 from distkit.checkpoint import load_model_state, safe_load
+from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
-from ch03_common import (LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state, max_diff,
-                         reference_weights)
-from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
 from launch import assert_one_line_error, command_argv, gpu_count, job_env, readme_command, require_gpus, run
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ch04_common import CHAPTER
-from launch import load_script, parse_args_result, assert_one_line_error, python, torchrun
+from launch import assert_one_line_error, load_script, parse_args_result, python, torchrun
 from workers import ch04_ring_model as ring_model
 
 

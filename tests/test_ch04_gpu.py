@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from distkit.harness import read_records
 from ch04_common import NCCL_TESTS_FACTOR, ROOT_CAUSE, own_processes, readme_argv
+from distkit.harness import read_records
 from launch import assert_one_line_error, job_env, require_gpus, run
 
 pytestmark = pytest.mark.gpu

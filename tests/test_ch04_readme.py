@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ch04_common import (BANDWIDTH_RECORD, LOOKUPS, NCCL_TESTS_FACTOR, README, ROOT_CAUSE, own_processes,
-                         readme_argv)
+from ch04_common import BANDWIDTH_RECORD, LOOKUPS, NCCL_TESTS_FACTOR, README, ROOT_CAUSE, own_processes, readme_argv
 from launch import assert_readme_covered, job_env, readme_command, run
 
 # busbw/algbw is one multiplication, exact to ~1e-16; the closest wrong factor (1 instead of (n-1)/n,

@@ -159,7 +159,8 @@ def test_bad_flags_are_one_line():
     for args, expected in [(["--ac", "some"], "argument --ac: invalid choice: 'some'"),
                            (["--warmup-steps", "0"], "--warmup-steps must be >= 1 and --steps >= --warmup-steps + 1"),
                            (["--dropout", "1.5"], "argument --dropout: must be < 1, got 1.5"),
-                           (["--ac", "none", "full", "--save", "x.pt"], "--save x.pt names one file for 2 configurations")]:
+                           (["--ac", "none", "full", "--save", "x.pt"],
+                            "--save x.pt names one file for 2 configurations")]:
         result = parse_args_result(script, *args)
         assert result.returncode == 2, result.stdout
         assert_one_line_error(result, expected)

@@ -28,7 +28,7 @@ import torch
 from ch05_common import CHAPTER, LOOKUPS, QUICK, README, TOLERANCE, launch, reference
 from distkit import compare
 from distkit.harness import read_records
-from launch import load_script, parse_args_result, assert_one_line_error, assert_readme_covered, python, readme_command
+from launch import assert_one_line_error, assert_readme_covered, load_script, parse_args_result, python, readme_command
 
 
 def run_readme(name: str, tmp_path, extra=(), check=True):
@@ -346,12 +346,17 @@ def test_bad_flags_are_one_argparse_line():
     """A bad number is one argparse line and exit code 2 before any process group exists
     (distkit.flags types). The parsers run in this process (launch.parse_args_result): the
     same code and output as a launch."""
-    cases = [("pipeline_parallel.py", ["--microbatches", "4", "0"], "argument --microbatches: must be a positive integer, got 0"),
-             ("communication_overlap.py", ["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
+    cases = [("pipeline_parallel.py", ["--microbatches", "4", "0"],
+              "argument --microbatches: must be a positive integer, got 0"),
+             ("communication_overlap.py", ["--bucket-cap-mb", "-1"],
+              "argument --bucket-cap-mb: must be a number >= 0, got -1"),
              ("hybrid_parallelism.py", ["--tp", "-2"], "argument --tp: must be a positive integer, got -2"),
-             ("gradient_accumulation.py", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0, got -1"),
-             ("gradient_accumulation.py", ["--grad-accum-steps", "0"], "argument --grad-accum-steps: must be a positive integer, got 0"),
-             ("gradient_accumulation.py", ["--accumulation-steps", "4"], "unrecognized arguments: --accumulation-steps 4"),
+             ("gradient_accumulation.py", ["--warmup-steps", "-1"],
+              "argument --warmup-steps: must be an integer >= 0, got -1"),
+             ("gradient_accumulation.py", ["--grad-accum-steps", "0"],
+              "argument --grad-accum-steps: must be a positive integer, got 0"),
+             ("gradient_accumulation.py", ["--accumulation-steps", "4"],
+              "unrecognized arguments: --accumulation-steps 4"),
              ("tensor_parallel.py", ["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'"),
              ("tensor_parallel.py", ["--checkpoint", "x.pt"], "unrecognized arguments: --checkpoint x.pt")]
     for script, args, expected in cases:

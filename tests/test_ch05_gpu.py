@@ -19,8 +19,8 @@ import re
 import pytest
 import torch
 
-from distkit.harness import read_records
 from ch05_common import QUICK, readme_command, reference
+from distkit.harness import read_records
 from launch import REPO, job_env, require_gpus, torchrun
 
 pytestmark = pytest.mark.gpu
@@ -134,7 +134,8 @@ def test_gradient_accumulation_on_one_gpu(tmp_path):
     assert bytes_per_step["every_micro_batch"] == k * dense
 
 
-OVERLAP_LINE = re.compile(r"rank (\d+): all-reduce busy ([\d.]+) ms, ([\d.]+) ms under backward compute -> (\d+)% hidden")
+OVERLAP_LINE = re.compile(r"rank (\d+): all-reduce busy ([\d.]+) ms, "
+                          r"([\d.]+) ms under backward compute -> (\d+)% hidden")
 
 
 def overlap_run(tmp_path, nproc: int):

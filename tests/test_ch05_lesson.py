@@ -36,7 +36,8 @@ CP_SCRIPT = REPO / "05-advanced" / "context_parallel.py"
 CP = 2
 CP_RUNS = {
     "correct": None,
-    "zigzag_contiguous": ('(rank, 2 * cp - 1 - rank) if layout == "zigzag"', '(2 * rank, 2 * rank + 1) if layout == "zigzag"'),
+    "zigzag_contiguous": ('(rank, 2 * cp - 1 - rank) if layout == "zigzag"',
+                          '(2 * rank, 2 * rank + 1) if layout == "zigzag"'),
 }
 
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from distkit.checkpoint import atomic_save, load_model_state, safe_load
-from distkit.data import (OFFLINE_MARKER, import_torchvision, offline_sample_path, prepare_mnist,
-                          write_offline_sample)
+from distkit.data import OFFLINE_MARKER, import_torchvision, offline_sample_path, prepare_mnist, write_offline_sample
 from distkit.harness import CommCounter, StepTimer, bus_factor, model_state_bytes
 from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 from distkit.runtime import DistContext, UsageError
@@ -372,7 +371,8 @@ def test_model_flags_name_an_architecture_and_its_sizes():
     cfg = model_config_from_args(parser.parse_args(["--arch", "llama", "--model-size", "tiny", "--n-kv-head", "2"]))
     assert isinstance(cfg, LlamaModelConfig) and cfg.n_kv_head == 2 and cfg.n_head == 8
     for argv, message in [(["--arch", "gpt", "--model-size", "llama-3.1-8b"], "--arch gpt has no --model-size"),
-                          (["--arch", "llama", "--model-size", "tiny", "--n-kv-head", "3"], "divisible by the key/value"),
+                          (["--arch", "llama", "--model-size", "tiny", "--n-kv-head", "3"],
+                           "divisible by the key/value"),
                           (["--model-size", "tiny", "--n-kv-head", "2"], "--n-kv-head applies to --arch llama")]:
         with pytest.raises(UsageError, match=message):
             model_config_from_args(parser.parse_args(argv))

@@ -44,12 +44,11 @@ import torch
 import ch01_common as ch01
 import ch02_common as ch02
 import ch03_common as ch03
-from launch import REPO, WORKERS, command_argv, job_env, readme_command, require_gpus, run
-
 from distkit.harness import Harness, measure_peak_flops, peak_memory_bytes, read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 from distkit.provenance import machine_label
 from distkit.runtime import DistContext
+from launch import REPO, WORKERS, command_argv, job_env, readme_command, require_gpus, run
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20

@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from ch01_common import TRAINING, training_flags
-from launch import python
-
 from distkit.comm_counter import MatmulCounter
 from distkit.harness import Harness, read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 from distkit.provenance import machine, machine_label, provenance, run_device
 from distkit.runtime import DistContext
 from distkit.theory import training_flops_per_token
+from launch import python
 
 ONE_PROCESS = DistContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo",
                           device=torch.device("cpu"), timeout_s=60)

@@ -38,11 +38,11 @@ import torch
 import ch01_common as ch01
 import ch02_common as ch02
 import ch05_common as ch05
-from launch import WORKERS, command_argv, job_env, require_gpus, run, torchrun
-from test_ch02_hf import FLAGS as HF_FLAGS, read_folder, write_hf_folder
-
 from distkit.harness import read_records
 from distkit.models import build_model, import_transformers, model_config
+from launch import WORKERS, command_argv, job_env, require_gpus, run, torchrun
+from test_ch02_hf import FLAGS as HF_FLAGS
+from test_ch02_hf import read_folder, write_hf_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +117,7 @@ def test_hf_checkpoint_round_trip_on_gpus(nproc, tmp_path):
 def test_lora_adapters_get_gradients_and_the_base_stays_frozen_on_gpus(nproc, tmp_path):
     """The CPU suite's checks (tests/test_ch02_lora.py) on NCCL: the worker trains with the script's
     own functions, and the README command's record measures the base/adapter split on CUDA."""
-    from test_ch02_lora import BATCH, CFG, LR, R, STEPS, TARGETS, is_adapter, lora_model
+    from test_ch02_lora import BATCH, CFG, LR, STEPS, TARGETS, R, is_adapter, lora_model
     from workers.reference import train_one_process
 
     require_gpus(nproc, "one GPU per NCCL rank")

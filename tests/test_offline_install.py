@@ -137,7 +137,8 @@ def test_offline_install_keeps_torch_and_the_quick_start_runs(node, tmp_path):
     assert version.split("+")[0] == TORCH and where.startswith(str(REPO)), probe
     torchrun = python.parent / "torchrun"
     results = tmp_path / "r.jsonl"
-    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py", "--epochs", "1", "--max-steps", "4",
+    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py",
+                 "--epochs", "1", "--max-steps", "4",
                  "--offline", "--data-dir", str(tmp_path / "data"), "--results", str(results),
                  "--save", str(tmp_path / "m.pt")], env=env, timeout=300).stdout
     assert "backend gloo | device cpu" in quick and "done: test accuracy" in quick, quick[-3000:]

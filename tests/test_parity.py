@@ -34,8 +34,8 @@ def parity(tmp_path_factory):
     env = job_env(folder, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")))
     command = readme_command(REPO / "benchmarks" / "README.md", "benchmarks/parity.py")
     assert command == "python benchmarks/parity.py"
-    done = run([sys.executable, "benchmarks/parity.py", "--steps", str(STEPS), "--results", str(folder / "parity.jsonl")],
-               env=env, timeout=600)
+    done = run([sys.executable, "benchmarks/parity.py", "--steps", str(STEPS),
+                "--results", str(folder / "parity.jsonl")], env=env, timeout=600)
     rows = [json.loads(line) for line in (folder / "parity.jsonl").read_text().splitlines()]
     return done, {row["strategy"]: row for row in rows}
 

@@ -33,7 +33,8 @@ from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_c
 READMES = sorted(REPO.glob("*/README.md")) + [REPO / "README.md"]
 # argparse destinations that name something a run writes
 FILES = {"results", "record", "save", "log_file", "plot", "bandwidth_records", "export"}
-FOLDERS = {"checkpoint_dir", "log_dir", "out_dir", "plots_dir", "out", "dest", "hf_out", "hf_in", "data_dir", "save_dir"}
+FOLDERS = {"checkpoint_dir", "log_dir", "out_dir", "plots_dir", "out", "dest", "hf_out", "hf_in", "data_dir",
+           "save_dir"}
 MAINTAINER = ("-m distkit.records",)
 # scripts whose --results names records they read, not write
 READS_RESULTS = {"plot_results.py", "plot.py", "make_strategies_table.py"}

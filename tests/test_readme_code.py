@@ -112,7 +112,8 @@ def test_every_diff_is_marked(readme):
     marked = {m.start(3) - 3 for m in _MARKED.finditer(text)}
     for m in _ANY_BLOCK.finditer(text):
         if m.group(1) == "diff":
-            assert m.start() in marked, f"{readme.parent.name}: unmarked diff at line {text.count(chr(10), 0, m.start()) + 1}"
+            line = text.count(chr(10), 0, m.start()) + 1
+            assert m.start() in marked, f"{readme.parent.name}: unmarked diff at line {line}"
 
 
 SCRIPT = "import torch\nmodel = Net()\nfor step in range(10):\n    loss = model(x).sum()\n    loss.backward()\n"

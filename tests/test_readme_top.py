@@ -30,7 +30,8 @@ def test_quick_start_command_runs(first_command_run):
     command = readme_command(README, QUICK_START)
     assert command == "torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py"
     folder, result = first_command_run
-    assert "done: test accuracy" in result.stdout and (folder / QUICK_START_FILES["model"]).exists(), result.stdout[-2000:]
+    assert "done: test accuracy" in result.stdout and (folder / QUICK_START_FILES["model"]).exists(), \
+        result.stdout[-2000:]
 
 
 def test_the_quick_start_output_is_the_recorded_run_of_its_command():

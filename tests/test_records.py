@@ -129,7 +129,8 @@ def test_recorded_command_keeps_what_it_wrote_under_runs(tmp_path, monkeypatch):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "r.jsonl").write_text('{"an": "older run"}\n')
     keep = records.parse_keep(["runs/r.jsonl=ch/records/r.jsonl"])
-    record = records.capture('echo \'{"a": "new run"}\' >> runs/r.jsonl', "kept", into=tmp_path / "out.jsonl", keep=keep)
+    record = records.capture('echo \'{"a": "new run"}\' >> runs/r.jsonl', "kept",
+                             into=tmp_path / "out.jsonl", keep=keep)
     assert (tmp_path / "ch" / "records" / "r.jsonl").read_text() == '{"a": "new run"}\n'
     assert record["keep"] == [["runs/r.jsonl", "ch/records/r.jsonl"]]
     assert records.find(tmp_path / "out.jsonl", "kept")["keep"] == record["keep"]  # rerun keeps it too

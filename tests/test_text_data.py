@@ -6,8 +6,9 @@
   last 10% only. Recomputed from ``pydoc_data.topics`` here. Negative controls: an order drawn with
   replacement (windows repeated, others never seen) and one pass repeated.
 * ``test_a_script_trains_on_the_text_rank_by_rank``: chapter 02's README command,
-  fsdp_transformer.py ``--data text`` on 2 ranks (at 20 steps), feeds rank r the rows r*B/W... of each text batch (observed, tests/workers/observe.py).
-  Mutant: the script ignoring the flag (the synthetic task built instead).
+  fsdp_transformer.py ``--data text`` on 2 ranks (at 20 steps), feeds rank r the rows r*B/W... of
+  each text batch (observed, tests/workers/observe.py). Mutant: the script ignoring the flag (the
+  synthetic task built instead).
 * ``test_the_printed_sample_is_the_checkpoints_greedy_continuation``: the sample printed after
   training is what one plain process's greedy decoding of the prompt gives from the saved weights.
   Mutant: the sample decoded by a model built anew (untrained) instead of the trained one.
@@ -83,7 +84,8 @@ SCRIPT = REPO / "02-fsdp" / "fsdp_transformer.py"
 W, B, STEPS = 2, 8, 20
 RUNS = {
     "text": None,
-    "flag_ignored": ("task = make_task(cfg, args)", "task = make_task(cfg, type(args)(data='synthetic', seed=args.seed))"),
+    "flag_ignored": ("task = make_task(cfg, args)",
+                     "task = make_task(cfg, type(args)(data='synthetic', seed=args.seed))"),
     # a model built anew to get an unsharded one: its text is not what training learned
     "untrained_model": ("sample = generate(model,", "sample = generate(build_model(cfg).to(ctx.device),"),
 }
@@ -104,8 +106,9 @@ def readme_flags() -> list[str]:
 def runs(tmp_path_factory):
     # the README's command at a small size (argparse keeps a repeated flag's last value)
     return observe_jobs(tmp_path_factory, SCRIPT, "LlamaLM,FSDPLlamaLM", RUNS,
-                        lambda folder: [*readme_flags(), "--global-batch-size", B, "--steps", STEPS, "--warmup-steps", 1,
-                                        "--log-every", 10, "--save", folder / "m.pt", "--results", folder / "r.jsonl"],
+                        lambda folder: [*readme_flags(), "--global-batch-size", B, "--steps", STEPS,
+                                        "--warmup-steps", 1, "--log-every", 10, "--save", folder / "m.pt",
+                                        "--results", folder / "r.jsonl"],
                         nproc=W)
 
 
@@ -151,7 +154,8 @@ def test_the_printed_sample_is_the_checkpoints_greedy_continuation(runs):
 def test_text_with_a_small_vocabulary_is_one_line():
     done = python(SCRIPT, "--data", "text", "--vocab-size", "64", check=False)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    assert done.returncode != 0 and lines[-1] == "error: --data text has 256 byte tokens; --vocab-size 64 is too small", lines
+    assert (done.returncode != 0
+            and lines[-1] == "error: --data text has 256 byte tokens; --vocab-size 64 is too small"), lines
 
 
 # ---- every transformer script takes --data from the one place ----------------------------------
@@ -175,5 +179,6 @@ def test_every_transformer_script_builds_its_task_from_the_data_flag():
     checked = {p.name: task_problems(p.read_text()) for p in scripts if "add_model_args(" in p.read_text()}
     assert len(checked) >= 15 and not {k: v for k, v in checked.items() if v}, checked
     # negative control: the script as it was before the flag existed
-    before = (REPO / "02-fsdp" / "fsdp_basics.py").read_text().replace("make_task(cfg, args)", "TokenTask(cfg, seed=args.seed)")
+    before = (REPO / "02-fsdp" / "fsdp_basics.py").read_text().replace("make_task(cfg, args)",
+                                                                      "TokenTask(cfg, seed=args.seed)")
     assert task_problems(before) == ["builds TokenTask itself", "never calls make_task(cfg, args)"]

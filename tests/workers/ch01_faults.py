@@ -81,6 +81,7 @@ def load_script():
 def instrument(module, faults: argparse.Namespace, started_at: float) -> None:
     """Wrap the script's functions: milestones around them, the faults inside them."""
     import torch
+
     from distkit.checkpoint import temporary_prefix
 
     run = {}  # what the wrapped functions learn: events, ctx, log, start step

@@ -94,8 +94,8 @@ def train(ctx, model, optimizer, steps):
 def case_resume(ctx, variant, meshes, folder):
     """fsdp_checkpoint.py's save_dcp at step 3, then load_dcp (or a broken load) and train to 6."""
     ckpt = nc.load("02-fsdp/fsdp_checkpoint.py")
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     model = sharded(ctx, "full_shard", [], meshes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
