@@ -17,10 +17,9 @@ import math
 import os
 import sys
 
-from distkit import ArgumentParser, UsageError, run_main
-from distkit import planner
+from distkit import ArgumentParser, UsageError, planner, run_main
 from distkit.flags import positive_float, positive_int
-from distkit.models import MODEL_PRESETS, model_config, with_experts
+from distkit.models import MODEL_PRESETS, dense_config, is_moe, model_config, with_experts
 from distkit.paths import check_outputs
 from distkit.strategies import PLANNED
 
@@ -33,12 +32,18 @@ def parse_args(argv=None):
         description="Plan a training job: per strategy the memory per GPU (parameters, gradients, optimizer "
                     "state, activations, temporaries), whether it fits, the predicted step time and tokens/s "
                     "per GPU, and the fastest configuration that fits.",
-        epilog="example: python benchmarks/plan.py --model llama-3.1-8b --seq-len 8192 --global-batch 128 "
+        epilog=f"limits: the planner plans {planner.limits_text()}; outside them it says so in one line and exits "
+               "2. example: python benchmarks/plan.py --model llama-3.1-8b --seq-len 8192 --global-batch 128 "
                "--gpus 64 --gpu h100 --activation-checkpointing full")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b",
                        help="a named shape of distkit.models (default: llama-3.1-8b)")
-    model.add_argument("--seq-len", type=positive_int, help="sequence length (default: the preset's)")
+    model.add_argument("--hf-config", metavar="PATH",
+                       help="instead of --model: a Hugging Face config.json (read offline with json; model_type "
+                            f"{', '.join(planner.HF_MODEL_TYPES)}; mixtral's experts become --experts/--top-k)")
+    model.add_argument("--seq-len", type=positive_int,
+                       help=f"sequence length, at least {planner.MIN_SEQ_LEN} (default: the preset's; with "
+                            f"--hf-config {planner.HF_DEFAULT_SEQ_LEN})")
     model.add_argument("--n-layer", type=positive_int, help="override: transformer blocks")
     model.add_argument("--hidden", type=positive_int, help="override: model width (n_embd)")
     model.add_argument("--heads", type=positive_int, help="override: attention heads")
@@ -56,7 +61,8 @@ def parse_args(argv=None):
                        help="experts each token goes to (with --experts; default: 2)")
     job = parser.add_argument_group("job")
     job.add_argument("--global-batch", type=positive_int, default=None,
-                     help="sequences per optimizer step (default: 1M tokens' worth)")
+                     help=f"sequences per optimizer step, at most {planner.MAX_SEQUENCES:,} (default: 1M tokens' "
+                          "worth, rounded up to split over the GPUs)")
     job.add_argument("--global-batch-tokens", type=positive_int, help="tokens per optimizer step instead")
     job.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward (default: 1)")
     job.add_argument("--precision", choices=planner.PRECISIONS, default="bf16",
@@ -68,7 +74,8 @@ def parse_args(argv=None):
                      help="allow CPU offload of the optimizer state (ZeRO-3 offload) to be recommended")
     job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
     hw = parser.add_argument_group("cluster")
-    hw.add_argument("--gpus", type=positive_int, default=8, help="GPUs in the job (default: 8)")
+    hw.add_argument("--gpus", type=positive_int, default=8,
+                    help=f"GPUs in the job, 1 to {planner.MAX_GPUS} (default: 8)")
     hw.add_argument("--gpus-per-node", type=positive_int, help="(default: the GPU type's usual node, 8; L4: 4)")
     hw.add_argument("--gpu", choices=[*planner.GPUS, "cpu"], default="h100",
                     help="GPU type from the table in distkit/planner.py, or cpu (needs --calibrate) (default: h100)")
@@ -110,27 +117,45 @@ def parse_args(argv=None):
     return args
 
 
-def build_plan(args) -> planner.Plan:
-    arch, size = MODELS[args.model]
+def build_model(args):
+    """The model the flags describe: a named shape or a config.json, with the overrides applied."""
     overrides = {key: value for key, value in (
         ("seq_len", args.seq_len), ("n_layer", args.n_layer), ("n_embd", args.hidden), ("n_head", args.heads),
-        ("vocab_size", args.vocab_size)) if value}
-    if arch == "llama":
-        overrides.update({k: v for k, v in (("n_kv_head", args.kv_heads),
-                                            ("intermediate_size", args.intermediate_size)) if v})
-    elif args.kv_heads or args.intermediate_size:
+        ("vocab_size", args.vocab_size), ("n_kv_head", args.kv_heads),
+        ("intermediate_size", args.intermediate_size)) if value}
+    if args.hf_config:
+        base = planner.read_hf_config(args.hf_config)
+        arch, size = "llama", None
+        if is_moe(base) and not args.experts:  # the config's own experts, unless --experts replaces them
+            args.experts, args.top_k = base.num_experts, args.top_k or base.top_k
+        base = dense_config(base)
+    else:
+        arch, size = MODELS[args.model]
+        base = None
+    if arch != "llama" and (args.kv_heads or args.intermediate_size):
         raise UsageError("--kv-heads and --intermediate-size describe a Llama; pick a llama --model")
-    cfg = model_config(arch, size, **overrides)
+    if base is None:
+        cfg = model_config(arch, size, **overrides)
+    else:
+        cfg = planner.with_overrides(base, **overrides)
     if args.top_k and not args.experts:
         raise UsageError("--top-k routes tokens to experts: give --experts N too")
     if args.experts:
         cfg = with_experts(cfg, args.experts, args.top_k or 2)
     if args.params:
         cfg = planner.with_params(cfg, args.params)
+    if args.hf_config and planner.uncounted_note(args.hf_config, cfg):
+        print(planner.uncounted_note(args.hf_config, cfg), file=sys.stderr)
+    return cfg
+
+
+def build_plan(args) -> planner.Plan:
+    cfg = build_model(args)
     if args.global_batch and args.global_batch_tokens:
         raise UsageError("give --global-batch (sequences) or --global-batch-tokens, not both")
     tokens = args.global_batch_tokens or (None if args.global_batch else 2 ** 20)
     batch = args.global_batch or max(1, round(tokens / cfg.seq_len))
+    planner.check_job(cfg.seq_len, args.gpus, batch, tokens)
     if not args.global_batch and batch % args.gpus:
         # a batch derived from tokens is the planner's choice: one that splits over every GPU, said
         rounded = math.ceil(batch / args.gpus) * args.gpus

@@ -14,9 +14,8 @@ and no weight tying (so stages and shards own disjoint parameters).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import functools
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -269,8 +268,17 @@ LLAMA_PRESETS: dict[str, LlamaModelConfig] = {
     "llama-3.2-1b": LlamaModelConfig(vocab_size=128256, seq_len=2048, n_layer=16, n_embd=2048, n_head=32,
                                      n_kv_head=8, intermediate_size=8192, rope_theta=500000.0,
                                      tie_embeddings=True),
+    "llama-3.2-3b": LlamaModelConfig(vocab_size=128256, seq_len=2048, n_layer=28, n_embd=3072, n_head=24,
+                                     n_kv_head=8, intermediate_size=8192, rope_theta=500000.0,
+                                     tie_embeddings=True),
     "llama-3.1-8b": LlamaModelConfig(vocab_size=128256, seq_len=2048, n_layer=32, n_embd=4096, n_head=32,
                                      n_kv_head=8, intermediate_size=14336, rope_theta=500000.0),
+    # the two large ones at Llama 3's pre-training length (8,192): they are only ever planned, never
+    # trained here, and a plan of them at 2,048 tokens would describe no job anyone runs
+    "llama-3.1-70b": LlamaModelConfig(vocab_size=128256, seq_len=8192, n_layer=80, n_embd=8192, n_head=64,
+                                      n_kv_head=8, intermediate_size=28672, rope_theta=500000.0),
+    "llama-3.1-405b": LlamaModelConfig(vocab_size=128256, seq_len=8192, n_layer=126, n_embd=16384, n_head=128,
+                                       n_kv_head=8, intermediate_size=53248, rope_theta=500000.0),
 }
 
 

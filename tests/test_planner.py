@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
 from distkit import planner, predictors, theory
-from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.errors import UsageError
+from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.strategies import MEASURED, PLANNED
 from launch import assert_one_line_error, command_argv, load_script, lookup_command, parse_args_result, python
 
@@ -410,6 +410,167 @@ def test_cli_bad_input_as_a_script():
     result = python(BENCH / "plan.py", "--kv-heads", "4", "--model", "gpt-small", check=False, launcher="python")
     assert result.returncode == 2
     assert_one_line_error(result, "--kv-heads and --intermediate-size describe a Llama")
+
+
+# ---------------------------------------------------------------- inputs the planner cannot plan
+
+
+REFUSED = [
+    (["--seq-len", "10"], "--seq-len 10 is below the planner's floor of 32 tokens"),
+    (["--gpus", "1024"], "--gpus 1024 is beyond the planner's 512 GPUs"),
+    (["--global-batch", "100000"], "--global-batch 100,000 is more than the planner's 65,536 sequences per step"),
+    (["--global-batch-tokens", "1000000000"], "1,000,000,000 tokens of 2048 make 488,281 sequences per step, more"),
+    (["--gpus", "512", "--seq-len", "8192", "--global-batch-tokens", "1000000"],
+     "1,000,000 tokens of 8192 make 122 sequences per step, fewer than the 512 GPUs"),
+]
+
+
+def assert_refused_with_a_fix(plan, args: list[str], expected: str) -> None:
+    """``args`` end in the planner's one-line UsageError containing ``expected``, and the first fix it
+    names (``give --flag N``) plans: the line says what would work, and it does."""
+    with pytest.raises(UsageError, match=re.escape(expected)) as refused:
+        plan.main(args)
+    flag, value = re.search(r"give (--[a-z-]+) ([\d,]+)", str(refused.value)).groups()
+    fixed = list(args)
+    if flag in fixed:
+        fixed[fixed.index(flag) + 1] = value.replace(",", "")
+    else:
+        fixed += [flag, value.replace(",", "")]
+    if flag == "--global-batch" and "--global-batch-tokens" in fixed:
+        del fixed[fixed.index("--global-batch-tokens"):fixed.index("--global-batch-tokens") + 2]
+    plan_main(plan, [*fixed, "--strategies", "zero3", "--json"])
+
+
+@pytest.mark.parametrize("args,expected", REFUSED)
+def test_inputs_the_planner_cannot_plan_are_refused_in_one_line(args, expected, capsys):
+    """A sequence shorter than 32 tokens, more than 512 GPUs, more than 65,536 sequences per step (given,
+    or made from tokens), or a step made from tokens with fewer sequences than GPUs: one line that says
+    what would work, and what it says works. ``--seq-len 10`` used to plan 52,429 micro-batches."""
+    assert_refused_with_a_fix(load_script(BENCH / "plan.py"), args, expected)
+
+
+def test_a_refused_input_is_one_line_without_usage_as_a_script():
+    """End to end: the line, exit 2, and no usage block."""
+    result = python(BENCH / "plan.py", "--seq-len", "10", check=False, launcher="python")
+    assert result.returncode == 2 and "usage:" not in result.stdout
+    assert_one_line_error(result, "--seq-len 10 is below the planner's floor of 32 tokens")
+
+
+def test_negative_control_without_the_floor_seq_len_10_plans(monkeypatch, capsys):
+    """The floor removed (a broken variant), ``--seq-len 10 --global-batch 64`` plans 64 sequences of
+    10 tokens and the check above fails on it; with the floor it is refused. The limits at their
+    edges (32 tokens; 512 GPUs and 65,536 sequences) plan."""
+    plan = load_script(BENCH / "plan.py")
+    short = (["--seq-len", "10", "--global-batch", "64"], "--seq-len 10 is below the planner's floor of 32 tokens")
+    assert_refused_with_a_fix(plan, *short)
+    monkeypatch.setattr(planner.inputs, "MIN_SEQ_LEN", 1)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        assert_refused_with_a_fix(plan, *short)
+    monkeypatch.undo()
+    capsys.readouterr()
+    for edge in (["--seq-len", "32"], ["--gpus", "512", "--global-batch", "65536"]):
+        plan_main(plan, [*edge, "--strategies", "zero3", "--json"])
+        assert json.loads(capsys.readouterr().out)["strategies"][0]["valid"]
+
+
+# ---------------------------------------------------------------- presets and Hugging Face configs
+
+
+@pytest.mark.parametrize("name,published", [("llama-3.2-3b", 3.21e9), ("llama-3.1-70b", 70.6e9),
+                                            ("llama-3.1-405b", 405e9)])
+def test_llama_3_presets_have_their_published_size(name, published):
+    """The named shapes beside llama-3.2-1b and llama-3.1-8b (Meta's model cards: 3.21B, 70.6B, 405B)
+    are ``--model`` choices and count their published parameters within 1%."""
+    assert name in load_script(BENCH / "plan.py").MODELS
+    assert abs(psi(model_config("llama", name)) / published - 1) < 0.01
+
+
+# config.json values of three released models (their Hugging Face repositories), and the parameter
+# counts their model cards publish: Llama-3.1-8B 8.03B, Qwen2.5-7B 7.61B, Mixtral-8x7B 46.7B
+HF_CONFIGS = {
+    "Llama-3.1-8B": ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                      "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                      "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0,
+                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-05}, 8.03e9),
+    "Qwen2.5-7B": ({"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                    "vocab_size": 152064, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-06}, 7.61e9),
+    "Mixtral-8x7B": ({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                      "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                      "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "head_dim": 128,
+                      "tie_word_embeddings": False, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+                      "rms_norm_eps": 1e-05}, 46.7e9),
+}
+
+
+def count_hf_params(c: dict) -> int:
+    """Parameters of a config.json's model, counted here from its fields: per block q and o (width^2
+    each), k and v (width x key/value width), Qwen2's q/k/v biases, the SwiGLU MLP (3 x width x
+    intermediate) per expert with Mixtral's router, two RMSNorms; the embedding, the head unless tied,
+    the final norm."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv_width = c.get("num_key_value_heads", heads) * (h // heads)
+    experts = c.get("num_local_experts", 1)
+    block = 2 * h * h + 2 * h * kv_width + 3 * h * c["intermediate_size"] * experts + 2 * h
+    block += (h + 2 * kv_width if c["model_type"] == "qwen2" else 0) + (experts * h if experts > 1 else 0)
+    return c["num_hidden_layers"] * block + c["vocab_size"] * h * (1 if c.get("tie_word_embeddings") else 2) + h
+
+
+def planned_params_of_hf_configs(tmp_path) -> dict:
+    counts = {}
+    for name, (config, _) in HF_CONFIGS.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        counts[name] = psi(planner.read_hf_config(str(path)))
+    return counts
+
+
+def test_hf_configs_give_their_published_parameter_counts(tmp_path, monkeypatch, capsys):
+    """``--hf-config`` of Llama-3.1-8B, Qwen2.5-7B and Mixtral-8x7B (the real config.json fields,
+    written to a file): the planner's parameter count is within 1% of the published one, and equals
+    the count made here from the config's fields, but for Qwen2's q/k/v biases, which the planner does
+    not count and says so on stderr. Mixtral plans as 8 experts top-2. Negative control: the same
+    configs read with num_key_value_heads ignored (every head its own key/value head) miss the
+    published counts by more than 1%, each of them."""
+    counts = planned_params_of_hf_configs(tmp_path)
+    for name, (config, published) in HF_CONFIGS.items():
+        assert abs(count_hf_params(config) / published - 1) < 0.01, name
+        assert abs(counts[name] / published - 1) < 0.01, name
+        biases = config["num_hidden_layers"] * (3584 + 2 * 512) if name == "Qwen2.5-7B" else 0
+        assert counts[name] == count_hf_params(config) - biases, name
+    plan = load_script(BENCH / "plan.py")
+    plan_main(plan, ["--hf-config", str(tmp_path / "Mixtral-8x7B.json"), "--gpus", "64", "--json"])
+    model = json.loads(capsys.readouterr().out)["plan"]["model"]
+    assert (model["arch"], model["num_experts"], model["top_k"], model["seq_len"]) == ("llama_moe", 8, 2, 2048)
+    plan_main(plan, ["--hf-config", str(tmp_path / "Qwen2.5-7B.json"), "--strategies", "zero3"])
+    assert "note: qwen2's q/k/v biases (129,024 parameters" in capsys.readouterr().err
+    monkeypatch.setattr(planner.hf_config, "FIELDS", {k: v for k, v in planner.hf_config.FIELDS.items()
+                                                       if k != "n_kv_head"} | {"n_kv_head": "no_such_key"})
+    ignored = planned_params_of_hf_configs(tmp_path)
+    for name, (_, published) in HF_CONFIGS.items():
+        assert abs(ignored[name] / published - 1) > 0.01, name
+
+
+@pytest.mark.parametrize("content,expected", [
+    (None, "cannot read it"),
+    ("not json", "not a JSON config.json"),
+    ('{"model_type": "gpt2", "n_embd": 768}', "model_type 'gpt2' is not one the planner reads (llama, mistral"),
+    ('{"model_type": "llama", "hidden_size": 4096}', "num_hidden_layers must be a positive integer, got None"),
+    ('{"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128, '
+     '"num_hidden_layers": 28, "num_key_value_heads": 8, "intermediate_size": 3072, "vocab_size": 151936}',
+     "head_dim 128 is not hidden_size / num_attention_heads (64)"),
+])
+def test_a_bad_hf_config_is_one_line(tmp_path, content, expected):
+    """An unreadable file, one that is not JSON, an unknown model_type, a missing size, and a head
+    width the planner's Llama shape cannot hold (Qwen3-0.6B's 128-wide heads on a 1,024 width) each
+    end in one line naming the file."""
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UsageError, match=re.escape(expected)) as refused:
+        load_script(BENCH / "plan.py").main(["--hf-config", str(path)])
+    assert str(refused.value).startswith(f"--hf-config {path}: ") and "\n" not in str(refused.value)
 
 
 # ---------------------------------------------------------------- validated against the CPU matrix

@@ -32,7 +32,9 @@ the measurement of every matrix cell.
 
 The modules, each importing only those above it:
 
-* :mod:`.inputs`: GPUs, links, the :class:`Cluster`, the job (:class:`Plan`), resized inputs;
+* :mod:`.inputs`: GPUs, links, the :class:`Cluster`, the job (:class:`Plan`) and the limits of what
+  is planned (:func:`check_job`), resized inputs;
+* :mod:`.hf_config`: a model from a Hugging Face ``config.json`` (:func:`read_hf_config`);
 * :mod:`.costs`: memory in five parts, time per collective and of compute;
 * :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies;
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
@@ -43,20 +45,50 @@ The modules, each importing only those above it:
 What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
 """
 from .calibration import CPU, cpu_cluster, fit_collectives, read_matrix, with_measured_speed
-from .choose import (Recommendation, estimate, estimate_all, estimate_record, plan_of_record, recommend,
-                     with_overhead)
+from .choose import Recommendation, estimate, estimate_all, estimate_record, plan_of_record, recommend, with_overhead
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
-from .inputs import (AC_MODES, GPU, GPU_NAME_PARTS, GPUS, OPTIMIZERS, PRECISIONS, Cluster, GiB, Link, Plan,
-                     check_whole_nodes, cluster, gpu_type, override_cluster, with_params)
+from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
+from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
+from .hf_config import read_hf_config, uncounted_note, with_overrides
+from .inputs import (
+    AC_MODES,
+    GPU,
+    GPU_NAME_PARTS,
+    GPUS,
+    MAX_GPUS,
+    MAX_SEQUENCES,
+    MIN_SEQ_LEN,
+    OPTIMIZERS,
+    PRECISIONS,
+    Cluster,
+    GiB,
+    Link,
+    Plan,
+    check_job,
+    check_whole_nodes,
+    cluster,
+    gpu_type,
+    limits_text,
+    override_cluster,
+    with_params,
+)
 from .layouts import Estimate
 from .report import describe, format_report, plot_estimates, report_json
-from .validation import (VALIDATION_BOUNDS, validate, validation_bounds_text, validation_misses,
-                         validation_summary, validation_table)
+from .validation import (
+    VALIDATION_BOUNDS,
+    validate,
+    validation_bounds_text,
+    validation_misses,
+    validation_summary,
+    validation_table,
+)
 
-__all__ = ["AC_MODES", "CPU", "GPU", "GPUS", "GPU_NAME_PARTS", "OPTIMIZERS", "PARTS", "PRECISIONS",
-           "VALIDATION_BOUNDS", "Cluster", "Estimate", "GiB", "Link", "Plan", "Recommendation",
-           "activation_bytes", "check_whole_nodes", "cluster", "collective_time", "compute_rate",
-           "cpu_cluster", "describe", "estimate", "estimate_all", "estimate_record", "fit_collectives",
-           "format_report", "gpu_type", "override_cluster", "plan_of_record", "plot_estimates", "read_matrix",
-           "recommend", "report_json", "state_bytes", "validate", "validation_bounds_text", "validation_misses",
-           "validation_summary", "validation_table", "with_measured_speed", "with_overhead", "with_params"]
+__all__ = ["AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
+           "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
+           "Plan", "Recommendation", "VALIDATION_BOUNDS", "activation_bytes", "check_job", "check_whole_nodes",
+           "cluster", "collective_time", "compute_rate", "cpu_cluster", "describe", "estimate", "estimate_all",
+           "estimate_record", "fit_collectives", "format_report", "gpu_type", "limits_text", "override_cluster",
+           "plan_of_record", "plot_estimates", "read_hf_config", "read_matrix", "recommend", "report_json",
+           "state_bytes", "uncounted_note", "validate", "validation_bounds_text", "validation_misses",
+           "validation_summary", "validation_table", "with_measured_speed", "with_overhead", "with_overrides",
+           "with_params"]

@@ -13,7 +13,6 @@ from ..strategies import Strategy
 from .choose import estimate_record, overhead_basis
 from .inputs import GPU, Cluster, Link
 
-
 # ----------------------------------------------------------------------------------------------
 # Calibration on this machine: collectives from the bandwidth sweep, compute from the matrix
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from ..strategies import PLANNED, Strategy
 from .inputs import Cluster, GiB, Plan
 from .layouts import Estimate, _context_parallel, _dp_family, _expert_parallel, _invalid, _pipeline, _tp_fsdp
 
-
 # a strategy the calibration never saw borrows its family's overhead
 OVERHEAD_FAMILY = {Strategy.FSDP_HYBRID_SHARD: Strategy.FSDP_FULL_SHARD, Strategy.HSDP: Strategy.FSDP_FULL_SHARD,
                    Strategy.FSDP_TP_2D: Strategy.TP, Strategy.ZERO3_OFFLOAD: Strategy.ZERO3,

@@ -10,7 +10,6 @@ from .. import theory
 from ..models import LlamaModelConfig
 from .inputs import Cluster, Plan
 
-
 # ----------------------------------------------------------------------------------------------
 # Memory: the five parts
 # ----------------------------------------------------------------------------------------------

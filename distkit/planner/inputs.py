@@ -10,7 +10,6 @@ from typing import Any
 from .. import theory
 from ..errors import UsageError
 
-
 # ----------------------------------------------------------------------------------------------
 # Hardware: GPU types and links
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +148,55 @@ OPTIMIZERS = ("adamw", "sgd")
 AC_MODES = ("none", "selective", "full")
 
 
+# What the planner plans for; plan.py turns anything outside into one ``error:`` line. The floor:
+# the shortest sequences its formulas were validated on (the CPU matrix trains 32-token sequences),
+# below which a "sequence" is a handful of tokens no transformer recipe trains. The ceilings: 65,536
+# sequences per step is 32x the largest published batch (Llama 3 405B's 16M tokens: 2,048 sequences
+# of 8,192), so more is a typo, not a job; 512 GPUs is the range the planner is written for, one
+# uniform link per GPU between nodes (beyond a few hundred GPUs the network's topology decides).
+MIN_SEQ_LEN = 32
+
+
+MAX_SEQUENCES = 65_536
+
+
+MAX_GPUS = 512
+
+
+def limits_text() -> str:
+    """The limits of :func:`check_job` in words, for ``--help``."""
+    return (f"sequences of at least {MIN_SEQ_LEN} tokens, at most {MAX_SEQUENCES:,} sequences per step, "
+            f"1 to {MAX_GPUS} GPUs, and a step's sequences at least as many as the GPUs when the batch is "
+            "derived from tokens")
+
+
+def check_job(seq_len: int, gpus: int, sequences: int | None = None, tokens: int | None = None) -> None:
+    """One-line :class:`UsageError` (saying what would work) when the planner cannot plan the job:
+    ``seq_len`` below :data:`MIN_SEQ_LEN`, ``gpus`` above :data:`MAX_GPUS`, or the step's
+    ``sequences`` above :data:`MAX_SEQUENCES`. With ``tokens`` (the batch derived from a token count,
+    not given in sequences) the step must also hold a sequence per GPU: rounding a smaller one up to
+    the GPUs would plan a batch several times the one asked for."""
+    if seq_len < MIN_SEQ_LEN:
+        raise UsageError(f"--seq-len {seq_len} is below the planner's floor of {MIN_SEQ_LEN} tokens (the shortest "
+                         f"sequences its formulas were validated on); give --seq-len {MIN_SEQ_LEN} or more")
+    if gpus > MAX_GPUS:
+        raise UsageError(f"--gpus {gpus} is beyond the planner's {MAX_GPUS} GPUs (one uniform link per GPU between "
+                         f"nodes; larger networks are decided by their topology); give --gpus {MAX_GPUS} or fewer")
+    if sequences is None:
+        return
+    made = f"{tokens or 0:,} tokens of {seq_len} make {sequences:,} sequences per step"
+    if sequences > MAX_SEQUENCES:
+        if tokens:
+            raise UsageError(f"{made}, more than the planner's {MAX_SEQUENCES:,} (32x the largest published batch); "
+                             f"give --global-batch-tokens {MAX_SEQUENCES * seq_len:,} or fewer, or a longer --seq-len")
+        raise UsageError(f"--global-batch {sequences:,} is more than the planner's {MAX_SEQUENCES:,} sequences per "
+                         f"step (32x the largest published batch); give --global-batch {MAX_SEQUENCES:,} or fewer")
+    if tokens and sequences < gpus:
+        fewer = 2 ** int(math.log2(sequences))
+        raise UsageError(f"{made}, fewer than the {gpus} GPUs; give --global-batch {gpus} or more (or "
+                         f"--global-batch-tokens {gpus * seq_len:,}), or --gpus {fewer} or fewer")
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to train: ``model`` (a GPT or Llama config of :mod:`distkit.models`, or its mixture of
@@ -212,7 +260,8 @@ def override_cluster(cl: Cluster, *, memory_gib=None, peak_tflops=None, precisio
     then labelled as what it is: ``--gpu h100 --gpu-memory-gib 24`` plans a 24 GiB GPU with the H100's
     other figures, not an "H100 SXM 80GB"."""
     gpu = cl.gpu
-    given = [what for what, value in (("peak FLOP/s", peak_tflops), ("intra-node link", intra_bw_gbps or intra_latency_us),
+    given = [what for what, value in (("peak FLOP/s", peak_tflops),
+                                      ("intra-node link", intra_bw_gbps or intra_latency_us),
                                       ("inter-node link", inter_bw_gbps or inter_latency_us)) if value]
     if memory_gib:
         gpu = replace(gpu, memory_bytes=memory_gib * GiB, name=f"{memory_gib:g} GiB GPU ({gpu.name}'s other figures)")

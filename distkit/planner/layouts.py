@@ -8,10 +8,18 @@ from dataclasses import dataclass, field, replace
 
 from .. import predictors, theory
 from ..strategies import Strategy
-from .costs import (PARTS, _act_dtype_bytes, _comm_seconds, _flops_per_token, activation_bytes, compute_rate,
-                    core_share, head_working_set, state_bytes)
+from .costs import (
+    PARTS,
+    _act_dtype_bytes,
+    _comm_seconds,
+    _flops_per_token,
+    activation_bytes,
+    compute_rate,
+    core_share,
+    head_working_set,
+    state_bytes,
+)
 from .inputs import Cluster, Plan, _block_params
-
 
 # ----------------------------------------------------------------------------------------------
 # One estimate per configuration

@@ -10,7 +10,6 @@ from .costs import PARTS, compute_rate
 from .inputs import Cluster, GiB, Plan
 from .layouts import Estimate
 
-
 # ----------------------------------------------------------------------------------------------
 # Reports: terminal table, JSON, plot
 # ----------------------------------------------------------------------------------------------

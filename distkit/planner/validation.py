@@ -11,7 +11,6 @@ from .calibration import _base_arch, cpu_cluster
 from .choose import estimate_record
 from .inputs import Cluster
 
-
 # ----------------------------------------------------------------------------------------------
 # Validation: every matrix cell, predicted vs measured
 # ----------------------------------------------------------------------------------------------
