@@ -278,7 +278,10 @@ def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     assert ddp["activations"] == 2 * cp.memory_bytes["activations"] and not estimates["ddp"].fits
     for name in ("ddp", "zero3", "fsdp_full_shard", "pp_1f1b"):
         assert not estimates[name].fits, name
-    assert planner.recommend(list(estimates.values()), cl).best.name == "cp"
+    assert planner.recommend(list(estimates.values()), cl, tie_bound=0).best.name == "cp"  # the fastest
+    # TP is predicted 1.1% slower, within the planner's error, and is the simpler: it is the pick
+    rec = planner.recommend(list(estimates.values()), cl)
+    assert rec.best.name == "fsdp_tp" and rec.tie["fastest"] == "cp"
     short = planner.estimate(planner.Plan(replace(cfg, seq_len=30), global_batch=16), cl, "cp")
     assert not short.valid and short.note.startswith("no CP size")  # 30 tokens: no 2 x cp chunks for cp = 2
 
@@ -312,6 +315,79 @@ def test_expert_parallel_needs_an_moe_and_splits_its_experts():
     assert ep.times["exposed_comm_s"] > 0  # the all-to-alls sit on the critical path
     no_moe = planner.estimate(planner.Plan(dense_cfg, global_batch=64), cl, "ep")
     assert not no_moe.valid and no_moe.note == "needs an MoE model (--experts)"
+
+
+# ---------------------------------------------------------------- ties within the planner's error
+
+
+TIED = ["--model", "llama-3.2-1b", "--gpus", "4", "--gpu-memory-gib", "24", "--seq-len", "2048"]
+CLEAR = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "2048", "--activation-checkpointing", "full"]
+
+
+def check_tie(plan, argv: list[str], capsys) -> dict:
+    """What the report and the JSON say about a tie, checked against the estimates: a tie is said
+    exactly when another eligible configuration is predicted within 20% (the step time's median
+    error bound) of the fastest; the pick is then the simplest family among them (DDP < ZeRO/FSDP <
+    TP < PP < CP), its fastest member; JSON and table agree. Returns the JSON's tie (or None)."""
+    plan_main(plan, [*argv, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    plan_main(plan, argv)
+    text = capsys.readouterr().out
+    order = {"ddp": 0, "fsdp_tp": 2, "ep": 2, "cp": 4}
+    rank = {s["name"]: order.get(s["name"], 3 if s["name"].startswith("pp_") else 1) for s in out["strategies"]}
+    eligible = {s["name"]: s["step_time_s"] for s in out["strategies"] if s["valid"] and s["fits"]
+                and s["name"] not in ("lora_fsdp", "zero3_offload")}
+    fastest = min(eligible, key=eligible.get)
+    within = {n for n, t in eligible.items() if t <= 1.2 * eligible[fastest]}
+    picked = min(within, key=lambda n: (rank[n], eligible[n]))
+    assert out["recommended"] == picked and f"recommended: {picked} (" in text
+    if len(within) == 1:
+        assert out["tie"] is None and "tie:" not in text
+        return None
+    tie = out["tie"]
+    assert tie["fastest"] == fastest and set(tie["within"]) == within and tie["picked"] == picked
+    assert tie["bound"] == planner.STEP_MEDIAN_ERROR == 0.20
+    line = next(ln for ln in text.splitlines() if ln.startswith("tie: "))
+    assert f"within 20% of the fastest, {fastest} (the planner's median step-time error" in line
+    assert f"  why: {tie['reason']}" in text.splitlines()
+    return tie
+
+
+def plan_with_tie_bound(bound: float):
+    """plan.py whose planner recommends with another tie bound (a broken variant for the controls)."""
+    broken = load_script(BENCH / "plan.py")
+    broken.planner = type(planner)("planner_with_another_bound")
+    broken.planner.__dict__.update(planner.__dict__)
+    broken.planner.recommend = lambda *a, **k: planner.recommend(*a, **{**k, "tie_bound": bound})
+    return broken
+
+
+def test_a_tie_within_the_error_picks_the_simpler(capsys):
+    """The request's case, a 1B Llama on 4 x 24 GB GPUs with 2k sequences: context parallelism is the
+    fastest by 0.02%, far inside the planner's 20% median error, so the report says it is a tie and
+    picks ZeRO-2 (ZeRO/FSDP before CP), with the reason in one line; the JSON carries the same.
+    Negative control: the planner with no error bound (``tie_bound=0``) recommends CP and the check
+    fails on it."""
+    plan = load_script(BENCH / "plan.py")
+    tie = check_tie(plan, TIED, capsys)
+    assert tie["fastest"] == "cp" and tie["picked"] == "zero2"
+    assert tie["reason"].startswith("zero2 (ZeRO/FSDP) before cp (CP), 0.0")
+    assert "every layer stays whole" in tie["reason"]
+    with pytest.raises(AssertionError):
+        check_tie(plan_with_tie_bound(0), TIED, capsys)
+
+
+def test_a_clear_win_says_no_tie(capsys):
+    """A 70B Llama on 64 H100s, 2k sequences, full AC: the 1F1B pipeline is predicted 2.7x faster than
+    anything else that fits, far outside the error: it is recommended and no tie is said. Negative
+    control: an error bound of 300% (a broken bound) calls it a tie and picks FSDP, and the check
+    fails."""
+    plan = load_script(BENCH / "plan.py")
+    assert check_tie(plan, CLEAR, capsys) is None
+    plan_main(plan, [*CLEAR, "--json"])
+    assert json.loads(capsys.readouterr().out)["recommended"] == "pp_1f1b"
+    with pytest.raises(AssertionError):
+        check_tie(plan_with_tie_bound(3.0), CLEAR, capsys)
 
 
 # ---------------------------------------------------------------- the CLI

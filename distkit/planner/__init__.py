@@ -4,8 +4,9 @@ For a model (a :mod:`distkit.models` config), a batch, a precision and a cluster
 strategy of :data:`distkit.strategies.PLANNED` gets an :class:`Estimate`: memory per GPU in five
 parts (parameters, gradients, optimizer state, activations, temporaries), whether it fits, a step
 time (compute + exposed communication + pipeline bubble + optimizer step) and tokens/s per GPU.
-:func:`recommend` picks the fastest configuration that fits and says in one line why each other one
-lost.
+:func:`recommend` picks the fastest configuration that fits, or, when others are predicted within the
+step time's median error of it (:data:`STEP_MEDIAN_ERROR`, 20%), the simplest of those (DDP <
+ZeRO/FSDP < TP < PP < CP), and says in one line why each other one lost.
 
 Every byte count comes from the modules the chapters print their predictions from and the
 benchmarks measure against: model state from :func:`~distkit.predictors.busiest_rank_prediction`
@@ -45,7 +46,17 @@ The modules, each importing only those above it:
 What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
 """
 from .calibration import CPU, cpu_cluster, fit_collectives, read_matrix, with_measured_speed
-from .choose import Recommendation, estimate, estimate_all, estimate_record, plan_of_record, recommend, with_overhead
+from .choose import (
+    STEP_MEDIAN_ERROR,
+    Recommendation,
+    estimate,
+    estimate_all,
+    estimate_record,
+    plan_of_record,
+    recommend,
+    simplicity,
+    with_overhead,
+)
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
 from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
 from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
@@ -85,10 +96,10 @@ from .validation import (
 
 __all__ = ["AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
-           "Plan", "Recommendation", "VALIDATION_BOUNDS", "activation_bytes", "check_job", "check_whole_nodes",
-           "cluster", "collective_time", "compute_rate", "cpu_cluster", "describe", "estimate", "estimate_all",
-           "estimate_record", "fit_collectives", "format_report", "gpu_type", "limits_text", "override_cluster",
-           "plan_of_record", "plot_estimates", "read_hf_config", "read_matrix", "recommend", "report_json",
-           "state_bytes", "uncounted_note", "validate", "validation_bounds_text", "validation_misses",
-           "validation_summary", "validation_table", "with_measured_speed", "with_overhead", "with_overrides",
-           "with_params"]
+           "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",
+           "check_whole_nodes", "cluster", "collective_time", "compute_rate", "cpu_cluster", "describe", "estimate",
+           "estimate_all", "estimate_record", "fit_collectives", "format_report", "gpu_type", "limits_text",
+           "override_cluster", "plan_of_record", "plot_estimates", "read_hf_config", "read_matrix", "recommend",
+           "report_json", "simplicity", "state_bytes", "uncounted_note", "validate", "validation_bounds_text",
+           "validation_misses", "validation_summary", "validation_table", "with_measured_speed", "with_overhead",
+           "with_overrides", "with_params"]

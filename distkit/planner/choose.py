@@ -127,24 +127,75 @@ def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = PLANN
 # The recommendation
 # ----------------------------------------------------------------------------------------------
 
+# How close two predicted steps must be to be no evidence for either: the step time's median error
+# bound that the planner's validation holds it to (20%; the worst cell's is 50%, benchmarks/README
+# "Validated against the CPU matrix": the median is the figure a typical prediction earns).
+STEP_MEDIAN_ERROR = 0.20
+
+
+# Simpler first: what a strategy changes beyond replicating the model. Within one family the fastest
+# is kept; expert parallelism splits the MoE layers inside a group, as TP splits layers in a node.
+SIMPLICITY = {Strategy.DDP: (0, "DDP"), Strategy.FSDP_TP: (2, "TP"), Strategy.EP: (2, "EP"), Strategy.CP: (4, "CP")}
+
+
+WHY_SIMPLER = {0: "nothing is sharded: every GPU runs the whole model, one all-reduce behind backward",
+               1: "state is sharded but every layer stays whole and runs as written",
+               2: "layers are split inside a node but the step keeps one schedule",
+               3: "only the layer sequence is cut; no layer is rewritten"}
+
+
+def simplicity(name: str) -> tuple[int, str]:
+    """``(rank, family)`` of a strategy in the order DDP < ZeRO/FSDP < TP (and EP) < PP < CP."""
+    if name in SIMPLICITY:
+        return SIMPLICITY[name]
+    return (3, "PP") if name.startswith("pp_") else (1, "ZeRO/FSDP")
+
+
 @dataclass
 class Recommendation:
-    """``best``: the fastest estimate that fits (None when nothing does); ``reasons``: strategy ->
-    one line on why it was not chosen."""
+    """``best``: the configuration to use (None when nothing fits); ``reasons``: strategy -> one line
+    on why it was not chosen; ``tie``: when other candidates are predicted within ``bound`` (the step
+    time's median error) of the fastest, ``{"bound", "fastest", "within", "picked", "reason"}``: the
+    simplest of them was picked, and ``reason`` says why in one line; None for a clear win."""
 
     best: Estimate | None
     reasons: dict
+    tie: dict | None = None
 
 
-def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool = False) -> Recommendation:
+def _tie(pool: list[Estimate], bound: float) -> tuple[Estimate | None, dict | None]:
+    """The pick among ``pool`` (eligible configurations): the fastest, unless others are within
+    ``bound`` of it; then the simplest of those (the fastest of its family)."""
+    if not pool:
+        return None, None
+    fastest = min(pool, key=lambda e: e.step_time_s)
+    within = [e for e in pool if e.step_time_s <= fastest.step_time_s * (1 + bound)]
+    if len(within) == 1:
+        return fastest, None
+    picked = min(within, key=lambda e: (simplicity(e.name)[0], e.step_time_s))
+    rank, family = simplicity(picked.name)
+    if picked is fastest:
+        reason = f"{picked.name} is the fastest and of the simplest family among them ({family})"
+    else:
+        reason = (f"{picked.name} ({family}) before {fastest.name} ({simplicity(fastest.name)[1]}), "
+                  f"{picked.step_time_s / fastest.step_time_s - 1:.2%} slower by the model: {WHY_SIMPLER[rank]}")
+    tie = {"bound": bound, "fastest": str(fastest.name), "within": [str(e.name) for e in within],
+           "picked": str(picked.name), "reason": reason}
+    return picked, tie
+
+
+def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool = False,
+              tie_bound: float = STEP_MEDIAN_ERROR) -> Recommendation:
     """The top README's decision guide applied to numbers: among the configurations that run, fit
     and train the whole model (LoRA trains adapters only: another job, never picked for full
-    training), the fastest; CPU offload only with ``allow_offload`` or when nothing else fits."""
+    training), the fastest; CPU offload only with ``allow_offload`` or when nothing else fits. When
+    others are predicted within ``tie_bound`` of the fastest, the prediction cannot tell them apart,
+    and the simplest of them is picked (:func:`simplicity`; ``tie_bound=0``: always the fastest)."""
     cap = cluster.capacity_bytes
     eligible = [e for e in estimates if e.valid and e.fits and not e.lora]
     on_gpu = [e for e in eligible if not e.offload]
     pool = eligible if allow_offload else on_gpu
-    best = min(pool, key=lambda e: e.step_time_s) if pool else None
+    best, tie = _tie(pool, tie_bound)
     reasons = {}
     for e in estimates:
         if e is best:
@@ -158,10 +209,13 @@ def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool =
             reasons[e.name] = "trains LoRA adapters only (fine-tuning a frozen base): a different job"
         elif e.offload and not allow_offload:
             reasons[e.name] = "fits, but CPU offload was not allowed (--offload)"
+        elif best is not None and e.step_time_s < best.step_time_s:
+            reasons[e.name] = (f"fits, {best.step_time_s / e.step_time_s:.2f}x faster by the model, within its "
+                               f"{tie_bound:.0%} error: {best.name} is simpler")
         elif best is not None:
             reasons[e.name] = (f"fits, {e.step_time_s / best.step_time_s:.2f}x slower "
                                f"({_why_slower(e, best)})")
-    return Recommendation(best, reasons)
+    return Recommendation(best, reasons, tie)
 
 
 def _why_slower(e: Estimate, best: Estimate) -> str:

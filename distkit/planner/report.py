@@ -75,6 +75,8 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
         lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): "
                      f"{b.memory_bytes['peak'] / unit:.1f} {unit_name} "
                      f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+        if rec.tie:
+            lines.append(tie_text(rec.tie))
     elif not any(e.valid for e in estimates):  # "use more GPUs" may be false (512 sequences do not split over 6)
         lines.append(f"recommended: none: no strategy can run this job on {cl.gpus} GPUs (reasons below)")
     else:
@@ -83,6 +85,14 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
     for name, why in rec.reasons.items():
         lines.append(f"  {name:<20} {why}")
     return "\n".join(lines)
+
+
+def tie_text(tie: dict) -> str:
+    """The tie in two lines: who is within the error of the fastest, and why the pick."""
+    others = [name for name in tie["within"] if name != tie["fastest"]]
+    return (f"tie: predicted within {tie['bound']:.0%} of the fastest, {tie['fastest']} (the planner's median "
+            f"step-time error, its validation bound): {', '.join(others)}; the simplest is picked\n"
+            f"  why: {tie['reason']}")
 
 
 def _clean(value):
@@ -108,6 +118,7 @@ def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recomme
                     "efficiency": cl.efficiency, "source": cl.gpu.source},
         "strategies": [e.to_json() for e in estimates],
         "recommended": rec.best.name if rec.best else None,
+        "tie": rec.tie,
         "reasons": rec.reasons,
     })
 
