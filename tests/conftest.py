@@ -156,7 +156,7 @@ def first_command_run(tmp_path_factory, worker_id):
     import json
     import subprocess
 
-    from launch import command_argv, fresh_clone, job_env, readme_command, REPO, run
+    from launch import REPO, command_argv, fresh_clone, job_env, readme_command, run
 
     def launch(folder):
         clone = fresh_clone(folder / "clone")

@@ -7,7 +7,7 @@ included. The second half starts a real one-host cluster once for the module (th
 where the packages are not installed, which ``.ci/run`` installs) and runs the chapter README's
 SLURM commands with small flags appended:
 
-* ``srun -n 2``, ``srun -n 4`` and a two-node ``srun`` of ``ddp_mnist.py`` train one job each whose
+* ``srun -n 4`` and a two-node ``srun`` of ``ddp_mnist.py`` train one job each whose
   test accuracy and parameters equal the torchrun launch of the same flags, bit for bit (same seed,
   same shards, same gloo reduction order: nothing may differ; the torchrun launches go through
   ``tests/fork_launcher.py``, torchrun's environment with forked ranks, as most tests' do); the
@@ -36,8 +36,7 @@ from ch01_common import CHAPTER, README, TINY, readme_argv
 from distkit.checkpoint import safe_load
 from distkit.errors import UsageError
 from distkit.harness import read_records
-from distkit.slurm import (SLURM_VARIABLES, expand_hostlist, parse_tasks_per_node, rendezvous_port,
-                           srun_task)
+from distkit.slurm import SLURM_VARIABLES, expand_hostlist, parse_tasks_per_node, rendezvous_port, srun_task
 from launch import REPO, assert_one_line_error, job, job_env, readme_command, run, run_jobs, stop, torchrun
 from slurm_cluster import INSTALL_HINT, missing_binaries
 
@@ -324,6 +323,7 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """Every job of the cluster tests, two at a time: ``{name: (folder, result or its exception)}``."""
     srun4 = readme_command(README, *SRUN4)
     two_nodes = readme_command(README, *SRUN_TWO_NODES)
+    # the negative control needs no 4 processes to show two worlds where one was meant
     srun2 = srun4.replace("--ntasks=4", "--ntasks=2")
     # the SLURM variables distkit reads, removed inside each task: what distkit did before it read them
     strip = " ".join(f"env -u {name}" if i == 0 else f"-u {name}" for i, name in enumerate(SLURM_VARIABLES))
@@ -337,8 +337,6 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[Path, object]]:
         "torchrun4": lambda f: torchrun(MNIST, *mnist_flags(f), nproc=4, tmp_path=f, timeout=600),
         "two_nodes": lambda f: run(srun_argv(two_nodes, *mnist_flags(f)),
                                    env=cluster_env(cluster, f, SLURM_PARTITION="two"), timeout=600),
-        "srun2": lambda f: run(srun_argv(srun2, *mnist_flags(f)), env=cluster_env(cluster, f), timeout=600),
-        "torchrun2": lambda f: torchrun(MNIST, *mnist_flags(f), nproc=2, tmp_path=f, timeout=600),
         "worlds_of_one": lambda f: run(srun_argv(srun2.replace("python", f"{strip} python"), *mnist_flags(f)),
                                        env=cluster_env(cluster, f), timeout=600),
     }
@@ -363,7 +361,6 @@ def assert_same_training(srun_folder: Path, torchrun_folder: Path, world_size: i
 
 
 @pytest.mark.parametrize("name, reference, tasks, where", [
-    ("srun2", "torchrun2", 2, "2 tasks on 1 node, 2 on this node"),
     ("srun4", "torchrun4", 4, "4 tasks on 1 node, 4 on this node"),
     ("two_nodes", "torchrun4", 4, "4 tasks on 2 nodes, 2 on this node"),
 ])
