@@ -98,6 +98,9 @@ def parse_args(argv=None):
     out.add_argument("--strategies", nargs="+", choices=[str(s) for s in PLANNED], help="(default: all)")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
+    out.add_argument("--decision-matrix", action="store_true",
+                     help="instead of planning: the top README's decision guide, each row planned (H100 80GB, 8 per "
+                          "node, bf16 AdamW, full AC, 1M-token steps; the other flags are not used)")
     out.add_argument("--validate", metavar="RESULTS",
                      help="instead of planning: predicted vs measured for every cell of a benchmark results file "
                           "(distributed_benchmarks.py --bandwidth), the time calibrated on the other "
@@ -185,6 +188,9 @@ def build_cluster(args) -> planner.Cluster:
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_outputs(None, args, files=["plot"])  # before the plan is printed, not after
+    if args.decision_matrix:
+        print(planner.decision_matrix())
+        return
     if args.validate:
         rows = planner.validate(planner.read_matrix(args.validate))
         if not rows:

@@ -390,6 +390,55 @@ def test_a_clear_win_says_no_tie(capsys):
         check_tie(plan_with_tie_bound(3.0), CLEAR, capsys)
 
 
+# ---------------------------------------------------------------- the guide's decision matrix
+
+
+MATRIX_ROWS = {"GPT-2 1.5B": (model_config("gpt", "small", vocab_size=50257, seq_len=1024, n_layer=48, n_embd=1600,
+                                           n_head=25), 4, False),
+               "LLaMA-7B": (replace(LLAMA_7B, seq_len=2048), 8, False),
+               "LLaMA-70B": (model_config("llama", "llama-3.1-70b"), 64, False),
+               "LLM fine-tuning (Llama 3.1 8B)": (LLAMA_8B, 8, True)}
+
+
+def check_matrix_picks(text: str) -> None:
+    """Every expressible row of the printed matrix names the pick, step and memory the planner gives
+    when called directly on the job the header states (H100s, bf16 AdamW, full AC, 2^20 tokens per
+    step rounded up to split over the GPUs): its recommendation, or for the LoRA row its LoRA
+    estimate; ResNet-50 is said to be not expressible."""
+    rows = {line[:31].strip(): line[31:].split() for line in text.splitlines()[3:9] if line.strip()}
+    assert rows["ResNet-50"][2:4] == ["not", "expressible"]
+    for name, (cfg, gpus, lora) in MATRIX_ROWS.items():
+        batch = math.ceil(round(2 ** 20 / cfg.seq_len) / gpus) * gpus
+        cl = planner.cluster("h100", gpus)
+        estimates = planner.estimate_all(planner.Plan(cfg, global_batch=batch, ac="full"), cl)
+        pick = next(e for e in estimates if e.lora) if lora else planner.recommend(estimates, cl).best
+        assert rows[name][0] == str(gpus) and rows[name][1] == f"{psi(cfg) / 1e9:.2f}B", name
+        assert rows[name][2:7] == [pick.name, f"{pick.step_time_s:.2f}", "s", f"{pick.memory_bytes['peak'] / GiB:.1f}",
+                                   "GiB"], (name, rows[name])
+
+
+def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
+    """``plan.py --decision-matrix``: each row's pick is the planner's own answer for that job; the rows
+    that disagree with the guide get a line, the 3-D row says the planner has no 3-D layout, and
+    ResNet-50 is not expressible. Negative control: rows planned with selective instead of full
+    activation checkpointing (a matrix that plans another job than the one its header states) fail the
+    check."""
+    plan = load_script(BENCH / "plan.py")
+    plan.main(["--decision-matrix"])
+    text = capsys.readouterr().out
+    check_matrix_picks(text)
+    assert "LLaMA-70B: the planner has no 3-D layout" in text and "ResNet-50: not expressible" in text
+    for row in planner.decision.ROWS:
+        agrees = row.name + " " * (31 - len(row.name))
+        line = next(ln for ln in text.splitlines() if ln.startswith(agrees))
+        if line.endswith(" no"):
+            assert f"  {row.name}: " in text, row.name
+    monkeypatch.setattr(planner.decision, "AC", "selective")
+    plan.main(["--decision-matrix"])
+    with pytest.raises(AssertionError):
+        check_matrix_picks(capsys.readouterr().out)
+
+
 # ---------------------------------------------------------------- the CLI
 
 

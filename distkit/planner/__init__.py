@@ -41,7 +41,8 @@ The modules, each importing only those above it:
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
 * :mod:`.calibration`: a CPU cluster calibrated from this machine's records;
 * :mod:`.validation`: every matrix cell, predicted vs measured;
-* :mod:`.report`: table, JSON and plot.
+* :mod:`.report`: table, JSON and plot;
+* :mod:`.decision`: the top README's decision guide, each row planned.
 
 What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
 """
@@ -58,6 +59,7 @@ from .choose import (
     with_overhead,
 )
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
+from .decision import decision_matrix
 from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
 from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
 from .hf_config import read_hf_config, uncounted_note, with_overrides
@@ -97,9 +99,9 @@ from .validation import (
 __all__ = ["AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",
-           "check_whole_nodes", "cluster", "collective_time", "compute_rate", "cpu_cluster", "describe", "estimate",
-           "estimate_all", "estimate_record", "fit_collectives", "format_report", "gpu_type", "limits_text",
-           "override_cluster", "plan_of_record", "plot_estimates", "read_hf_config", "read_matrix", "recommend",
-           "report_json", "simplicity", "state_bytes", "uncounted_note", "validate", "validation_bounds_text",
-           "validation_misses", "validation_summary", "validation_table", "with_measured_speed", "with_overhead",
-           "with_overrides", "with_params"]
+           "check_whole_nodes", "cluster", "collective_time", "compute_rate", "cpu_cluster", "decision_matrix",
+           "describe", "estimate", "estimate_all", "estimate_record", "fit_collectives", "format_report", "gpu_type",
+           "limits_text", "override_cluster", "plan_of_record", "plot_estimates", "read_hf_config", "read_matrix",
+           "recommend", "report_json", "simplicity", "state_bytes", "uncounted_note", "validate",
+           "validation_bounds_text", "validation_misses", "validation_summary", "validation_table",
+           "with_measured_speed", "with_overhead", "with_overrides", "with_params"]
