@@ -33,7 +33,13 @@
 # Each job is a real `torchrun` subprocess (CPU + gloo here, NCCL on GPUs).
 
 # %%
-import json, os, re, shlex, subprocess, sys, tempfile
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -157,7 +163,8 @@ def logged(name):
     return losses, int(calls), float(mib), float(step_s), saved[name]["machine"]["device_name"]
 hand_losses, hand_calls, hand_mib, hand_s, where = logged("ddp_from_scratch")
 ddp_losses, ddp_calls, ddp_mib, ddp_s, _ = logged("ddp_training")
-print(f"recorded on {where}: by hand {hand_calls} calls, {hand_mib} MiB/step; DDP {ddp_calls} call(s), {ddp_mib} MiB/step")
+print(f"recorded on {where}: by hand {hand_calls} calls, {hand_mib} MiB/step; "
+      f"DDP {ddp_calls} call(s), {ddp_mib} MiB/step")
 fig, ax = plt.subplots(figsize=(6, 2.5))
 ax.barh([f"DDP ({ddp_calls} call)", f"from scratch ({hand_calls} calls)"], [ddp_s, hand_s],
         color=["tab:blue", "tab:orange"])

@@ -37,8 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distkit.harness import bus_factor, read_records
 from distkit.compare import config_of_record
+from distkit.harness import bus_factor, read_records
 from distkit.models import GPTConfig, TinyGPT
 
 # torchrun, as this interpreter's module; the test suite names its single-node fork launcher

@@ -81,8 +81,8 @@ for r in pp:
     assert 0 <= r["bubble"]["measured"] < 1
 # Every run starts from the same weights and trains on the same batches: same losses.
 assert all(abs(a - b) < 1e-5 for r in pp for a, b in zip(r["losses"], pp[0]["losses"]))
-print("theory (p-1)/(v*m+p-1):", {(r["config"]["schedule"], r["config"]["microbatches"]): round(r["bubble"]["theory"], 3)
-                                   for r in pp})
+print("theory (p-1)/(v*m+p-1):",
+      {(r["config"]["schedule"], r["config"]["microbatches"]): round(r["bubble"]["theory"], 3) for r in pp})
 
 # %% [markdown]
 # The README's 4-stage sweep (`records/pipeline.jsonl`, the `small` GPT with 8 layers, 8 steps): the
@@ -92,12 +92,14 @@ print("theory (p-1)/(v*m+p-1):", {(r["config"]["schedule"], r["config"]["microba
 committed_pp = read_records(Path("records") / "pipeline.jsonl")
 fig, ax = plt.subplots(figsize=(6, 3.6))
 for i, schedule in enumerate(sorted({r["config"]["schedule"] for r in committed_pp})):
-    runs = sorted((r["config"]["microbatches"], r["bubble"]) for r in committed_pp if r["config"]["schedule"] == schedule)
+    runs = sorted((r["config"]["microbatches"], r["bubble"]) for r in committed_pp
+                  if r["config"]["schedule"] == schedule)
     ms = [m for m, _ in runs]
     ax.plot(ms, [b["measured"] for _, b in runs], "o-", color=f"C{i}", label=f"{schedule} measured")
     ax.plot(ms, [b["theory"] for _, b in runs], "--", color=f"C{i}", label=f"{schedule} theory")
+where, when = committed_pp[0]["machine"]["device_name"], committed_pp[0]["timestamp"][:10]
 ax.set(xlabel="micro-batches m", ylabel="idle fraction", ylim=(0, 1),
-       title=f"pipeline bubble, 4 stages ({committed_pp[0]['machine']['device_name']}, {committed_pp[0]['timestamp'][:10]})")
+       title=f"pipeline bubble, 4 stages ({where}, {when})")
 ax.legend(fontsize=7)
 plt.show()
 
@@ -119,8 +121,8 @@ assert max(held) < dense / 3 and sum(held) >= dense  # a quarter each (norms are
 # ends. 16 layers x 128 x 128 fp32 weights = 1 MiB: a 25 MB bucket holds every gradient.
 
 # %%
-sweep = run("communication_overlap.py", "--layers", 16, "--steps", 4, "--warmup-steps", 1, "--bucket-cap-mb", 0.02, 0.25, 25,
-            "--trace", WORK / "trace.json")
+sweep = run("communication_overlap.py", "--layers", 16, "--steps", 4, "--warmup-steps", 1,
+            "--bucket-cap-mb", 0.02, 0.25, 25, "--trace", WORK / "trace.json")
 sizes = [r["config"]["bucket_cap_mb"] for r in sweep]
 calls = [r["metrics"]["comm_per_step"]["all_reduce"]["calls"] for r in sweep]
 print("all-reduce calls per step by bucket_cap_mb:", dict(zip(sizes, calls)))

@@ -27,11 +27,12 @@
 import math
 from pathlib import Path
 
+import plot  # benchmarks/plot.py (this notebook runs in benchmarks/)
 from IPython.display import Markdown, display
 
-import plot      # benchmarks/plot.py (this notebook runs in benchmarks/)
 from distkit import compare, theory
 
+# isort: split
 # %matplotlib inline
 import matplotlib.pyplot as plt  # noqa: E402 (after plot.py, which picks a file backend for scripts)
 
@@ -115,7 +116,8 @@ for record in records:
     assert c["comm_error"] <= BYTES_TOLERANCE, (record["strategy"], record["world_size"], c["comm_error"])
     # the bus bytes the plot draws are the record's, and theory predicts them within the bar
     assert abs(bus / 2**20 - plot.bus_mib(record)) < 1e-9
-    assert abs(bus - bus_predicted) <= BYTES_TOLERANCE * bus_predicted + 2 * compare.BOOKKEEPING_SLACK_BYTES, record["strategy"]
+    slack = 2 * compare.BOOKKEEPING_SLACK_BYTES
+    assert abs(bus - bus_predicted) <= BYTES_TOLERANCE * bus_predicted + slack, record["strategy"]
 display(Markdown("\n".join(rows)))
 
 # %% [markdown]
@@ -152,7 +154,8 @@ display(planner.plot_estimates(estimates, cluster, title=planner.describe(plan, 
 # %%
 psi = sum(math.prod(shape) for shape in theory.param_shapes(model).values())
 state = {e.name: sum(e.memory_bytes[p] for p in ("params", "grads", "optimizer")) for e in estimates if e.valid}
-paper = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / gpus, "zero2": 2 * psi + 14 * psi / gpus, "zero3": 16 * psi / gpus}
+paper = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / gpus, "zero2": 2 * psi + 14 * psi / gpus,
+         "zero3": 16 * psi / gpus}
 for name, bytes_by_paper in paper.items():
     assert abs(state[name] - bytes_by_paper) <= 16 * 2 * gpus, (name, state[name], bytes_by_paper)
     print(f"{name:6} {state[name] / 2**30:7.2f} GiB per GPU = the paper's {bytes_by_paper / 2**30:7.2f} GiB")

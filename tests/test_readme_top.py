@@ -16,10 +16,11 @@ OFFLINE_COMMANDS = ["distkit/offline.py download", "distkit/offline.py install",
 
 
 RECORD_RUN = "python -m distkit.records run"  # the maintainer's recording command, checked below
+DECISION_MATRIX = "benchmarks/plan.py --decision-matrix"  # "Which one for my model?", checked below
 
 
 def test_every_readme_command_has_a_test():
-    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, RECORD_RUN, *OFFLINE_COMMANDS])
+    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, RECORD_RUN, *OFFLINE_COMMANDS, DECISION_MATRIX])
     for command in RECORDS_COMMANDS:  # exactly these, with no folder: the whole repository
         assert readme_command(README, command) == command
 
@@ -64,3 +65,20 @@ def test_the_recording_example_records_the_chapters_own_command():
     assert f"--results {source}" in chapter and target == "02-fsdp/records/fsdp_strategies.jsonl"
     record = find(REPO / into, name)
     assert record["command"] == chapter and record["keep"] == [[source, target]]
+
+
+def test_the_decision_matrix_prints_its_recorded_output(capsys):
+    """The planner launches nothing and is deterministic: the README's command, run here in this process,
+    prints exactly the recorded block (the torchvision note aside, on stderr). What the table's picks
+    mean is checked in tests/test_planner.py (test_the_decision_matrix_picks_are_the_planners)."""
+    import json
+
+    from launch import command_argv, load_script
+
+    argv = command_argv(readme_command(README, DECISION_MATRIX))
+    load_script(REPO / "benchmarks" / "plan.py").main(argv[2:])
+    printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    recorded = next(json.loads(line) for line in (REPO / "records" / "outputs.jsonl").read_text().splitlines()
+                    if json.loads(line)["name"] == "decision_matrix")
+    assert recorded["command"] == readme_command(README, DECISION_MATRIX)
+    assert printed == [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
