@@ -1,13 +1,20 @@
 """distkit: the shared, non-lesson parts of the distributed-training chapters.
 
 * :mod:`distkit.runtime`: backend/device choice, process group set-up and tear-down, seeding,
-  one-line errors (``run_main``; ``UsageError`` lives in :mod:`distkit.errors`).
+  one-line errors (``run_main``; ``UsageError`` lives in :mod:`distkit.errors`); :mod:`distkit.slurm`:
+  who a process is when ``srun`` started it; :mod:`distkit.paths`: every output path checked on rank
+  0 before the first step.
 * :mod:`distkit.logs`: ``[rank N]`` logging and a rank-0 progress bar.
 * :mod:`distkit.harness`: step timing, memory per rank, communication bytes per collective
   (counted by :mod:`distkit.comm_counter`), and the JSON record every measured run writes (schema
-  documented there) that the READMEs and ``benchmarks/`` read.
+  documented there, its file format in :mod:`distkit.record_format`) that the READMEs and
+  ``benchmarks/`` read.
 * :mod:`distkit.data`: MNIST with an offline fallback; :mod:`distkit.models`: the MNIST CNN, the
-  small GPT and its synthetic token task; :mod:`distkit.checkpoint`: atomic, safe checkpoints.
+  small GPT and its synthetic token task; :mod:`distkit.text`: real text offline (Python's reference
+  documentation, a byte per token) with the token task's interface; :mod:`distkit.checkpoint`:
+  atomic, safe checkpoints.
+* :mod:`distkit.fsdp_view`: chapter 02's evidence (each rank's shards, one step traced collective by
+  collective).
 * :mod:`distkit.flags`: range-checked argparse types and the flags every script shares, one name and
   one meaning per concept (``add_training_args``, ``add_checkpoint_args``, ``add_bucket_arg``).
 * :mod:`distkit.strategies`: the strategy names (``Strategy``, a StrEnum), the benchmark matrix's
@@ -26,6 +33,8 @@
   output block, table and plot regenerated from them (``python -m distkit.records render``), with
   the chapter notebooks re-executed by :mod:`distkit.notebooks`; both stamp what they write with
   :mod:`distkit.provenance` (machine, command, torch version, date).
+* :mod:`distkit.mutation`: a script with one deliberate bug, for the negative controls.
+* :mod:`distkit.offline`: the two commands that carry this repository to an offline GPU node.
 """
 from .runtime import (
     ArgumentParser,

@@ -82,3 +82,22 @@ def test_the_decision_matrix_prints_its_recorded_output(capsys):
                     if json.loads(line)["name"] == "decision_matrix")
     assert recorded["command"] == readme_command(README, DECISION_MATRIX)
     assert printed == [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
+
+
+def test_the_layout_and_the_package_docstring_name_every_distkit_module():
+    """The top README's Layout and ``distkit/__init__.py``'s docstring name every module of the package
+    (a new module that neither names fails here). Negative control: a module name that does not exist
+    is missing from both."""
+    import re
+
+    import distkit
+
+    layout = README.read_text().split("## Layout", 1)[1]
+    modules = sorted(p.stem for p in (REPO / "distkit").glob("*.py") if p.stem != "__init__") + ["planner"]
+
+    def unnamed(names):
+        return [m for m in names if not re.search(rf"\b{m}\b", layout)
+                or f"distkit.{m}" not in distkit.__doc__]
+
+    assert unnamed(modules) == []
+    assert unnamed(["no_such_module"]) == ["no_such_module"]
