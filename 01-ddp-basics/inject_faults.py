@@ -1,7 +1,7 @@
-"""Worker: chapter 01's ``ddp_training.py`` with faults injected from outside, and its recovery timed.
+"""Chapter 01: ``ddp_training.py`` with a fault injected from outside, and its recovery timed.
 
-The template itself has no fault-injection code. This worker imports it by path, wraps a few of its
-functions, and runs its ``main`` with the remaining flags (every ddp_training.py flag works):
+The training script itself has no fault-injection code. This wrapper imports it by path, wraps a few
+of its functions, and runs its ``main`` with the remaining flags (every ddp_training.py flag works):
 
 * ``--crash-at-step N --crash-rank R``: rank R sends itself SIGKILL as it starts step N;
 * ``--crash-in-checkpoint-at-step N``: rank 0 writes half of step N's checkpoint the way
@@ -14,7 +14,7 @@ checkpoint loaded, first step, the fault, a failed collective, torchrun's SIGTER
 ``01-ddp-basics/recovery_report.py`` computes the recovery phases.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=4 --max-restarts=3 \\
-        tests/workers/ch01_faults.py --crash-at-step 60 --crash-rank 2 --steps 70
+        01-ddp-basics/inject_faults.py --crash-at-step 60 --crash-rank 2 --steps 70
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "01-ddp-basics" / "ddp_training.py"
+SCRIPT = Path(__file__).resolve().parent / "ddp_training.py"
 
 
 class Events:

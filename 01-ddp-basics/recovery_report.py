@@ -3,7 +3,7 @@
 ``--measure`` runs the README's restart command (4 ranks, rank 2 sends itself SIGKILL at step 60,
 ``torchrun --max-restarts=3`` restarts the group, which resumes from the step-50 checkpoint) with
 default DDP flags and with ``--find-unused-parameters``, next to an uninterrupted run of each. The
-crash comes from ``tests/workers/ch01_faults.py``, which runs ``ddp_training.py`` with the fault
+crash comes from ``inject_faults.py`` beside it, which runs ``ddp_training.py`` with the fault
 injected and every rank's milestone timestamps appended to ``<log-dir>/events.jsonl``; the recovery
 phases come from those, and the final parameters are compared with the uninterrupted run's (plain
 ``ddp_training.py``, same flags). Each
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RECORD = HERE / "records" / "recovery_times.jsonl"
 # The README's restart command, ending sooner (--steps 64: resume at 50, 14 steps recomputed).
-COMMAND = ("torchrun --standalone --nproc_per_node=4 --max-restarts=3 tests/workers/ch01_faults.py "
+COMMAND = ("torchrun --standalone --nproc_per_node=4 --max-restarts=3 01-ddp-basics/inject_faults.py "
            "--crash-at-step 60 --crash-rank 2 --steps 64")
 SCRIPT = "01-ddp-basics/ddp_training.py"  # what the uninterrupted runs start instead of the fault worker
 CONFIGS = {"default flags": [], "--find-unused-parameters": ["--find-unused-parameters"]}
@@ -60,7 +60,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def recovery_phases(events: list[dict]) -> dict[str, float]:
-    """Seconds per phase of one crash and restart, from the events ``tests/workers/ch01_faults.py`` wrote.
+    """Seconds per phase of one crash and restart, from the events ``inject_faults.py`` wrote.
 
     The crash is the fault-injecting rank's ``fault_injected`` (attempt 0); detection ends when the
     first surviving rank noticed: its collective failed (``collective_failed``) or torchrun's SIGTERM
@@ -115,7 +115,7 @@ def measure(repeats: int, record: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="recovery_") as scratch:
         env["TMPDIR"] = scratch  # torchrun's own scratch folders
         for label, extra in CONFIGS.items():
-            clean_argv = [SCRIPT if a.endswith("ch01_faults.py") else a for a in shlex.split(COMMAND)
+            clean_argv = [SCRIPT if a.endswith("inject_faults.py") else a for a in shlex.split(COMMAND)
                           if a != "--max-restarts=3"]
             clean_argv = clean_argv[:clean_argv.index("--crash-at-step")] + clean_argv[
                 clean_argv.index("--crash-rank") + 2:]

@@ -10,12 +10,11 @@ import torch
 from distkit import seed_everything
 from distkit.checkpoint import safe_load
 from distkit.models import build_model, model_config
-from launch import REPO, WORKERS, command_argv, job_env, readme_command
+from launch import REPO, command_argv, job_env, readme_command
 
 CHAPTER = REPO / "01-ddp-basics"
 README = CHAPTER / "README.md"
 TRAINING = CHAPTER / "ddp_training.py"
-FAULTS = WORKERS / "ch01_faults.py"  # ddp_training.py with faults injected from outside
 
 # The README commands, as the needles each test finds its command with (launch.readme_command); the
 # comment names the file that runs it. test_ch01_tools.py checks they cover every README command.
