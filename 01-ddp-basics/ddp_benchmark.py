@@ -100,7 +100,7 @@ def measure(ctx, args, mode: str, log) -> None:
     model = DDP(TinyGPT(cfg).to(ctx.device), device_ids=ctx.device_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "ddp_benchmark", "scaling": mode, "run_id": args.run_id,
+                      config={"scaling": mode, "run_id": args.run_id,
                               "global_batch_size": global_batch, "per_rank_batch": global_batch // ctx.world_size,
                               "precision": "fp32"})
     task = TokenTask(cfg, seed=args.seed)

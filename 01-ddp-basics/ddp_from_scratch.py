@@ -120,7 +120,7 @@ def main():
                  f"{len(list(model.parameters()))} tensors | {bucketed}")
         harness = Harness(ctx, "ddp_from_scratch", model=model, optimizer=optimizer,
                           warmup_steps=args.warmup_steps,
-                          config={"script": "ddp_from_scratch", "global_batch_size": args.global_batch_size,
+                          config={"global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "bucket_cap_mb": args.bucket_cap_mb})
         task = make_task(gpt, args)
         losses = []

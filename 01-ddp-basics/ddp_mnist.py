@@ -185,7 +185,7 @@ def train(args, ctx: DistContext, wall_start: float) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       model_config={"arch": "mnist_cnn"},
-                      config={"script": "ddp_mnist", "batch_size_per_rank": args.batch_size,
+                      config={"batch_size_per_rank": args.batch_size,
                               "epochs": args.epochs, "data": source})
 
     test_acc = 0.0

@@ -311,7 +311,7 @@ def train(args: argparse.Namespace) -> None:
 
         start_step, losses = resume(args, ctx, log, model, optimizer, scheduler, scaler)
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                          config={"script": "ddp_training", "global_batch_size": args.global_batch_size,
+                          config={"global_batch_size": args.global_batch_size,
                                   "precision": args.precision, "grad_accum_steps": args.grad_accum_steps,
                                   "bucket_cap_mb": args.bucket_cap_mb, "static_graph": args.static_graph,
                                   "gradient_as_bucket_view": args.gradient_as_bucket_view})

@@ -95,7 +95,7 @@ def shard_trace_and_train(args, ctx):
 
     harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer,
                       warmup_steps=args.warmup_steps,
-                      config={"script": "fsdp_basics", "global_batch_size": args.global_batch_size,
+                      config={"global_batch_size": args.global_batch_size,
                               "precision": "fp32", "lr": args.lr, "wrap": "block"})
     tokens_per_step = args.global_batch_size * cfg.seq_len
     for step in progress(range(1, args.steps), ctx.rank, total=args.steps - 1, desc="train"):

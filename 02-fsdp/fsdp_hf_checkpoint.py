@@ -259,7 +259,7 @@ def train(args, ctx):
     # 3. Train (the optimizer is created after fully_shard: it holds, and shards state for, DTensors).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "fsdp_hf_checkpoint", "global_batch_size": args.global_batch_size,
+                      config={"global_batch_size": args.global_batch_size,
                               "lr": args.lr, "precision": "fp32"})
     task = make_task(cfg, args)
     for step in progress(range(args.steps), ctx.rank, desc="train"):

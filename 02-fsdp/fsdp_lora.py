@@ -220,7 +220,7 @@ def main(argv=None):
                  f"{args.lora_r} alpha {args.lora_alpha:g} on {', '.join(args.target_modules)} | global "
                  f"batch {args.global_batch_size}")
         log.info(f"parameters: {trainable:,} trainable (the adapters) of {total:,} ({100 * trainable / total:.2f}%)")
-        config = {"script": "fsdp_lora", "global_batch_size": args.global_batch_size, "lr": args.lr,
+        config = {"global_batch_size": args.global_batch_size, "lr": args.lr,
                   "lora_r": args.lora_r, "lora_alpha": args.lora_alpha, "target_modules": list(args.target_modules),
                   "trainable_params": trainable, "sharding": "full_shard"}
         harness = Harness(ctx, "fsdp_lora", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,

@@ -180,7 +180,7 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # The model's configuration and parameter count go into the record's own fields (the harness
     # reads them from the model's cfg), not into config.
-    config = {"script": "fsdp_transformer", "global_batch_size": args.global_batch_size,
+    config = {"global_batch_size": args.global_batch_size,
               "precision": args.mixed_precision, "lr": args.lr, "wrap": args.wrap,
               "activation_checkpointing": args.activation_checkpointing,
               "cpu_offload": args.cpu_offload, "sharding": strategy,

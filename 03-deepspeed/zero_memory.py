@@ -119,8 +119,7 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
             loss = lm_loss(engine(inputs), targets)
             engine.backward(loss)
             engine.step()
-    record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
-                                                 "script": "zero_memory"})
+    record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps})
     # Only after the measurement: at ZeRO-3 gathering the weights materialises the whole model on
     # every rank for a moment, which no training step does.
     weights = full_weights(deepspeed, engine)

@@ -111,7 +111,7 @@ def train(deepspeed, ctx, args, cfg, task, config_path: str, log):
             engine.step()          # AdamW on the (host) partition; updated partition -> parameters
     accelerator_peak = peak_memory_bytes(ctx.device) if ctx.device.type == "cuda" else None
     record = harness.finish(args.results, extra={"final_loss": loss.item(), "steps": args.steps,
-                                                 "script": "zero_offload", "placement": where,
+                                                 "placement": where,
                                                  "accelerator_peak_bytes_rank0": accelerator_peak})
     # destroy() releases DeepSpeed's hooks and buffers (and release_engine the module ZeRO-3 leaves
     # on a global stack); the engine itself is still held by a reference cycle (engine -> optimizer

@@ -168,7 +168,7 @@ def train_one(ac, compiled, args, ctx, cfg, task, log, meshes):
     # optimizer state exists by then), except for compiled blocks (that step runs them eager, whose
     # memory is not the compiled blocks'); it counts communication either way.
     harness = Harness(ctx, name, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "activation_checkpointing", "ac": ac, "compile": compiled,
+                      config={"ac": ac, "compile": compiled,
                               "sharding": args.strategy, "global_batch_size": args.global_batch_size,
                               "optimizer": args.optimizer, "lr": args.lr})
     losses, added, first_step_s = [], [], None

@@ -221,7 +221,7 @@ def main():
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
             harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                               model_config={"arch": "mlp", "layers": args.layers, "width": args.width},
-                              config={"script": "communication_overlap", "global_batch_size": args.global_batch_size,
+                              config={"global_batch_size": args.global_batch_size,
                                       "precision": "fp32", "bucket_cap_mb": bucket_mb, "lr": args.lr})
             for _ in progress(range(args.steps), ctx.rank, desc=f"bucket {bucket_mb} MB"):
                 with harness.step(samples=args.global_batch_size):

@@ -226,7 +226,7 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
             block.attn = RingSelfAttention(block.attn, mesh.get_group(), layout, stats)
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
     harness = Harness(ctx, "cp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "context_parallel", "global_batch_size": args.global_batch_size,
+                      config={"global_batch_size": args.global_batch_size,
                               "precision": "fp32", "cp": cp, "impl": args.impl, "layout": layout,
                               "lr": args.lr, "optimizer": args.optimizer})
     task, losses, kept = make_task(cfg, args), [], None

@@ -219,7 +219,7 @@ def main():
                           param_count=param_count,
                           model_config={"arch": "gpt_moe", **cfg.to_dict(), "num_experts": args.num_experts,
                                         "top_k": args.top_k, "capacity_factor": args.capacity_factor},
-                          config={"script": "expert_parallel", "global_batch_size": args.global_batch_size,
+                          config={"global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "mesh": {"dp": dp, "ep": ep}, "aux_weight": args.aux_weight,
                                   "lr": args.lr, "optimizer": args.optimizer})
         task, losses, aux_losses, routing = make_task(cfg, args), [], [], []

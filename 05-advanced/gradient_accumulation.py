@@ -68,7 +68,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
     sync_name = "no_sync" if use_no_sync else "every_micro_batch"
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                      config={"script": "gradient_accumulation", "global_batch_size": effective_batch,
+                      config={"global_batch_size": effective_batch,
                               "precision": "fp32", "grad_accum_steps": k,
                               "micro_batch_size": args.micro_batch_size, "sync": sync_name, "lr": args.lr,
                               "optimizer": args.optimizer})

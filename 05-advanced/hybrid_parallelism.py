@@ -136,7 +136,7 @@ def main():
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                           param_count=param_count,  # the model field comes from model.cfg
-                          config={"script": "hybrid_parallelism", "global_batch_size": args.global_batch_size,
+                          config={"global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "mesh": dict(zip(names, shape)), "lr": args.lr,
                                   "optimizer": args.optimizer})
         task = make_task(cfg, args)

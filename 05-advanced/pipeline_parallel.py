@@ -201,7 +201,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     harness = Harness(ctx, strategy, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       model_config=cfg, param_count=param_count,
                       state_modules=[stage.submod for stage in stages],
-                      config={"script": "pipeline_parallel", "global_batch_size": args.global_batch_size,
+                      config={"global_batch_size": args.global_batch_size,
                               "precision": "fp32", "pp": pp, "stages_per_rank": per_rank,
                               "microbatches": microbatches, "schedule": schedule_name, "lr": args.lr,
                               "optimizer": args.optimizer})

@@ -143,7 +143,7 @@ def main():
 
         harness = Harness(ctx, strategy, model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                           param_count=param_count,  # the model field comes from model.cfg
-                          config={"script": "tensor_parallel", "global_batch_size": args.global_batch_size,
+                          config={"global_batch_size": args.global_batch_size,
                                   "precision": "fp32", "tp": tp, "sequence_parallel": args.sequence_parallel,
                                   "lr": args.lr, "optimizer": args.optimizer})
         task = make_task(cfg, args)

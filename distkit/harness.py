@@ -81,6 +81,7 @@ import time
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -492,6 +493,20 @@ def throughput_metrics(tokens_per_s: float | None, world_size: int, flops_per_to
             "peak_flops_per_s": peak_flops_per_s, "mfu": mfu}
 
 
+def calling_script() -> str:
+    """The name of the script that is building a harness: the file of the first caller outside this
+    package (a chapter script, also when a wrapper such as ``inject_faults.py`` or a mutant of it runs
+    the script's code), so that a record's ``config.script`` is derived, never typed."""
+    package = Path(__file__).resolve().parent
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.endswith(".py") and package not in Path(name).resolve().parents:
+            return Path(name).stem
+        frame = frame.f_back
+    return Path(sys.argv[0]).stem
+
+
 @dataclass
 class Harness:
     """Measures a training loop: ``with harness.step(samples=...): <one optimizer step>``.
@@ -551,6 +566,7 @@ class Harness:
     _state_bytes: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.config.setdefault("script", calling_script())
         self._timer = StepTimer(self.ctx.device, warmup_steps=0)
         self._comm = CommCounter()
         self._matmuls = MatmulCounter()

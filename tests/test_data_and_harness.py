@@ -8,7 +8,7 @@ import torch
 
 from distkit.checkpoint import atomic_save, load_model_state, safe_load
 from distkit.data import OFFLINE_MARKER, import_torchvision, offline_sample_path, prepare_mnist, write_offline_sample
-from distkit.harness import CommCounter, StepTimer, bus_factor, model_state_bytes
+from distkit.harness import CommCounter, Harness, StepTimer, bus_factor, model_state_bytes
 from distkit.models import MnistCNN, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
 from distkit.runtime import DistContext, UsageError
 
@@ -484,3 +484,16 @@ def test_memory_tracker_notes_the_activations_high_water_mark():
     peak = peak_by_category(tracker)
     assert peak["activations_high_water"] == 2 * 8 * 64 * 4
     assert peak["activations_high_water"] >= peak["activations"]
+
+
+def test_a_records_script_is_the_file_that_built_its_harness(tmp_path):
+    """``config.script`` is derived, not typed: the file of the code that built the harness, also when
+    that code runs under another file's name (a wrapper, a mutant compiled with the script's path).
+    Negative control: a name the script does type is kept as given."""
+    source = "def build(Harness, ctx):\n    return Harness(ctx, 'probe', warmup_steps=0, comm_steps=0)\n"
+    namespace: dict = {}
+    exec(compile(source, str(tmp_path / "zero_memory.py"), "exec"), namespace)  # noqa: S102
+    assert namespace["build"](Harness, ONE_PROCESS).config["script"] == "zero_memory"
+    assert Harness(ONE_PROCESS, "probe", warmup_steps=0, comm_steps=0).config["script"] == "test_data_and_harness"
+    typed = Harness(ONE_PROCESS, "probe", warmup_steps=0, comm_steps=0, config={"script": "typed"})
+    assert typed.config["script"] == "typed"
