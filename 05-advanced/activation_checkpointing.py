@@ -43,7 +43,15 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, non_negative_float, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    check_global_batch,
+    make_optimizer,
+    non_negative_float,
+    save_path,
+)
 from distkit.harness import Harness, fresh_memory_peak, memory_tracker, peak_by_category
 from distkit.logs import setup_logging
 from distkit.models import LlamaModelConfig, add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -70,8 +78,7 @@ def parse_args(argv=None):
     parser.add_argument("--compile", nargs="*", choices=["off", "on"], default=["off"],
                         help="compile each block: off, on, or both ('off on'); a bare --compile means on. "
                              "Every --ac mode runs with each (default: off)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw (default), or sgd, whose update is proportional to the gradient")
+    add_optimizer_arg(parser)
     parser.add_argument("--dropout", type=non_negative_float, default=None,
                         help="override the small GPT's dropout (then AC must replay the same random masks)")
     add_training_args(parser, steps=20, global_batch_size=32, lr=1e-3, warmup_steps=2,
@@ -162,7 +169,7 @@ def train_one(ac, compiled, args, ctx, cfg, task, log, meshes):
     apply_ac_and_compile(model, ac, compiled)
     blocks = list(model.blocks)
     model = wrap(model, args.strategy, ctx, meshes)
-    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     name = f"{args.strategy}_ac_{ac}" + ("_compiled" if compiled else "")
     # The harness tracks memory by category on its instrumented step (the first after warm-up: the
     # optimizer state exists by then), except for compiled blocks (that step runs them eager, whose

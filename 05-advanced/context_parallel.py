@@ -42,7 +42,7 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, save_path
+from distkit.flags import add_checkpoint_args, add_optimizer_arg, add_training_args, make_optimizer, save_path
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
@@ -67,8 +67,7 @@ def parse_args():
                              "(default: zigzag contiguous with --impl ring, zigzag with --impl torch)")
     training = add_training_args(parser, global_batch_size=8, helps={
         "global_batch_size": "sequences per optimizer step; every rank sees all of them, 1/cp of each"})
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd (used by the equivalence tests)")
+    add_optimizer_arg(training)
     add_checkpoint_args(parser, save="checkpoints/context_parallel_{layout}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
@@ -224,7 +223,7 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
     if args.impl == "ring":
         for block in model.blocks:
             block.attn = RingSelfAttention(block.attn, mesh.get_group(), layout, stats)
-    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     harness = Harness(ctx, "cp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       config={"global_batch_size": args.global_batch_size,
                               "precision": "fp32", "cp": cp, "impl": args.impl, "layout": layout,

@@ -47,8 +47,10 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.checkpoint import atomic_save
 from distkit.flags import (
     add_checkpoint_args,
+    add_optimizer_arg,
     add_training_args,
     check_global_batch,
+    make_optimizer,
     non_negative_float,
     positive_float,
     positive_int,
@@ -80,8 +82,7 @@ def parse_args():
                      help="ranks that share one copy of the experts (default: all ranks); dp = ranks / ep")
     training = add_training_args(parser, helps={
         "global_batch_size": "sequences per optimizer step over all ranks (each rank routes its own slice)"})
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd (used by the equivalence tests)")
+    add_optimizer_arg(training)
     add_checkpoint_args(parser, save="checkpoints/expert_parallel.pt")
     add_runtime_args(parser)
     return parser.parse_args()
@@ -210,7 +211,7 @@ def main():
             moe.shard(mesh["ep"].get_group())
         experts = [p for name, p in model.named_parameters() if ".experts." in name]
         dense = [p for name, p in model.named_parameters() if ".experts." not in name]
-        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
         log.info(f"ep: mesh dp x ep = {dp} x {ep} | {args.num_experts} experts per layer, {args.num_experts // ep} "
                  f"per rank, top-{args.top_k}, capacity factor {args.capacity_factor:g} | {param_count:,} parameters "
                  f"({sum(p.numel() for p in dense):,} dense) | global batch {args.global_batch_size}")

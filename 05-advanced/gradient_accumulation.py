@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main, seed_everything
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -48,9 +54,7 @@ def parse_args():
                                  helps={"results": "one harness record per mode appended here"})
     training.add_argument("--micro-batch-size", type=positive_int, default=4,
                           help="sequences per rank per micro-batch (default: 4)")
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd (update proportional to the gradient, so a "
-                               "forgotten 1/k shows; used by the tests)")
+    add_optimizer_arg(training)
     parser.add_argument("--sync", choices=["no_sync", "every_micro_batch", "both"], default="both",
                         help="no_sync: all-reduce on the last micro-batch only; every_micro_batch: after "
                              "each backward; both: train once each and compare (default: both)")
@@ -65,7 +69,7 @@ def train(args, ctx, cfg, use_no_sync: bool):
     effective_batch = args.micro_batch_size * k * ctx.world_size
     seed_everything(args.seed)  # both modes start from the same weights
     model = DDP(build_model(cfg).to(ctx.device), device_ids=ctx.device_ids)
-    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     sync_name = "no_sync" if use_no_sync else "every_micro_batch"
     harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       config={"global_batch_size": effective_batch,

@@ -34,7 +34,14 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -61,9 +68,7 @@ def parse_args():
     parser.add_argument("--shard", type=positive_int, default=2, help="hsdp: ranks that shard one replica (default: 2)")
     training = add_training_args(parser, helps={
         "global_batch_size": "sequences per optimizer step over all data-parallel ranks"})
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd (update proportional to the gradient; used by "
-                               "the equivalence tests)")
+    add_optimizer_arg(training)
     add_checkpoint_args(parser, save="checkpoints/hybrid_{mode}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
@@ -122,7 +127,7 @@ def main():
         for block in model.blocks:
             fully_shard(block, mesh=shard_mesh)
         fully_shard(model, mesh=shard_mesh)
-        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
         if args.global_batch_size % dp_size:
             raise UsageError(f"--global-batch-size {args.global_batch_size} does not split over "
                              f"{dp_size} data-parallel ranks")

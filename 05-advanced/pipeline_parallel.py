@@ -35,7 +35,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, positive_int, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
@@ -63,9 +70,7 @@ def parse_args():
         "steps": "optimizer steps per run",
         "global_batch_size": "sequences per optimizer step, split into micro-batches",
         "results": "one harness record per run appended here"})
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd (update proportional to the gradient; used by "
-                               "the equivalence tests)")
+    add_optimizer_arg(training)
     add_checkpoint_args(parser, save="checkpoints/pipeline_{schedule}_m{microbatches}.pt")
     add_runtime_args(parser)
     return parser.parse_args()
@@ -184,7 +189,7 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     for stage in stages:
         stage.busy = busy
     params = [p for stage in stages for p in stage.submod.parameters()]
-    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](params, lr=args.lr)
+    optimizer = make_optimizer(args.optimizer, params, args.lr)
 
     # The loss is computed on the last stage for every micro-batch; with the default
     # scale_grads=True the schedule divides gradients by m, i.e. the step's loss is the MEAN of the

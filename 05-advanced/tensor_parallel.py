@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, save_path
+from distkit.flags import add_checkpoint_args, add_optimizer_arg, add_training_args, make_optimizer, save_path
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
@@ -53,9 +53,7 @@ def parse_args():
     add_model_args(parser)
     training = add_training_args(parser, helps={
         "global_batch_size": "sequences per optimizer step; every TP rank sees all of them"})
-    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                          help="adamw (default) or plain sgd, whose update is proportional to the gradient, "
-                               "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
+    add_optimizer_arg(training)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also split norms, residuals and embeddings along the sequence (SP)")
     add_checkpoint_args(parser, save="checkpoints/tensor_parallel_{strategy}.pt")
@@ -129,7 +127,7 @@ def main():
         model = build_model(cfg).to(ctx.device)  # same seed on every rank -> the same dense weights
         param_count = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
         apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
-        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](model.parameters(), lr=args.lr)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
 
         first_block = {id(p) for p in model.blocks[0].parameters()}  # blocks.0. / model.layers.0.
         shapes = {name: (tuple(p.to_local().shape), tuple(p.shape)) for name, p in model.named_parameters()

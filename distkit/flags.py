@@ -121,6 +121,27 @@ def add_bucket_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
                         help=f"gradient bucket size in MiB{help_extra} (default: {shown})")
 
 
+# The optimizers a script with --optimizer can train with. SGD's update is proportional to the
+# gradient, so an equivalence test run with it also sees gradient-scale mistakes (a sum instead of a
+# mean, a forgotten 1/k) that AdamW's normalised update hides.
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def add_optimizer_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--optimizer adamw|sgd``, one definition for every script that offers the choice."""
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="adamw (default), or plain sgd, whose update is proportional to the gradient, "
+                             "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
+
+
+def make_optimizer(name: str, params, lr: float):
+    """The ``--optimizer`` named ``name`` over ``params`` at learning rate ``lr`` (torch's defaults
+    otherwise)."""
+    import torch
+
+    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](params, lr=lr)
+
+
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,
                         checkpoint_dir: str | None | object = _UNSET,
                         resume: str | None | object = _UNSET,

@@ -1,7 +1,9 @@
 """In-process checks of the shared package: the offline MNIST path, the torchvision import quirk,
 the harness's byte accounting and step timer, and checkpoint safety."""
 import gzip
+import re
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,3 +499,19 @@ def test_a_records_script_is_the_file_that_built_its_harness(tmp_path):
     assert Harness(ONE_PROCESS, "probe", warmup_steps=0, comm_steps=0).config["script"] == "test_data_and_harness"
     typed = Harness(ONE_PROCESS, "probe", warmup_steps=0, comm_steps=0, config={"script": "typed"})
     assert typed.config["script"] == "typed"
+
+
+def defines_optimizer_flag(source: str) -> bool:
+    return bool(re.search(r"add_argument\(\s*\"--optimizer\"", source))
+
+
+def test_the_optimizer_flag_is_defined_once():
+    """``--optimizer`` is one shared flag (``distkit.flags.add_optimizer_arg``): no chapter script defines
+    its own. The planner's ``--optimizer`` (whose optimizer state to count) is the one other. Negative
+    control: a script that defines it again is found."""
+    repo = Path(__file__).resolve().parent.parent
+    own = sorted(str(p.relative_to(repo)) for p in [*repo.glob("0*/*.py"), *repo.glob("benchmarks/*.py"),
+                                                    *repo.glob("distkit/*.py")]
+                 if defines_optimizer_flag(p.read_text()))
+    assert own == ["benchmarks/plan.py", "distkit/flags.py"]
+    assert defines_optimizer_flag('    parser.add_argument("--optimizer", choices=["adamw"])')
