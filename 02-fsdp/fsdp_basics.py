@@ -18,7 +18,6 @@ harness record (``--save PATH``: the trained full weights too).
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,7 +25,14 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, add_runtime_args, distributed, fsdp_view, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    check_global_batch,
+    make_optimizer,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -79,7 +85,7 @@ def shard_trace_and_train(args, ctx):
     fully_shard(model, mesh=mesh)
     fsdp_view.print_shards(model, ctx)  # each rank's shard of four parameters, in rank order
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), args.lr)
     task = make_task(cfg, args)
 
     def batch(step):

@@ -44,7 +44,7 @@ from distkit.checkpoint import (
     remove_stale_temporaries,
     safe_load,
 )
-from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int
+from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, make_optimizer, positive_int
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
@@ -292,7 +292,7 @@ def train_and_checkpoint(args, ctx):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), args.lr)
 
     start_step = 0
     if resume:

@@ -36,7 +36,14 @@ from torch.distributed.fsdp import fully_shard
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save, atomic_write_json, temporary_prefix
-from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, set_flag_default
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    check_global_batch,
+    make_optimizer,
+    positive_int,
+    set_flag_default,
+)
 from distkit.harness import Harness, device_clock
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, import_transformers, lm_loss, model_config_from_args, rank_slice
@@ -257,7 +264,7 @@ def train(args, ctx):
     log.info(f"loaded into {ctx.world_size} ranks' FSDP2 shards in {device_clock(ctx.device) - t0:.2f} s")
 
     # 3. Train (the optimizer is created after fully_shard: it holds, and shards state for, DTensors).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), args.lr)
     harness = Harness(ctx, "fsdp_full_shard", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                       config={"global_batch_size": args.global_batch_size,
                               "lr": args.lr, "precision": "fp32"})

@@ -31,6 +31,7 @@ from distkit.flags import (
     add_checkpoint_args,
     add_training_args,
     check_global_batch,
+    make_optimizer,
     positive_float,
     positive_int,
     save_path,
@@ -120,7 +121,7 @@ def build_sharded(cfg, args, ctx):
     shard(model, init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",)))
     # After sharding (the optimizer holds the DTensor shards), and only the adapters: the base
     # needs no AdamW moments, which is most of LoRA's memory saving.
-    return model, torch.optim.AdamW(adapter_parameters(model), lr=args.lr)
+    return model, make_optimizer("adamw", adapter_parameters(model), args.lr)
 
 
 def adapter_parameters(model):

@@ -28,7 +28,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_training_args, check_global_batch, positive_int, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_training_args,
+    check_global_batch,
+    make_optimizer,
+    positive_int,
+    save_path,
+)
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -177,7 +184,8 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
         mesh = build_mesh(mesh_shape(strategy, ctx, args.hsdp_shard_size), ctx, meshes)
         shard_model(model, strategy, mesh, args, ctx)
     # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # torch.optim.AdamW, its foreach kernels chosen for any device (distkit.flags.make_optimizer)
+    optimizer = make_optimizer("adamw", model.parameters(), args.lr)
     # The model's configuration and parameter count go into the record's own fields (the harness
     # reads them from the model's cfg), not into config.
     config = {"global_batch_size": args.global_batch_size,

@@ -135,11 +135,21 @@ def add_optimizer_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
 
 
 def make_optimizer(name: str, params, lr: float):
-    """The ``--optimizer`` named ``name`` over ``params`` at learning rate ``lr`` (torch's defaults
-    otherwise)."""
-    import torch
+    """The optimizer ``name`` (``--optimizer``) over ``params`` at learning rate ``lr``, torch's defaults
+    otherwise, except its implementation, chosen here for both devices.
 
-    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](params, lr=lr)
+    ``foreach`` (one multi-tensor kernel per update op) is what torch picks on CUDA, and on CPU it
+    saves a dispatch per tensor, which DTensor parameters make costly. But a foreach op over a list
+    that mixes DTensors with plain tensors fails ("got mixed torch.Tensor and DTensor"), and torch's
+    CUDA default does not check for that: a tensor-parallel model whose norms stay plain tensors
+    would crash at its first step on a GPU. A mixed list therefore takes the per-tensor loop, a
+    uniform one the foreach kernels."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    kinds = {isinstance(p, DTensor) for p in params}
+    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](params, lr=lr, foreach=len(kinds) == 1)
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,

@@ -515,3 +515,19 @@ def test_the_optimizer_flag_is_defined_once():
                  if defines_optimizer_flag(p.read_text()))
     assert own == ["benchmarks/plan.py", "distkit/flags.py"]
     assert defines_optimizer_flag('    parser.add_argument("--optimizer", choices=["adamw"])')
+
+
+def test_a_model_mixing_dtensors_and_tensors_gets_the_per_tensor_optimizer(tmp_path):
+    """``make_optimizer`` takes AdamW's per-tensor loop for a tensor-parallel model whose norms stay
+    plain tensors, and its foreach kernels for a uniform list. The negative control is what torch's
+    CUDA default would do with the mixed model: forced foreach fails at its first step, on DTensor's
+    "mixed torch.Tensor and DTensor" (the crash the tensor-parallel scripts would meet on a GPU)."""
+    import json
+
+    from launch import WORKERS, torchrun
+
+    out = tmp_path / "mixed.json"
+    torchrun(WORKERS / "mixed_foreach.py", out, nproc=2, tmp_path=tmp_path, timeout=240)
+    result = json.loads(out.read_text())
+    assert result["make_optimizer"] == "ok" and result["foreach"] == [False, True, True]
+    assert "mixed torch.Tensor and DTensor" in result["forced_foreach"], result
