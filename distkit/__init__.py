@@ -6,9 +6,9 @@
   0 before the first step.
 * :mod:`distkit.logs`: ``[rank N]`` logging and a rank-0 progress bar.
 * :mod:`distkit.harness`: step timing, memory per rank, communication bytes per collective
-  (counted by :mod:`distkit.comm_counter`), and the JSON record every measured run writes (schema
-  documented there, its file format in :mod:`distkit.record_format`) that the READMEs and
-  ``benchmarks/`` read.
+  (counted by :mod:`distkit.comm_counter`, timed by :mod:`distkit.timing`, memory measured by
+  :mod:`distkit.memory`), and the JSON record every measured run writes (schema documented there,
+  its file format in :mod:`distkit.record_format`) that the READMEs and ``benchmarks/`` read.
 * :mod:`distkit.data`: MNIST with an offline fallback; :mod:`distkit.models`: the MNIST CNN, the
   small GPT and its synthetic token task; :mod:`distkit.text`: real text offline (Python's reference
   documentation, a byte per token) with the token task's interface; :mod:`distkit.checkpoint`:

@@ -25,6 +25,10 @@ Three measurements, one JSON record per run:
   warm-up (the *instrumented* step, which also tracks memory) and never on a timed step, so it adds
   nothing to the measured step time.
 
+The timers live in :mod:`distkit.timing`, the memory measurements in :mod:`distkit.memory`, the
+counters in :mod:`distkit.comm_counter`; the harness combines them, and what scripts use of them is
+importable from here.
+
 For every collective the record keeps the payload (``bytes``: the tensor handed to the collective,
 the *total* buffer for gathers/scatters as nccl-tests counts it) and ``bus_bytes``: the bytes each
 rank sends on the wire in a ring/bandwidth-optimal algorithm, i.e. payload x the nccl-tests bus factor
@@ -70,15 +74,11 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
 """
 from __future__ import annotations
 
-import functools
 import os
-import platform
-import resource
 import shlex
 import statistics
 import sys
 import time
-import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,10 +88,30 @@ import torch
 import torch.distributed as dist
 
 from .comm_counter import CommCounter, MatmulCounter, bus_factor
+from .memory import (
+    MEMORY_CATEGORIES,
+    fresh_memory_peak,
+    is_compiled,
+    memory_tracker,
+    model_state_bytes,
+    peak_by_category,
+    peak_memory_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    restart_cuda_peak,
+)
 from .models import CONFIG_CLASSES, GPTConfig, LlamaModelConfig, config_from_dict
 from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
 from .runtime import DistContext
 from .strategies import Strategy
+from .timing import (
+    RegionTimer,
+    StepTimer,
+    device_clock,
+    machine_info,
+    measure_peak_flops,
+    throughput_metrics,
+)
 
 # What scripts import from here (bus_factor and CommCounter live in distkit.comm_counter).
 __all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "MatmulCounter", "RECORD_SCHEMA", "RegionTimer",
@@ -100,397 +120,6 @@ __all__ = ["CommCounter", "Harness", "MEMORY_CATEGORIES", "MatmulCounter", "RECO
            "make_record", "measure_peak_flops", "memory_tracker", "model_state_bytes", "peak_by_category",
            "peak_memory_bytes", "peak_rss_bytes", "read_records", "reset_peak_rss", "throughput_metrics",
            "upgrade_record"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in tensors:
-        t = _local(t)
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
-def model_state_bytes(model: torch.nn.Module | None = None,
-                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state that *this rank* holds.
-
-    DTensor parameters (FSDP2, tensor parallel) count their local shard only; tensors sharing one
-    storage (tied weights) count once.
-    """
-    params = list(model.parameters()) if model is not None else []
-    grads = [p.grad for p in params if p.grad is not None]
-    states = []
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
-            "optimizer": _unique_bytes(states)}
-
-
-# MemTracker's categories (FSDPMemTracker's finer ones included), folded into the five the formulas
-# speak of: communication buffers (FSDP2's all-gather / reduce-scatter outputs, DDP's gradient
-# buckets), inputs and tensors registered from outside count as temporaries.
-MEMORY_CATEGORIES = {"params": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
-                     "grads": ("Gradient", "Sharded Grad", "Unsharded Grad"),
-                     "optimizer": ("Optstate", "OptState"), "activations": ("Activation",),
-                     "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Other")}
-
-
-def is_compiled(modules: torch.nn.Module | Iterable[torch.nn.Module] | None) -> bool:
-    """Whether any of these modules (or their submodules) runs ``torch.compile``d code."""
-    if modules is None:
-        return False
-    for root in [modules] if isinstance(modules, torch.nn.Module) else modules:
-        for module in root.modules():
-            if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
-                return True
-    return False
-
-
-def _called_again_at_top(tracker, module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a top-level module running its forward again within the tracked step."""
-    if module not in tracker.memory_tracking or tracker._mod_tracker.is_bw:
-        return False
-    return set(tracker._mod_tracker.parents) - {tracker._mod_tracker.get_known_fqn(module)} == {"Global"}
-
-
-def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
-                   externals: Iterable[Any] = ()):
-    """A ``MemTracker`` for one training step of ``model`` (enter it around the step), with the
-    model's parameters, buffers and gradients, the optimizer's state and ``externals`` (tensors,
-    modules, optimizers created before the step) registered. An FSDP2 root gets
-    ``FSDPMemTracker``, which also knows the sharded/unsharded parameters and the all-gather and
-    reduce-scatter buffers.
-
-    A step may run a model's forward several times (gradient accumulation, a pipeline stage per
-    micro-batch); torch's trackers refuse a top-level module's second forward (they keep per-module
-    statistics per iteration), so the module's statistics are forgotten first: only the step's peak
-    by category is read, and it does not depend on them. Tensors created before the step and never
-    registered are seen once an op writes them (in-place ops return them), e.g. DDP's gradient
-    buckets; tensors only read are not seen."""
-    from torch.distributed.fsdp import FSDPModule
-
-    step_tracker, step_fsdp_tracker = _step_trackers()
-    if isinstance(model, FSDPModule):
-        tracker = step_fsdp_tracker(model, optimizer)
-        rest = list(externals)
-    else:
-        tracker = step_tracker()
-        rest = [x for x in (model, optimizer, *externals) if x is not None]
-    if rest:
-        tracker.track_external(*rest)
-    return tracker
-
-
-@functools.cache
-def _step_trackers():
-    """torch's two trackers, letting a top-level module run forward again within the step (imported
-    on first use: ``torch.distributed._tools`` takes most of a second to import)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    def forget_if_called_again(tracker, module: torch.nn.Module) -> None:
-        """Before a top-level forward: if this module already ran forward in the step, drop its
-        per-module statistics (the tracker would refuse the second forward)."""
-        if tracker._mod_tracker.is_bw:
-            return
-        if module in tracker._forwarded and module in tracker.memory_tracking:
-            del tracker.memory_tracking[module]
-        tracker._forwarded.add(module)
-
-    activation_kinds = MEMORY_CATEGORIES["activations"]
-
-    class StepTracking:
-        """What both step trackers add to torch's: the modules already forwarded in the step, and
-        the activations' own high-water mark per device (their largest size at any moment of the
-        step, which need not be the moment of the total's peak), noted after each op."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._forwarded = weakref.WeakSet()
-            self.activations_high_water: dict = {}
-
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            for device, snapshot in self._curr_mem_snap.items():
-                size = sum(snapshot.get(kind, 0) for kind in activation_kinds)
-                if size > self.activations_high_water.get(device, 0):
-                    self.activations_high_water[device] = size
-
-    class StepMemTracker(StepTracking, MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-                forget_if_called_again(self, module)
-            super()._pre_fw_hook(module, inputs)
-
-    class StepFSDPMemTracker(StepTracking, FSDPMemTracker):
-        def __enter__(self):
-            # before FSDP's own pre-forward, which FSDPMemTracker wraps
-            self._forget_handle = self._root_mod.register_forward_pre_hook(
-                lambda module, args: forget_if_called_again(self, module), prepend=True)
-            return super().__enter__()
-
-        def __exit__(self, *args):
-            self._forget_handle.remove()
-            return super().__exit__(*args)
-
-    return StepMemTracker, StepFSDPMemTracker
-
-
-def peak_by_category(tracker) -> dict[str, int]:
-    """A tracker's peak snapshot, summed over devices and folded into :data:`MEMORY_CATEGORIES`,
-    plus ``total`` (MemTracker's own total at the peak) and ``activations_high_water``: the
-    activations' own largest size during the step (:func:`memory_tracker`'s trackers note it after
-    every op). The two differ where the step peaks in backward, after some blocks' activations are
-    freed: the planner's validation compares its activation bytes with the high-water mark; the
-    peak's parts say what was alive together."""
-    peak = {name: 0 for name in MEMORY_CATEGORIES} | {"total": 0}
-    for snapshot in tracker.get_tracker_snapshot("peak").values():
-        for name, kinds in MEMORY_CATEGORIES.items():
-            peak[name] += sum(snapshot.get(kind, 0) for kind in kinds)
-        peak["total"] += snapshot["Total"]
-    highs = getattr(tracker, "activations_high_water", None)
-    if highs is not None:
-        peak["activations_high_water"] = sum(highs.values())
-    return peak
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports it in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Start a new CPU peak-RSS window, like ``torch.cuda.reset_peak_memory_stats`` on GPU.
-
-    Hands freed heap memory back to the OS (glibc ``malloc_trim``), then resets the kernel's
-    high-water mark (``/proc/self/clear_refs``), so :func:`peak_rss_bytes` afterwards reports the
-    peak since this call (what is still resident now included). Use it between configurations run
-    one after another in one process. Linux only; returns False where unsupported.
-    """
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
-def fresh_memory_peak(device: torch.device) -> None:
-    """Start a new peak-memory window on a clean slate: free what nothing references any more, then
-    reset the high-water mark.
-
-    Call it between configurations run one after another in one process, after dropping the
-    previous model/optimizer/engine. Garbage collection comes first because engines hold reference
-    cycles (optimizer step hooks point back at their engine) that plain ``del`` does not free. On CUDA
-    the caching allocator's free blocks are returned too, so ``max_memory_allocated`` afterwards
-    counts only what the next configuration allocates (plus anything still alive).
-    """
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        _cuda_window_peaks.pop(_cuda_index(device), None)
-    else:
-        reset_peak_rss()
-
-
-# CUDA has one peak statistic per device, which the harness resets at every step to measure the step
-# alone: what it had reached since the last fresh_memory_peak is folded in here first, so that
-# peak_memory_bytes still covers the whole window (scripts read it for their own figures).
-_cuda_window_peaks: dict[int, int] = {}
-
-
-def _cuda_index(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
-def restart_cuda_peak(device: torch.device) -> None:
-    """Reset CUDA's peak statistic (it restarts at what is allocated now), keeping the window's peak
-    for :func:`peak_memory_bytes`."""
-    index = _cuda_index(device)
-    _cuda_window_peaks[index] = max(_cuda_window_peaks.get(index, 0), torch.cuda.max_memory_allocated(device))
-    torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory since the last :func:`fresh_memory_peak`: ``torch.cuda.max_memory_allocated`` on
-    CUDA (the harness's per-step resets included), this process's peak RSS on CPU. The harness's own
-    record reports the peak of its steps alone (:meth:`Harness.local_metrics`)."""
-    if device.type == "cuda":
-        return max(_cuda_window_peaks.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes()
-
-
-def device_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once ``device`` has finished the work queued so far (CUDA is
-    synchronised first): the clock to time code that launches kernels with. CUDA kernels run
-    asynchronously, so a plain clock read after such code stops before its kernels have run."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class RegionTimer:
-    """Adds up the time spent inside ``with timer.region():`` blocks, measured on the device.
-
-    On CUDA a region's time is the GPU time between two CUDA events recorded on the current stream,
-    so a region that only *launches* kernels still gets the time those kernels ran; the events are
-    read (one synchronisation) only when :attr:`total_s` is asked for. On CPU work is synchronous and
-    ``time.perf_counter`` is exact.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._cpu_s = 0.0
-        self._events: list[tuple[Any, Any]] = []
-
-    @contextmanager
-    def region(self) -> Iterator[None]:
-        """Time the enclosed block and add it to the total."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((start, end))
-        else:
-            begin = time.perf_counter()
-            yield
-            self._cpu_s += time.perf_counter() - begin
-
-    @property
-    def total_s(self) -> float:
-        """Seconds spent in all regions so far (synchronises CUDA once)."""
-        if self._events:
-            torch.cuda.synchronize(self.device)
-            self._cpu_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-            self._events.clear()
-        return self._cpu_s
-
-    def reset(self) -> None:
-        """Forget every region timed so far."""
-        self._events.clear()
-        self._cpu_s = 0.0
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    """What the numbers were measured on: device name, cores, host OS."""
-    cpu_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    info = {"cpu": cpu_name, "cpu_cores": cores, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["gpu_count"] = torch.cuda.device_count()
-        # GPU figures depend on the CUDA runtime torch was built with and on the driver
-        info["cuda"] = torch.version.cuda
-        info["driver"] = nvidia_driver()
-    else:
-        info["device_name"] = f"{cores}-core CPU"
-    return info
-
-
-@functools.cache
-def nvidia_driver() -> str | None:
-    """The NVIDIA driver's version as nvidia-smi reports it (None where nvidia-smi is missing)."""
-    import subprocess
-
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
-
-
-class StepTimer:
-    """Times steps after ``warmup_steps`` have passed; synchronises CUDA so GPU work is included."""
-
-    def __init__(self, device: torch.device, warmup_steps: int = 2):
-        self.device = device
-        self.warmup_steps = warmup_steps
-        self.seen = 0
-        self.times: list[float] = []
-
-    @contextmanager
-    def time(self) -> Iterator[None]:
-        """Time the enclosed step (recorded once past the warm-up)."""
-        start = device_clock(self.device)
-        yield
-        elapsed = device_clock(self.device) - start
-        if self.seen >= self.warmup_steps:
-            self.times.append(elapsed)
-        self.seen += 1
-
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None,
-                       seconds: float | None = None) -> float:
-    """The FLOP/s this device reaches on a square matmul in ``dtype`` (2 size^3 FLOPs each), the
-    best of repeated timed runs within about ``seconds``: the denominator of MFU, measured where the
-    job ran rather than quoted from a datasheet (on CPU, ranks that share cores measure their share).
-
-    ``size`` defaults to 4096 on CUDA (large enough to reach the tensor cores' rate) and 384 on CPU;
-    ``seconds`` to ``$DISTKIT_PEAK_SECONDS``, else 0.2 (the test suite, which never reads a peak as a
-    figure, sets 0.02: at least 3 runs are always timed).
-    """
-    size = size or (4096 if device.type == "cuda" else 384)
-    if seconds is None:
-        seconds = float(os.environ.get("DISTKIT_PEAK_SECONDS", "0.2"))
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    timer = RegionTimer(device)
-    best = float("inf")
-    torch.mm(a, b)  # warm-up: kernel selection, first-touch of the output
-    deadline = time.perf_counter() + seconds
-    runs = 0
-    while runs < 3 or time.perf_counter() < deadline:
-        timer.reset()
-        with timer.region():
-            torch.mm(a, b)
-        best = min(best, timer.total_s)
-        runs += 1
-    return 2 * size ** 3 / best
-
-
-def throughput_metrics(tokens_per_s: float | None, world_size: int, flops_per_token: float | None,
-                       peak_flops_per_s: float | None) -> dict[str, float | None]:
-    """Throughput as practitioners report it: tokens/s per device and MFU, the model FLOPs the job
-    achieved per device (tokens/s per device x FLOPs per token) over the device's peak FLOP/s."""
-    per_device = tokens_per_s / world_size if tokens_per_s else None
-    mfu = (per_device * flops_per_token / peak_flops_per_s
-           if per_device and flops_per_token and peak_flops_per_s else None)
-    return {"tokens_per_s_per_device": per_device, "model_flops_per_token": flops_per_token,
-            "peak_flops_per_s": peak_flops_per_s, "mfu": mfu}
 
 
 def calling_script() -> str:

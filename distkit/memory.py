@@ -1,0 +1,254 @@
+"""Memory per rank, as the harness measures it (:mod:`distkit.harness` documents what each figure
+means): the bytes of model state a rank holds (:func:`model_state_bytes`), MemTracker's peak by
+category on the instrumented step (:func:`memory_tracker`, :func:`peak_by_category`), the CUDA peak
+of a window of steps (:func:`fresh_memory_peak`, :func:`restart_cuda_peak`,
+:func:`peak_memory_bytes`) and the process's peak RSS on CPU. Importable from :mod:`distkit.harness`.
+"""
+from __future__ import annotations
+
+import functools
+import resource
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        t = _local(t)
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module | None = None,
+                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that *this rank* holds.
+
+    DTensor parameters (FSDP2, tensor parallel) count their local shard only; tensors sharing one
+    storage (tied weights) count once.
+    """
+    params = list(model.parameters()) if model is not None else []
+    grads = [p.grad for p in params if p.grad is not None]
+    states = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
+            "optimizer": _unique_bytes(states)}
+
+
+# MemTracker's categories (FSDPMemTracker's finer ones included), folded into the five the formulas
+# speak of: communication buffers (FSDP2's all-gather / reduce-scatter outputs, DDP's gradient
+# buckets), inputs and tensors registered from outside count as temporaries.
+MEMORY_CATEGORIES = {"params": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
+                     "grads": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+                     "optimizer": ("Optstate", "OptState"), "activations": ("Activation",),
+                     "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Other")}
+
+
+def is_compiled(modules: torch.nn.Module | Iterable[torch.nn.Module] | None) -> bool:
+    """Whether any of these modules (or their submodules) runs ``torch.compile``d code."""
+    if modules is None:
+        return False
+    for root in [modules] if isinstance(modules, torch.nn.Module) else modules:
+        for module in root.modules():
+            if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
+                return True
+    return False
+
+
+def _called_again_at_top(tracker, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a top-level module running its forward again within the tracked step."""
+    if module not in tracker.memory_tracking or tracker._mod_tracker.is_bw:
+        return False
+    return set(tracker._mod_tracker.parents) - {tracker._mod_tracker.get_known_fqn(module)} == {"Global"}
+
+
+def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
+                   externals: Iterable[Any] = ()):
+    """A ``MemTracker`` for one training step of ``model`` (enter it around the step), with the
+    model's parameters, buffers and gradients, the optimizer's state and ``externals`` (tensors,
+    modules, optimizers created before the step) registered. An FSDP2 root gets
+    ``FSDPMemTracker``, which also knows the sharded/unsharded parameters and the all-gather and
+    reduce-scatter buffers.
+
+    A step may run a model's forward several times (gradient accumulation, a pipeline stage per
+    micro-batch); torch's trackers refuse a top-level module's second forward (they keep per-module
+    statistics per iteration), so the module's statistics are forgotten first: only the step's peak
+    by category is read, and it does not depend on them. Tensors created before the step and never
+    registered are seen once an op writes them (in-place ops return them), e.g. DDP's gradient
+    buckets; tensors only read are not seen."""
+    from torch.distributed.fsdp import FSDPModule
+
+    step_tracker, step_fsdp_tracker = _step_trackers()
+    if isinstance(model, FSDPModule):
+        tracker = step_fsdp_tracker(model, optimizer)
+        rest = list(externals)
+    else:
+        tracker = step_tracker()
+        rest = [x for x in (model, optimizer, *externals) if x is not None]
+    if rest:
+        tracker.track_external(*rest)
+    return tracker
+
+
+@functools.cache
+def _step_trackers():
+    """torch's two trackers, letting a top-level module run forward again within the step (imported
+    on first use: ``torch.distributed._tools`` takes most of a second to import)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def forget_if_called_again(tracker, module: torch.nn.Module) -> None:
+        """Before a top-level forward: if this module already ran forward in the step, drop its
+        per-module statistics (the tracker would refuse the second forward)."""
+        if tracker._mod_tracker.is_bw:
+            return
+        if module in tracker._forwarded and module in tracker.memory_tracking:
+            del tracker.memory_tracking[module]
+        tracker._forwarded.add(module)
+
+    activation_kinds = MEMORY_CATEGORIES["activations"]
+
+    class StepTracking:
+        """What both step trackers add to torch's: the modules already forwarded in the step, and
+        the activations' own high-water mark per device (their largest size at any moment of the
+        step, which need not be the moment of the total's peak), noted after each op."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._forwarded = weakref.WeakSet()
+            self.activations_high_water: dict = {}
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            for device, snapshot in self._curr_mem_snap.items():
+                size = sum(snapshot.get(kind, 0) for kind in activation_kinds)
+                if size > self.activations_high_water.get(device, 0):
+                    self.activations_high_water[device] = size
+
+    class StepMemTracker(StepTracking, MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                forget_if_called_again(self, module)
+            super()._pre_fw_hook(module, inputs)
+
+    class StepFSDPMemTracker(StepTracking, FSDPMemTracker):
+        def __enter__(self):
+            # before FSDP's own pre-forward, which FSDPMemTracker wraps
+            self._forget_handle = self._root_mod.register_forward_pre_hook(
+                lambda module, args: forget_if_called_again(self, module), prepend=True)
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            self._forget_handle.remove()
+            return super().__exit__(*args)
+
+    return StepMemTracker, StepFSDPMemTracker
+
+
+def peak_by_category(tracker) -> dict[str, int]:
+    """A tracker's peak snapshot, summed over devices and folded into :data:`MEMORY_CATEGORIES`,
+    plus ``total`` (MemTracker's own total at the peak) and ``activations_high_water``: the
+    activations' own largest size during the step (:func:`memory_tracker`'s trackers note it after
+    every op). The two differ where the step peaks in backward, after some blocks' activations are
+    freed: the planner's validation compares its activation bytes with the high-water mark; the
+    peak's parts say what was alive together."""
+    peak = {name: 0 for name in MEMORY_CATEGORIES} | {"total": 0}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for name, kinds in MEMORY_CATEGORIES.items():
+            peak[name] += sum(snapshot.get(kind, 0) for kind in kinds)
+        peak["total"] += snapshot["Total"]
+    highs = getattr(tracker, "activations_high_water", None)
+    if highs is not None:
+        peak["activations_high_water"] = sum(highs.values())
+    return peak
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports it in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new CPU peak-RSS window, like ``torch.cuda.reset_peak_memory_stats`` on GPU.
+
+    Hands freed heap memory back to the OS (glibc ``malloc_trim``), then resets the kernel's
+    high-water mark (``/proc/self/clear_refs``), so :func:`peak_rss_bytes` afterwards reports the
+    peak since this call (what is still resident now included). Use it between configurations run
+    one after another in one process. Linux only; returns False where unsupported.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def fresh_memory_peak(device: torch.device) -> None:
+    """Start a new peak-memory window on a clean slate: free what nothing references any more, then
+    reset the high-water mark.
+
+    Call it between configurations run one after another in one process, after dropping the
+    previous model/optimizer/engine. Garbage collection comes first because engines hold reference
+    cycles (optimizer step hooks point back at their engine) that plain ``del`` does not free. On CUDA
+    the caching allocator's free blocks are returned too, so ``max_memory_allocated`` afterwards
+    counts only what the next configuration allocates (plus anything still alive).
+    """
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        _cuda_window_peaks.pop(_cuda_index(device), None)
+    else:
+        reset_peak_rss()
+
+
+# CUDA has one peak statistic per device, which the harness resets at every step to measure the step
+# alone: what it had reached since the last fresh_memory_peak is folded in here first, so that
+# peak_memory_bytes still covers the whole window (scripts read it for their own figures).
+_cuda_window_peaks: dict[int, int] = {}
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def restart_cuda_peak(device: torch.device) -> None:
+    """Reset CUDA's peak statistic (it restarts at what is allocated now), keeping the window's peak
+    for :func:`peak_memory_bytes`."""
+    index = _cuda_index(device)
+    _cuda_window_peaks[index] = max(_cuda_window_peaks.get(index, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory since the last :func:`fresh_memory_peak`: ``torch.cuda.max_memory_allocated`` on
+    CUDA (the harness's per-step resets included), this process's peak RSS on CPU. The harness's own
+    record reports the peak of its steps alone (:meth:`Harness.local_metrics`)."""
+    if device.type == "cuda":
+        return max(_cuda_window_peaks.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
