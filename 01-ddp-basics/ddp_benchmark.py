@@ -57,7 +57,7 @@ def shown_path(path: str | Path) -> str:
         return str(path)
 
 
-def parse_args():
+def parse_args(argv=None):
     gpus = visible_gpus()
     default_sizes = [n for n in (1, 2, 4, 8, 16) if n <= gpus] or [1, 2, 4]
     parser = ArgumentParser(
@@ -82,7 +82,7 @@ def parse_args():
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the driver
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
     add_runtime_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps <= args.warmup_steps + 1:
         parser.error(f"--steps {args.steps} must be > --warmup-steps + 1 = {args.warmup_steps + 1} "
                      "(the harness needs timed steps)")
@@ -258,6 +258,14 @@ def driver(args) -> None:
     print(f"records: {args.results} (run {args.run_id}) | plot: {shown_path(args.plot)}")
 
 
+def main(argv=None) -> None:
+    """The driver launches one job per world size and prints the table; each job runs as ``--worker``."""
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+
+
 if __name__ == "__main__":
-    cli = parse_args()
-    run_main(lambda: worker(cli) if cli.worker else driver(cli))
+    run_main(main)

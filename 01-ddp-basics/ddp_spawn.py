@@ -26,7 +26,7 @@ from distkit.models import add_model_args, build_model, lm_loss, model_config_fr
 from distkit.text import make_task
 
 
-def parse_args():
+def parse_args(argv=None):
     # GPUs this process may use (CUDA_VISIBLE_DEVICES applied; 0 when it hides them all), the same
     # count distkit's backend choice sees in each worker. No CUDA context is created here.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -38,7 +38,7 @@ def parse_args():
     add_training_args(parser, steps=100, global_batch_size=32, lr=3e-3, warmup_steps=None, results=None,
                       helps={"lr": "AdamW learning rate"})
     add_runtime_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.global_batch_size % args.nproc:
         parser.error(f"--nproc {args.nproc} must divide --global-batch-size {args.global_batch_size}")
     return args
@@ -78,8 +78,8 @@ def train(args) -> None:
         log.info("done")
 
 
-if __name__ == "__main__":
-    cli = parse_args()
+def main(argv=None) -> None:
+    cli = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned CPU ranks share the cores
     # spawn (not fork): each rank starts a fresh interpreter, as CUDA requires. join=True waits and
     # raises in the parent when a worker fails; the worker has already printed its one error line
@@ -91,3 +91,7 @@ if __name__ == "__main__":
     except mp.ProcessRaisedException as exc:  # a bug in a worker: keep its traceback, once
         print(str(exc).strip(), file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -183,7 +183,7 @@ def readme_table(out_dir: Path) -> str:
     return table(read_jsonl(RECORD)) + f"\n\n<sub>Record: [records/{RECORD.name}](records/{RECORD.name}).</sub>\n"
 
 
-def main() -> None:
+def parse_args(argv=None):
     parser = ArgumentParser(description="Recovery time of a torchrun restart, per phase, and the "
                                         "exactness of the resume; prints the README table.")
     parser.add_argument("--measure", action="store_true",
@@ -193,7 +193,11 @@ def main() -> None:
     parser.add_argument("--record", default=None,
                         help=f"the JSON-lines record (default: with --measure runs/{RECORD.name}, which the "
                              f"maintainer commits as records/{RECORD.name}; else the committed record)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.record is None:  # a reader's measurement goes under runs/; reading defaults to the committed one
         args.record = f"runs/{RECORD.name}" if args.measure else str(RECORD)
 

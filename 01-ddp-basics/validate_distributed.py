@@ -40,7 +40,7 @@ HINTS = {
 }
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = ArgumentParser(
         description="Validate a distributed set-up: process group, device binding, backends, "
                     "collectives, GPU peer access. Prints PASS/FAIL per check; exits 1 on any FAIL.",
@@ -48,7 +48,7 @@ def parse_args():
     parser.add_argument("--numel", type=positive_int, default=1 << 16,
                         help="elements per tensor in the collective checks (default: 65536)")
     add_runtime_args(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def print_environment(rank: int) -> None:
@@ -156,6 +156,9 @@ def validate(args) -> None:
         raise SystemExit(1)
 
 
+def main(argv=None) -> None:
+    validate(parse_args(argv))
+
+
 if __name__ == "__main__":
-    cli = parse_args()
-    run_main(lambda: validate(cli))
+    run_main(main)

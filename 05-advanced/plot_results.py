@@ -222,19 +222,24 @@ def ac_decision(out_dir: Path) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n\n" + caption(base["record"], AC) + "\n"
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", nargs="+",
                         default=[str(RECORDS / f) for f in (PIPELINE, PIPELINE_2RANKS, OVERLAP)],
                         help="harness record files (default: the committed 05-advanced/records/*.jsonl)")
     parser.add_argument("--out-dir", default="runs/plots", help="where the PNGs go (default: runs/plots)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     missing = [f for f in args.results if not Path(f).exists()]
     if missing:
         parser.error(f"{missing[0]} does not exist: run pipeline_parallel.py / communication_overlap.py first")
     unwritable = output_problems(args, dirs=["out_dir"])
     if unwritable:
         parser.error(unwritable)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     records = [r for f in args.results for r in read_records(f)]
     out = Path(args.out_dir)
     for name, plot in (("pipeline_bubble.png", plot_bubble), ("bucket_sweep.png", plot_buckets)):

@@ -518,14 +518,18 @@ def readme_bandwidth(out_dir: Path) -> str:
     return _readme_figure("bandwidth.png", "bus bandwidth vs message size", out_dir) + "\n" + "\n".join(table) + "\n"
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = ArgumentParser(description="Comparison plots (PNG) and a Markdown table from benchmark results.",
                             epilog="example: python benchmarks/plot.py --results runs/benchmarks.jsonl")
     parser.add_argument("--results", default="runs/benchmarks.jsonl",
                         help="JSON-lines results of distributed_benchmarks.py (default: runs/benchmarks.jsonl)")
     parser.add_argument("--out-dir", default="runs/plots",
                         help="where the PNGs and summary.md go (default: runs/plots)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     check_outputs(None, args, dirs=["out_dir"])  # before any plot is drawn
     for path in write_all(args.results, args.out_dir):
         print(f"wrote {path}")

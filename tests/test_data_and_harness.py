@@ -531,3 +531,26 @@ def test_a_model_mixing_dtensors_and_tensors_gets_the_per_tensor_optimizer(tmp_p
     result = json.loads(out.read_text())
     assert result["make_optimizer"] == "ok" and result["foreach"] == [False, True, True]
     assert "mixed torch.Tensor and DTensor" in result["forced_foreach"], result
+
+
+def entry_problems(path: Path, source: str) -> list[str]:
+    """What a chapter or benchmark program lacks of the shared shape: ``main`` for a file run as a
+    program, ``parse_args`` for one that builds an argument parser."""
+    problems = []
+    if '__name__ == "__main__"' in source and not re.search(r"^def main\(", source, re.M):
+        problems.append(f"{path.name}: no main()")
+    if "ArgumentParser(" in source and not re.search(r"^def parse_args\(", source, re.M):
+        problems.append(f"{path.name}: no parse_args()")
+    return problems
+
+
+def test_every_program_has_the_same_entry_points():
+    """One shape for every script: ``parse_args`` then ``main``. ``inject_faults.py`` is the one
+    wrapper: it splits off its own fault flags and hands the rest to ``ddp_training.py``'s
+    ``parse_args``. Negative control: a program whose parser lives inside ``main``."""
+    repo = Path(__file__).resolve().parent.parent
+    programs = [p for p in [*repo.glob("0*/*.py"), *repo.glob("benchmarks/*.py")]
+                if p.name not in ("notebook.py", "inject_faults.py")]
+    assert [problem for p in programs for problem in entry_problems(p, p.read_text())] == []
+    inline = 'def main():\n    parser = ArgumentParser()\n\n\nif __name__ == "__main__":\n    main()\n'
+    assert entry_problems(Path("x.py"), inline) == ["x.py: no parse_args()"]
