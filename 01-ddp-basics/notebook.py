@@ -36,22 +36,20 @@
 import json
 import os
 import re
-import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
+from distkit.notebooks import torchrun_argv
+
 REPO = Path.cwd().parent          # the notebook runs from 01-ddp-basics/
 OUT = Path(tempfile.mkdtemp(prefix="ch01_nb_"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DISTKIT_NO_PROGRESS": "1"}
 STEPS = 30
-# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
-# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
-TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 SMALL = ["--model-size", "tiny", "--steps", str(STEPS), "--global-batch-size", "16", "--log-every", "10"]
 
 def start(nproc, script, *args):

@@ -31,19 +31,16 @@
 # %%
 import math
 import os
-import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from distkit.compare import config_of_record
 from distkit.harness import bus_factor, read_records
 from distkit.models import GPTConfig, TinyGPT
+from distkit.notebooks import torchrun_argv
 
-# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
-# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
-TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 results = Path(tempfile.mkdtemp()) / "strategies.jsonl"
 cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=4",
        "fsdp_transformer.py", "--sharding", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp",

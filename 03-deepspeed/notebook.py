@@ -28,17 +28,15 @@
 
 # %%
 import os
-import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from distkit.notebooks import torchrun_argv
+
 REPO = Path.cwd().parent if Path.cwd().name == "03-deepspeed" else Path.cwd()
 OUT = Path(tempfile.mkdtemp(prefix="ch03_nb_"))
-# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
-# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
-TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=4",
        "03-deepspeed/zero_memory.py", "--model-size", "tiny", "--steps", "4", "--warmup-steps", "1",
        "--global-batch-size", "16", "--record", str(OUT / "zero_memory.jsonl"),

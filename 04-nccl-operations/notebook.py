@@ -30,9 +30,7 @@
 # %%
 import os
 import re
-import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -40,13 +38,12 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 from distkit.harness import read_records
+from distkit.notebooks import torchrun_argv
 
 N = 4
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1")
-# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
-# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
-TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 
 
 def torchrun(*args, timeout=240):

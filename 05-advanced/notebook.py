@@ -23,21 +23,18 @@
 # %%
 import json
 import os
-import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from distkit.harness import read_records
+from distkit.notebooks import torchrun_argv
 
 WORK = Path(tempfile.mkdtemp(prefix="ch05-"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DISTKIT_NO_PROGRESS="1")
-# torchrun, as this interpreter's module; the test suite names its single-node fork launcher
-# (tests/fork_launcher.py, same flags) in DISTKIT_TORCHRUN
-TORCHRUN = shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 
 
 def run(script, *args, nproc=4):

@@ -60,6 +60,15 @@ class NotebookError(Exception):
 
 
 # ------------------------------------------------------------------------------------------- finding
+def torchrun_argv() -> list[str]:
+    """The launcher a notebook's cells start their jobs with: torchrun, as this interpreter's module, or
+    the single-node launcher ``$DISTKIT_TORCHRUN`` names (the test suite names its fork launcher,
+    ``tests/fork_launcher.py``, which takes torchrun's flags)."""
+    import shlex
+
+    return shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
+
+
 def sources(paths: list[str] | None = None) -> list[Path]:
     """The ``notebook.py`` of every chapter folder under ``paths`` (folders; or a notebook's own
     ``.py``/``.ipynb``); default: the whole repository. A Markdown file names no notebook."""
