@@ -16,7 +16,6 @@ count and each bucket size. Every caption says where its records ran.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from distkit import ArgumentParser  # noqa: E402
 from distkit.harness import read_records  # noqa: E402
 from distkit.paths import output_problems  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
@@ -223,7 +223,7 @@ def ac_decision(out_dir: Path) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", nargs="+",
                         default=[str(RECORDS / f) for f in (PIPELINE, PIPELINE_2RANKS, OVERLAP)],
                         help="harness record files (default: the committed 05-advanced/records/*.jsonl)")
