@@ -124,7 +124,9 @@ def add_bucket_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, de
 # The optimizers a script with --optimizer can train with. SGD's update is proportional to the
 # gradient, so an equivalence test run with it also sees gradient-scale mistakes (a sum instead of a
 # mean, a forgotten 1/k) that AdamW's normalised update hides.
-OPTIMIZERS = ("adamw", "sgd")
+# name -> the torch.optim class it builds
+OPTIMIZER_CLASSES = {"adamw": "AdamW", "sgd": "SGD"}
+OPTIMIZERS = tuple(OPTIMIZER_CLASSES)
 
 
 def add_optimizer_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -149,7 +151,7 @@ def make_optimizer(name: str, params, lr: float):
 
     params = list(params)
     kinds = {isinstance(p, DTensor) for p in params}
-    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](params, lr=lr, foreach=len(kinds) == 1)
+    return getattr(torch.optim, OPTIMIZER_CLASSES[name])(params, lr=lr, foreach=len(kinds) == 1)
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,

@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -64,8 +65,6 @@ def torchrun_argv() -> list[str]:
     """The launcher a notebook's cells start their jobs with: torchrun, as this interpreter's module, or
     the single-node launcher ``$DISTKIT_TORCHRUN`` names (the test suite names its fork launcher,
     ``tests/fork_launcher.py``, which takes torchrun's flags)."""
-    import shlex
-
     return shlex.split(os.environ.get("DISTKIT_TORCHRUN", "")) or [sys.executable, "-m", "torch.distributed.run"]
 
 

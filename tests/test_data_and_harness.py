@@ -509,7 +509,8 @@ def test_the_optimizer_flag_is_defined_once():
     """``--optimizer`` is one shared flag (``distkit.flags.add_optimizer_arg``): no chapter script defines
     its own. The planner's ``--optimizer`` (whose optimizer state to count) is the one other. Negative
     control: a script that defines it again is found."""
-    repo = Path(__file__).resolve().parent.parent
+    from launch import REPO as repo
+
     own = sorted(str(p.relative_to(repo)) for p in [*repo.glob("0*/*.py"), *repo.glob("benchmarks/*.py"),
                                                     *repo.glob("distkit/*.py")]
                  if defines_optimizer_flag(p.read_text()))
@@ -548,7 +549,8 @@ def test_every_program_has_the_same_entry_points():
     """One shape for every script: ``parse_args`` then ``main``. ``inject_faults.py`` is the one
     wrapper: it splits off its own fault flags and hands the rest to ``ddp_training.py``'s
     ``parse_args``. Negative control: a program whose parser lives inside ``main``."""
-    repo = Path(__file__).resolve().parent.parent
+    from launch import REPO as repo
+
     programs = [p for p in [*repo.glob("0*/*.py"), *repo.glob("benchmarks/*.py")]
                 if p.name not in ("notebook.py", "inject_faults.py")]
     assert [problem for p in programs for problem in entry_problems(p, p.read_text())] == []

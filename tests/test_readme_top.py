@@ -71,15 +71,13 @@ def test_the_decision_matrix_prints_its_recorded_output(capsys):
     """The planner launches nothing and is deterministic: the README's command, run here in this process,
     prints exactly the recorded block (the torchvision note aside, on stderr). What the table's picks
     mean is checked in tests/test_planner.py (test_the_decision_matrix_picks_are_the_planners)."""
-    import json
-
+    from distkit.records import find
     from launch import command_argv, load_script
 
     argv = command_argv(readme_command(README, DECISION_MATRIX))
     load_script(REPO / "benchmarks" / "plan.py").main(argv[2:])
     printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
-    recorded = next(json.loads(line) for line in (REPO / "records" / "outputs.jsonl").read_text().splitlines()
-                    if json.loads(line)["name"] == "decision_matrix")
+    recorded = find(REPO / "records" / "outputs.jsonl", "decision_matrix")
     assert recorded["command"] == readme_command(README, DECISION_MATRIX)
     assert printed == [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
 
