@@ -110,6 +110,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(limit))
 
 
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controlling process (or the only one)
+        from launch import REPO, tree_state
+
+        session.config.distkit_tree = tree_state(REPO)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite plays every README command (each is run by some test) and must leave the working tree
+    as it found it, as a reader's path must: a file written where git does not ignore it, or a
+    committed file changed, fails the session here, named (tests/test_reader_path.py checks the
+    check)."""
+    before = getattr(session.config, "distkit_tree", None)
+    if before is None:
+        return
+    from launch import REPO, tree_changes
+
+    changed = tree_changes(before, REPO)
+    if changed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = ("error: the test session changed the repository's working tree (outside what git ignores): "
+                   + ", ".join(changed))
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True)
+        else:
+            print(message)
+        if session.exitstatus == 0:
+            session.exitstatus = 1
+
+
 def pytest_runtest_setup(item):
     box = item.config.getoption("time_box")
     if box is not None and time.monotonic() - item.config.distkit_started > box:

@@ -141,6 +141,26 @@ def changed_files(clone: Path) -> list[str]:
     return out.splitlines()
 
 
+def tree_state(repo: Path) -> dict[str, str]:
+    """What ``git status`` shows in ``repo``, as {porcelain line: hash of that file's content}: a file
+    already changed before and written again reads as a change too."""
+    import hashlib
+
+    state = {}
+    for line in changed_files(repo):
+        path = repo / line[3:].split(" -> ")[-1].strip('"')
+        digest = hashlib.sha1(path.read_bytes()).hexdigest() if path.is_file() else "-"
+        state[line] = digest
+    return state
+
+
+def tree_changes(before: dict[str, str], repo: Path) -> list[str]:
+    """The porcelain lines of ``repo`` that are new or whose file changed since ``before``
+    (:func:`tree_state`)."""
+    after = tree_state(repo)
+    return sorted(line for line, digest in after.items() if before.get(line) != digest)
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO,
         check: bool = True) -> subprocess.CompletedProcess:
     """Run a command in its own process group; on timeout kill the whole group (no stray ranks).

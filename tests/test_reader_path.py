@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_commands
+from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_commands, tree_changes, tree_state
 
 READMES = sorted(REPO.glob("*/README.md")) + [REPO / "README.md"]
 # argparse destinations that name something a run writes
@@ -158,3 +158,31 @@ def test_the_quick_start_in_a_fresh_clone_leaves_it_as_it_was(first_command_run)
         assert changed_files(clone) == ["?? 01-ddp-basics/results.jsonl"]
     finally:
         stray.unlink()
+
+
+def test_the_session_check_sees_what_a_run_leaves_behind(tmp_path):
+    """The whole suite runs every README command (each chapter's coverage test names the test that
+    runs it), and conftest.pytest_sessionfinish fails the session if the working tree then differs
+    from its state at the start (``tree_state``/``tree_changes``). What that check sees, in a small
+    repository: a new file outside what git ignores, a committed file rewritten, and a file that was
+    already changed before the session and is written again; not an output under ``runs/``. Negative
+    control: an untouched tree shows nothing."""
+    repo = tmp_path / "repo"
+    (repo / "records").mkdir(parents=True)
+    (repo / ".gitignore").write_text("runs/\n")
+    (repo / "records" / "r.jsonl").write_text("{}\n")
+    (repo / "edited.txt").write_text("committed\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "start"], check=True)
+    (repo / "edited.txt").write_text("changed before the session\n")
+    before = tree_state(repo)
+    assert tree_changes(before, repo) == []
+    (repo / "runs").mkdir()
+    (repo / "runs" / "out.jsonl").write_text("{}\n")
+    assert tree_changes(before, repo) == []  # ignored: where README commands write
+    (repo / "records" / "r.jsonl").write_text('{"a": 1}\n')
+    (repo / "stray.jsonl").write_text("{}\n")
+    (repo / "edited.txt").write_text("written again by a test\n")
+    assert tree_changes(before, repo) == [" M edited.txt", " M records/r.jsonl", "?? stray.jsonl"]
