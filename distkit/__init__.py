@@ -22,7 +22,8 @@
 * :mod:`distkit.theory`: the textbook formulas the chapters print (ZeRO, Megatron TP, pipeline
   bubble, ring attention, expert parallelism, activations, FLOPs per token, bus bytes);
   :mod:`distkit.predictors`: the per-strategy model-state and communication bytes built on them
-  (FSDP2's padding, DeepSpeed's partitions, the TP plans); :mod:`distkit.compare`: a record next to
+  (FSDP2's padding, DeepSpeed's partitions, the TP plans; the model-parallel families, TP, PP, CP
+  and EP, in :mod:`distkit.predictors_mp`); :mod:`distkit.compare`: a record next to
   its prediction. The one place chapters and benchmarks take their predictions from.
 * :mod:`distkit.tp_plans`: the Megatron tensor-parallel plan of the small GPT and of the Llama.
 * :mod:`distkit.planner` (a package): does it fit, which strategy, how fast, built on the
