@@ -24,13 +24,26 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from distkit import ArgumentParser, UsageError, run_main  # noqa: E402
-from distkit.compare import predict_record  # noqa: E402
-from distkit.harness import MEMORY_CATEGORIES, read_records  # noqa: E402
+from distkit.cell_numbers import (  # noqa: E402  (read by the notebook and tests as plot.X too)
+    PEAK_PARTS,
+    bus_mib,
+    efficiencies,
+    mfu_percent,
+    peak_label,
+    peak_mib,
+    peak_parts_mib,
+    predicted_bus_mib,
+    predicted_state_mib,
+    prediction,
+    state_mib,
+    step_s,
+    tokens_per_s,
+)
+from distkit.harness import read_records  # noqa: E402
 from distkit.paths import check_outputs  # noqa: E402
 from distkit.records import machine_label, save_figure  # noqa: E402
 from distkit.strategies import MEASURED  # noqa: E402
 
-MIB = 2**20
 COMMITTED = Path(__file__).resolve().parent / "records" / "results_cpu.jsonl"
 # Panels of scaling.png: few enough series per panel that colour and marker tell each one apart.
 FAMILIES = {
@@ -109,100 +122,6 @@ def stamp(fig, records: list[dict], source: str) -> None:
         fig.text(0.01, 0.005, f"{' + '.join(places)} | world sizes {worlds} | torch {', '.join(torches)} | "
                  f"{' .. '.join(dict.fromkeys([dates[0], dates[-1]])) if dates else '?'} | {source}",
                  fontsize=7, color="0.35", ha="left", va="bottom")
-
-
-# ------------------------------------------------------------------------ the numbers of a cell
-# Every table, plot and notebook reads a cell's numbers through these, so they agree by construction.
-def step_s(record: dict) -> float:
-    """Step time: the median timed step of the slowest rank (``distkit.harness``)."""
-    return record["metrics"]["step_time_s_median"]
-
-
-def tokens_per_s(record: dict) -> float:
-    """Throughput: tokens one step processes / the step time (0 when the cell timed no step)."""
-    return record["metrics"]["tokens_per_s"] or 0.0
-
-
-def state_mib(record: dict) -> float:
-    """Model-state MiB (params + grads + optimizer) of the rank that holds the most."""
-    return max(sum(s.values()) for s in record["metrics"]["model_state_bytes_per_rank"]) / MIB
-
-
-def bus_mib(record: dict) -> float:
-    """Bus MiB rank 0 put on the wire in the counted step."""
-    return sum(c["bus_bytes"] for c in record["metrics"]["comm_per_step"].values()) / MIB
-
-
-def peak_mib(record: dict) -> float:
-    """Peak memory MiB of the rank with the highest peak (GPU: allocated; CPU: MemTracker's tracked
-    tensors, or the process RSS in records from before the harness tracked them)."""
-    return max(record["metrics"]["peak_memory_bytes_per_rank"]) / MIB
-
-
-PEAK_PARTS = tuple(MEMORY_CATEGORIES)  # params, grads, optimizer, activations, temporaries
-
-
-def peak_parts_mib(record: dict) -> dict[str, float] | None:
-    """MiB by category at the peak of the rank with the highest peak (MemTracker, see
-    ``distkit.harness.MEMORY_CATEGORIES``), or None where the record has no categories."""
-    metrics = record["metrics"]
-    parts = metrics.get("peak_memory_by_category_per_rank") or []
-    if not parts or any(p is None for p in parts):
-        return None
-    top = max(range(len(parts)), key=lambda rank: parts[rank]["total"])
-    return {name: parts[top][name] / MIB for name in PEAK_PARTS}
-
-
-def peak_label(records: list[dict]) -> str:
-    """What the cells' peak memory is (one kind per panel: cells of one device)."""
-    kinds = {r["metrics"].get("peak_memory_kind", "") for r in records}
-    if kinds == {"cpu_mem_tracker"}:
-        return "peak tensor memory (MemTracker)"
-    if kinds == {"cuda_max_allocated"}:
-        return "peak allocated"
-    return "peak RSS" if all("rss" in k for k in kinds) else "peak memory"
-
-
-def mfu_percent(record: dict) -> float:
-    """Model FLOPs utilisation in % (NaN for records from before the harness measured it)."""
-    mfu = record["metrics"].get("mfu")
-    return 100 * mfu if mfu else float("nan")
-
-
-def tokens_per_s_per_device(record: dict) -> float:
-    return record["metrics"].get("tokens_per_s_per_device") or float("nan")
-
-
-def prediction(record: dict) -> dict | None:
-    """``distkit.predictors``' prediction for a record (None for a strategy it does not model)."""
-    try:
-        return predict_record(record)
-    except (ValueError, KeyError):
-        return None
-
-
-def predicted_state_mib(prediction: dict | None) -> float:
-    return max(sum(s.values()) for s in prediction["state_per_rank"]) / MIB if prediction else float("nan")
-
-
-def predicted_bus_mib(prediction: dict | None) -> float:
-    return sum(c["bus_bytes"] for c in prediction["comm_per_rank"][0].values()) / MIB if prediction else float("nan")
-
-
-def efficiencies(records: list[dict]) -> dict[str, dict[int, float]]:
-    """Scaling efficiency per strategy and world size: tokens/s at N / (tokens/s at N0 x N / N0),
-    N0 the smallest world size measured for that strategy (1.0 = linear scaling). Strategies measured
-    at one world size only have no curve. Records of one model and device (see :func:`_by_model`)."""
-    by_strategy: dict[str, dict[int, float]] = defaultdict(dict)
-    for r in records:
-        by_strategy[r["strategy"]][r["world_size"]] = tokens_per_s(r)
-    out = {}
-    for strategy, points in by_strategy.items():
-        worlds = sorted(points)
-        if len(worlds) >= 2 and points[worlds[0]]:
-            base_n, base = worlds[0], points[worlds[0]]
-            out[strategy] = {n: points[n] / (base * n / base_n) for n in worlds}
-    return out
 
 
 # ---------------------------------------------------------------------------------------- plots
