@@ -256,7 +256,8 @@ def main(argv=None):
 
 
 def train_and_checkpoint(args, ctx):
-    """Resume (optionally), train to --steps, save the chosen checkpoints."""
+    """Resume (optionally), train to --steps, save the chosen checkpoints. One function on purpose: the
+    checkpoint lesson (resume, train, save) reads top to bottom, as the README walks it."""
     log = setup_logging(ctx.rank)
     check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)

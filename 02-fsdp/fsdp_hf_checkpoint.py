@@ -217,6 +217,8 @@ def main(argv=None):
 
 
 def train(args, ctx):
+    """Load the Hugging Face checkpoint into shards, train, export. One function on purpose: the lesson
+    (load into shards, train, export) reads top to bottom, as the README walks it."""
     log = setup_logging(ctx.rank)
     check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)

@@ -113,6 +113,8 @@ def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.
 
 
 def main():
+    """Initialise the engine, train (checkpointing as asked), report. One function on purpose: the DeepSpeed lesson
+    (deepspeed.initialize, then the engine's own loop) reads top to bottom, as the README walks it."""
     args = parse_args()
     with distributed(args) as ctx:
         check_outputs(ctx, args, files=["results", "save"], dirs=["checkpoint_dir"])

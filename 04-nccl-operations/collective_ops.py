@@ -161,6 +161,8 @@ class Demo:
 
 
 def main():
+    """Every collective in turn, each with its check. One function on purpose: the collectives read
+    in the order the README teaches them, one block each."""
     args = parse_args()
     dtype = DTYPES[args.dtype]
     with distributed(args) as ctx:

@@ -113,6 +113,8 @@ def deadlock(ctx, timeout_s):
 
 
 def main():
+    """Each point-to-point pattern in turn. One function on purpose: the patterns read in the order the
+    README teaches them, one block each."""
     args = parse_args()
     with distributed(args) as ctx:
         n, r, dev = ctx.world_size, ctx.rank, ctx.device

@@ -193,6 +193,8 @@ def build_moe_model(cfg, num_experts: int, top_k: int, capacity_factor: float) -
 
 
 def main():
+    """Build the (dp, ep) mesh, place the experts, train, report the exchanges. One function on purpose:
+    the expert-parallel job reads top to bottom, as the README walks it."""
     args = parse_args()
     with distributed(args) as ctx:
         check_outputs(ctx, args, files=["results", "save"])

@@ -156,7 +156,9 @@ class LlamaStage(nn.Module):
 
 
 def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
-    """Train from fresh initial weights with one schedule; return (record, gathered state dict)."""
+    """Train from fresh initial weights with one schedule; return (record, gathered state dict). One
+    function on purpose: split into stages, build the schedule, step it, gather, in the order the
+    README walks them."""
     pp = ctx.world_size
     per_rank = args.stages_per_rank if schedule_name == "interleaved_1f1b" else 1
     num_stages = pp * per_rank
