@@ -28,6 +28,8 @@ MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
 
 
 def parse_args(argv=None):
+    """The planner's flags, then the checks that refuse an input in one line before anything is planned.
+    Long because it is one flag list: each flag is a few lines of help a reader sees in --help."""
     parser = ArgumentParser(
         description="Plan a training job: per strategy the memory per GPU (parameters, gradients, optimizer "
                     "state, activations, temporaries), whether it fits, the predicted step time and tokens/s "
