@@ -29,6 +29,8 @@ from distkit.cell_numbers import (  # noqa: E402  (read by the notebook and test
     bus_mib,
     efficiencies,
     mfu_percent,
+    mixed,
+    model_size,
     peak_label,
     peak_mib,
     peak_parts_mib,
@@ -38,6 +40,7 @@ from distkit.cell_numbers import (  # noqa: E402  (read by the notebook and test
     state_mib,
     step_s,
     tokens_per_s,
+    where,
 )
 from distkit.harness import read_records  # noqa: E402
 from distkit.paths import check_outputs  # noqa: E402
@@ -83,27 +86,6 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[dict], list[dict]]:
         return "_moe " in model_size(r), model_size(r), order.get(r["strategy"], 99), r["world_size"]
 
     return sorted(cells.values(), key=sort), sorted(problems.values(), key=sort), list(bandwidth.values())
-
-
-def where(record: dict) -> str:
-    """Where a cell ran, e.g. ``cuda/nccl`` or ``cpu/gloo`` (``?`` for a cell that never started)."""
-    return f"{record['device']}/{record.get('backend', '?')}" if "device" in record else "?"
-
-
-def mixed(records: list[dict]) -> bool:
-    """True when the records come from more than one device/backend."""
-    return len({where(r) for r in records if where(r) != "?"}) > 1
-
-
-def model_size(record: dict) -> str:
-    """The cell's model preset: what the runner asked for (``benchmark.model_size``; records of
-    older runs that skipped a cell kept it at the top level, chapter records in their config)."""
-    bench = record.get("benchmark") or {}
-    size = bench.get("model_size") or record.get("model_size") or record.get("config", {}).get("model_size", "?")
-    arch = (record.get("model") or {}).get("arch", "gpt")
-    # the small GPT's sizes keep their plain names; the Llama's and the mixture-of-experts GPT's
-    # (expert parallelism's model: another model, so its own panel) say what they are
-    return size if arch == "gpt" else f"{arch} {size}"
 
 
 def provenance(records: list[dict]) -> tuple[list[str], list[str], list[str]]:

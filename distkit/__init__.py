@@ -25,8 +25,9 @@
   (FSDP2's padding, DeepSpeed's partitions, the TP plans; the model-parallel families, TP, PP, CP
   and EP, in :mod:`distkit.predictors_mp`); :mod:`distkit.compare`: a record next to
   its prediction. The one place chapters and benchmarks take their predictions from.
-* :mod:`distkit.cell_numbers`: one benchmark cell's numbers read from its record (step time,
-  throughput, memory, bus bytes, MFU, scaling efficiency), for every table, plot and notebook.
+* :mod:`distkit.cell_numbers`: one benchmark cell read from its record, which one it is (model,
+  device) and its numbers (step time, throughput, memory, bus bytes, MFU, scaling efficiency), for
+  every table, plot and notebook of the benchmarks.
 * :mod:`distkit.tp_plans`: the Megatron tensor-parallel plan of the small GPT and of the Llama.
 * :mod:`distkit.planner` (a package): does it fit, which strategy, how fast, built on the
   predictors and calibrated from the records.

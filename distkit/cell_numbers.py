@@ -1,7 +1,7 @@
-"""The numbers of one benchmark cell, read from its record: step time, throughput, model-state,
-bus and peak memory MiB, MFU, the prediction beside it, and scaling efficiency. Every table, plot and
-notebook (``benchmarks/plot.py``, the chapter notebooks) reads a cell's numbers through these, so
-they agree by construction."""
+"""One benchmark cell, read from its record: which cell it is (model, device and backend) and its
+numbers: step time, throughput, model-state, bus and peak memory MiB, MFU, the prediction beside it,
+and scaling efficiency. Every table, plot and notebook of the benchmarks (``benchmarks/plot.py`` and,
+through it, the benchmarks notebook) reads a cell through these, so they agree by construction."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,6 +10,27 @@ from .compare import predict_record
 from .memory import MEMORY_CATEGORIES
 
 MIB = 2**20
+
+
+def where(record: dict) -> str:
+    """Where a cell ran, e.g. ``cuda/nccl`` or ``cpu/gloo`` (``?`` for a cell that never started)."""
+    return f"{record['device']}/{record.get('backend', '?')}" if "device" in record else "?"
+
+
+def mixed(records: list[dict]) -> bool:
+    """True when the records come from more than one device/backend."""
+    return len({where(r) for r in records if where(r) != "?"}) > 1
+
+
+def model_size(record: dict) -> str:
+    """The cell's model preset: what the runner asked for (``benchmark.model_size``; records of
+    older runs that skipped a cell kept it at the top level, chapter records in their config)."""
+    bench = record.get("benchmark") or {}
+    size = bench.get("model_size") or record.get("model_size") or record.get("config", {}).get("model_size", "?")
+    arch = (record.get("model") or {}).get("arch", "gpt")
+    # the small GPT's sizes keep their plain names; the Llama's and the mixture-of-experts GPT's
+    # (expert parallelism's model: another model, so its own panel) say what they are
+    return size if arch == "gpt" else f"{arch} {size}"
 
 
 def step_s(record: dict) -> float:
@@ -91,7 +112,8 @@ def predicted_bus_mib(prediction: dict | None) -> float:
 def efficiencies(records: list[dict]) -> dict[str, dict[int, float]]:
     """Scaling efficiency per strategy and world size: tokens/s at N / (tokens/s at N0 x N / N0),
     N0 the smallest world size measured for that strategy (1.0 = linear scaling). Strategies measured
-    at one world size only have no curve. Records of one model and device (see :func:`_by_model`)."""
+    at one world size only have no curve. Records of one model and device (as ``benchmarks/plot.py``
+    groups them)."""
     by_strategy: dict[str, dict[int, float]] = defaultdict(dict)
     for r in records:
         by_strategy[r["strategy"]][r["world_size"]] = tokens_per_s(r)

@@ -59,7 +59,8 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
                   "torch.distributed.elastic.multiprocessing.errors", "distkit", "distkit.checkpoint",
                   "distkit.comm_counter", "distkit.data", "distkit.errors", "distkit.flags",
                   "distkit.harness", "distkit.logs", "distkit.models", "distkit.provenance",
-                  "distkit.records", "distkit.runtime", "distkit.theory", "distkit.predictors", "distkit.compare",
+                  "distkit.records", "distkit.runtime", "distkit.theory", "distkit.predictors",
+                  "distkit.predictors_mp", "distkit.compare",
                   # torch's reference ops import the compiler stack on first use (1-2 s per rank): a model
                   # built on the meta device to predict bytes reaches it through nn.init.normal_
                   "torch._dynamo",
