@@ -23,6 +23,11 @@ the script (or a mutant) as ``__main__``; each spawned process re-imports it as 
 
 * ``test_spawn_feeds_each_rank_its_own_rows``: at step s spawned rank r's model sees its rows of
   global batch s, with autograd on. Mutant: every rank given rank 0's rows.
+* ``test_spawn_logged_losses_are_rank_0s_observed_logits``: each logged ``step k/N | loss on rank 0's
+  shard`` (4 decimals) is the token cross-entropy of the logits rank 0's model returned at that step
+  against the targets of rank 0's rows, recomputed here. Controls, in-process on the same run: the
+  log with each loss replaced by the job's mean over ranks (the all-reduced loss under rank 0's
+  label), and rank 1's observed logits taken for rank 0's; each fails the same check.
 
 ddp_benchmark.py (world sizes 1 and 2, tiny model, per-rank batch 1): the driver run with python (the
 mutant through distkit/mutation.py), its torchrun jobs through the fork launcher (``$DISTKIT_TORCHRUN``,
@@ -49,7 +54,7 @@ zero_offload.py (ZeRO-3, then ZeRO-3 + offload, in one job on 2 ranks):
   (The ratio is recomputed here, but no mutant of the ratio alone is run.)
 
 Written out here, not imported from the scripts: which rows a rank gets and the formulas.
-Not pinned here: ddp_spawn.py's logged loss, ddp_from_scratch.py's tokens/s and all-reduce counts,
+Not pinned here: ddp_from_scratch.py's tokens/s and all-reduce counts,
 zero_offload.py's placement table (its 20 psi / N total is pinned in test_ch03_deepspeed.py).
 """
 from __future__ import annotations
@@ -179,6 +184,35 @@ def test_spawn_feeds_each_rank_its_own_rows(spawn_runs):
     pinned(spawn_runs, check_spawn_rows, "rank0_rows", output=True)
 
 
+SPAWN_LOSS = re.compile(rf"^(\[rank 0\] step (\d+)/{STEPS} \| loss on rank 0's shard )([\d.]+)$", re.MULTILINE)
+
+
+def spawn_losses(calls: list[list[dict]]) -> list[list[float]]:
+    """[rank][step]: each rank's token cross-entropy of its observed logits against its rows' targets."""
+    return [[cross_entropy(calls[r][step], rows_of(step, r)[1]) for step in range(STEPS)] for r in range(W)]
+
+
+def check_spawn_losses(calls: list[list[dict]], out: str) -> None:
+    """Every step's logged loss (the script logs each one at this step count) is rank 0's own."""
+    expected = spawn_losses(calls)[0]
+    printed = {int(step): float(loss) for _, step, loss in SPAWN_LOSS.findall(out)}
+    assert sorted(printed) == list(range(1, STEPS + 1)), printed
+    for step, loss in printed.items():  # 4 decimals: half a unit of the last one, and float32's slack
+        assert abs(loss - expected[step - 1]) <= 5e-5 + 1e-5, (step, loss, expected[step - 1])
+
+
+def test_spawn_logged_losses_are_rank_0s_observed_logits(spawn_runs):
+    folder, done = job(spawn_runs, "correct")
+    calls = [seen_calls(folder, rank) for rank in range(W)]
+    check_spawn_losses(calls, done.stdout)
+    # controls on the same run: the job's mean over ranks logged under rank 0's label; rank 1's logits
+    per_rank = spawn_losses(calls)
+    mean = SPAWN_LOSS.sub(lambda m: m[1] + f"{sum(r[int(m[2]) - 1] for r in per_rank) / W:.4f}", done.stdout)
+    for calls_seen, out in ((calls, mean), (calls[::-1], done.stdout)):
+        with pytest.raises(AssertionError):
+            check_spawn_losses(calls_seen, out)
+
+
 def observe_spawned_script() -> None:
     """Run as ``__main__`` (the script's parent) or ``__mp_main__`` (a spawned rank): define the
     script's functions here, as the script's own module would; the parent also runs its main block,
@@ -196,7 +230,7 @@ def observe_spawned_script() -> None:
                 installed.append(True)
                 handle.remove()
                 # global forward hooks are read after forward: this call is recorded too
-                install(set(setup["classes"]), Path(setup["out"]), outputs=False)
+                install(set(setup["classes"]), Path(setup["out"]), outputs=True)
         installed: list = []
         handle = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
     else:
