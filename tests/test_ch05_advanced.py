@@ -18,6 +18,7 @@ and that deleting gradient_accumulation.py's own ``/ k`` fails the accumulation 
 """
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from types import SimpleNamespace
@@ -302,6 +303,58 @@ def test_communication_overlap(overlap_run):
         assert record["model"] == {"arch": "mlp", "layers": 16, "width": 128}
         assert record["param_count"] == 16 * (128 * 128 + 128)
         assert record["config"]["global_batch_size"] == 256 and record["metrics"]["samples_per_step"] == 256
+
+
+def trace_overlap(trace: dict) -> tuple[float, float, float]:
+    """(comm ms, hidden ms, hidden fraction) of rank 0's profiled step, recomputed here from the raw
+    spans of its Chrome trace (microseconds): gloo's all-reduce spans, merged, against backward's
+    autograd spans, merged; hidden = their intersection over the communication time."""
+    def merged(prefix: str) -> list[list[float]]:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+                       if e.get("ph") == "X" and e.get("name", "").startswith(prefix))
+        out: list[list[float]] = []
+        for start, end in spans:
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return out
+
+    comm, compute = merged("gloo:"), merged("autograd::engine::evaluate_function")
+    busy = sum(end - start for start, end in comm)
+    hidden = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in compute)
+    assert busy > 0, "no all-reduce span in the trace"
+    return busy / 1e3, hidden / 1e3, hidden / busy
+
+
+OVERLAP_LINE = re.compile(r"^\[rank 0\]   rank 0: all-reduce busy ([\d.]+) ms, ([\d.]+) ms under backward "
+                          r"compute -> (\d+)% hidden$", re.MULTILINE)
+
+
+def check_overlap_line(trace: dict, out: str) -> None:
+    """Rank 0's printed overlap line is its trace's spans, to the printed digits (1 decimal ms, whole %)."""
+    ((busy, hidden, percent),) = OVERLAP_LINE.findall(out)
+    comm_ms, hidden_ms, fraction = trace_overlap(trace)
+    assert abs(float(busy) - comm_ms) <= 0.05 + 1e-3, (busy, comm_ms)
+    assert abs(float(hidden) - hidden_ms) <= 0.05 + 1e-3, (hidden, hidden_ms)
+    assert abs(int(percent) - 100 * fraction) <= 0.5 + 1e-6, (percent, fraction)
+
+
+def test_overlap_fraction_is_rank_0s_trace(overlap_run):
+    """The reported hidden fraction, recomputed from the raw timings the script wrote (rank 0's trace).
+    Control: the same trace with its first all-reduce span moved after every backward span (and
+    stretched to 1 ms, so the change shows at the printed digits) fails the same check."""
+    _, out, trace_file = overlap_run
+    trace = json.loads(trace_file.read_text())
+    check_overlap_line(trace, out)
+    events = trace["traceEvents"]
+    first = min((e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("gloo:")),
+                key=lambda e: e["ts"])
+    last_end = max(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and "dur" in e)
+    moved = {**trace, "traceEvents": [e for e in events if e is not first]
+             + [{**first, "ts": last_end + 1.0, "dur": 1000.0}]}
+    with pytest.raises(AssertionError):
+        check_overlap_line(moved, out)
 
 
 def test_readme_plot_command_draws_both_plots(pipeline_run, overlap_run, tmp_path):
