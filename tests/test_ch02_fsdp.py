@@ -115,6 +115,7 @@ def test_measured_bytes_match_the_formulas(sweep):
         assert record["predicted"]["comm_bytes"] == expected["comm"], strategy
         assert f"{strategy:>13} | bytes/step " in result.stdout and f"(predicted {expected['comm']})" in result.stdout
         assert record["config"]["precision"] == "fp32"
+    check_hsdp_row(records[RECORD["hybrid_shard"]])  # the 2x2 mesh's bus bytes, group by group
     # FULL_SHARD moves about 1.5x DDP's bytes on the wire: 2 all-gathers + 1 reduce-scatter of P,
     # each (n-1)/n, against one all-reduce of P at 2(n-1)/n. The root unit is gathered once only.
     bus = {s: sum(v["bus_bytes"] for v in records[RECORD[s]]["metrics"]["comm_per_step"].values())
@@ -155,6 +156,38 @@ def test_committed_strategies_record_matches_the_formulas():
         predicted = transformer.predicted_bytes(cfg, strategy, args, record["world_size"])
         assert predicted == record["predicted"], strategy
         assert str(predicted["comm_bytes"]) == str(record["predicted"]["comm_bytes"]), strategy  # as printed
+
+
+def hsdp_bus_bytes(comm: dict, shard: int, replicas: int) -> dict:
+    """Bus bytes of an HSDP (replicas x shard) step per collective, from its payloads: all-gather and
+    reduce-scatter run inside a shard group ((n-1)/n, n = shard), the all-reduce across the replicas
+    (2(n-1)/n, n = replicas): the nccl-tests factors, written out here."""
+    group = {"all_gather": shard, "reduce_scatter": shard, "all_reduce": replicas}
+    factor = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_reduce": lambda n: 2 * (n - 1) / n}
+    return {c: v["bytes"] * factor[c](group[c]) for c, v in comm.items()}
+
+
+def check_hsdp_row(record: dict, shard: int = 2, replicas: int = 2) -> None:
+    """The HSDP row's mesh and bus bytes (per collective and the row's total), recomputed here."""
+    assert record["predicted"]["shard_group_size"] == shard and record["predicted"]["replicas"] == replicas
+    comm = record["metrics"]["comm_per_step"]
+    expected = hsdp_bus_bytes(comm, shard, replicas)
+    assert {c: v["bus_bytes"] for c, v in comm.items()} == pytest.approx(expected, abs=0.5), (comm, expected)
+
+
+def test_committed_hsdp_row_is_recomputed():
+    """The committed 2x2 HSDP row: its mesh (2 replicas x shard 2) and its bus bytes from its payloads
+    with each collective's own group. Control: the same payloads with world-group factors (every
+    collective over all 4 ranks, the bug of reducing over the default group) fail the same check."""
+    (record,) = [r for r in read_records(CHAPTER / "records" / "fsdp_strategies.jsonl")
+                 if r["strategy"] == RECORD["hybrid_shard"]]
+    check_hsdp_row(record)
+    world = hsdp_bus_bytes(record["metrics"]["comm_per_step"], 4, 4)
+    wrong = {**record, "metrics": {**record["metrics"], "comm_per_step": {
+        c: {**v, "bus_bytes": world[c]} for c, v in record["metrics"]["comm_per_step"].items()}}}
+    with pytest.raises(AssertionError):
+        check_hsdp_row(wrong)
 
 
 def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, capsys):
