@@ -37,7 +37,8 @@ The modules, each importing only those above it:
   is planned (:func:`check_job`), resized inputs;
 * :mod:`.hf_config`: a model from a Hugging Face ``config.json`` (:func:`read_hf_config`);
 * :mod:`.costs`: memory in five parts, time per collective and of compute;
-* :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies;
+* :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies (data parallel, TP x
+  FSDP, the pipelines), :mod:`.layouts_cp_ep` context and expert parallelism;
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
 * :mod:`.calibration`: a CPU cluster calibrated from this machine's records;
 * :mod:`.validation`: every matrix cell, predicted vs measured;

@@ -12,7 +12,8 @@ from ..errors import UsageError
 from ..models import is_moe
 from ..strategies import PLANNED, Strategy
 from .inputs import Cluster, GiB, Plan
-from .layouts import Estimate, _context_parallel, _dp_family, _expert_parallel, _invalid, _pipeline, _tp_fsdp
+from .layouts import Estimate, _dp_family, _invalid, _pipeline, _tp_fsdp
+from .layouts_cp_ep import _context_parallel, _expert_parallel
 
 # a strategy the calibration never saw borrows its family's overhead
 OVERHEAD_FAMILY = {Strategy.FSDP_HYBRID_SHARD: Strategy.FSDP_FULL_SHARD, Strategy.HSDP: Strategy.FSDP_FULL_SHARD,
