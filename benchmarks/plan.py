@@ -21,7 +21,6 @@ from distkit import ArgumentParser, UsageError, planner, run_main
 from distkit.flags import positive_float, positive_int
 from distkit.models import MODEL_PRESETS, dense_config, is_moe, model_config, with_experts
 from distkit.paths import check_outputs
-from distkit.strategies import PLANNED
 
 MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
           for arch, presets in MODEL_PRESETS.items() for size in presets}
@@ -97,7 +96,13 @@ def parse_args(argv=None):
     hw.add_argument("--calibrate", metavar="FILE",
                     help="with --gpu cpu: a benchmark results file (with bandwidth sweeps) of this machine")
     out = parser.add_argument_group("output")
-    out.add_argument("--strategies", nargs="+", choices=[str(s) for s in PLANNED], help="(default: all)")
+    out.add_argument("--strategies", nargs="+", choices=[str(s) for s in planner.SEARCHED],
+                     help="(default: all; nd: the best N-D layout of the search)")
+    out.add_argument("--layout", metavar="AXIS=N,...",
+                     help="instead of the search: plan this one N-D layout, e.g. dp_shard=32,tp=8 or "
+                          "dp_replicate=2,tp=8,pp=4,schedule=interleaved_1f1b,microbatches=16 (axes: "
+                          f"{', '.join(planner.AXES)}; sp=on|off or tp_sp=N; loss_parallel=on|off; schedule "
+                          f"{'/'.join(planner.SCHEDULES)}; dp_shard left out takes the GPUs left)")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--plot", metavar="FILE", help="also draw memory per GPU and throughput per strategy (PNG)")
     out.add_argument("--decision-matrix", action="store_true",
@@ -117,6 +122,8 @@ def parse_args(argv=None):
         parser.error(f"argument --usable-memory: must be at most 1, got {args.usable_memory:g}")
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be at most 1, got {args.efficiency:g}")
+    if args.layout and args.strategies:
+        parser.error("--layout pins one layout; --strategies chooses among the searched ones: give one of them")
     if args.gpu == "cpu" and not args.calibrate:
         parser.error("--gpu cpu needs --calibrate FILE (a results file of this machine with bandwidth sweeps)")
     return args
@@ -200,7 +207,14 @@ def main(argv=None) -> None:
         print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows, args.only_misses))
         return
     plan, cluster = build_plan(args), build_cluster(args)
-    estimates = planner.estimate_all(plan, cluster, args.strategies or PLANNED)
+    if args.layout:  # one pinned layout, refused in one line before anything is planned
+        dims = planner.parse_layout(args.layout, cluster.gpus)
+        problem = planner.check_dims(plan, cluster, dims)
+        if problem:
+            raise UsageError(f"--layout {args.layout}: {problem}")
+        estimates = [planner.with_overhead(planner.estimate_dims(plan, cluster, dims), cluster, planner.ND)]
+    else:
+        estimates = planner.estimate_all(plan, cluster, args.strategies)
     rec = planner.recommend(estimates, cluster, allow_offload=args.offload)
     if args.json:
         print(json.dumps(planner.report_json(plan, cluster, estimates, rec), indent=1, default=_finite))

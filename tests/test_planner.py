@@ -262,12 +262,15 @@ def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     tokens per sequence: by hand, model state 16 x 1,235,814,400 bytes (DDP's, every rank a replica),
     activations 16 layers x 32,768 x 2,048 x 2 bytes (full AC keeps the block input) = 2 GiB,
     temporaries the head's 32,768 x 1,547,264 bytes = 47.2 GiB; it is recommended. TP splits the
-    head too and fits (69.5 GiB) but is slower. Bugs caught: CP's activations or head not divided by
-    cp, or its state sharded as if CP were FSDP."""
+    head too and fits (69.5 GiB) but is slower. Among the strategy rows (the N-D search, which adds
+    FSDP over the ring, is left out here); the N-D layout that fits splits the sequence too (cp > 1).
+    Bugs caught: CP's activations or head not divided by cp, or its state sharded as if CP were FSDP."""
     cfg = replace(LLAMA_1B, seq_len=65536)
     plan = planner.Plan(cfg, global_batch=16, ac="full")
     cl = planner.cluster("h100", 8)
-    estimates = {e.name: e for e in planner.estimate_all(plan, cl)}
+    estimates = {e.name: e for e in planner.estimate_all(plan, cl, PLANNED)}
+    nd = planner.estimate(plan, cl, "nd")
+    assert nd.fits and nd.layout["cp"] > 1, nd.layout
     cp = estimates["cp"]
     assert cp.layout["cp"] == 2 and cp.layout["dp"] == 4 and cp.fits
     p = psi(cfg)
@@ -321,19 +324,21 @@ def test_expert_parallel_needs_an_moe_and_splits_its_experts():
 
 
 TIED = ["--model", "llama-3.2-1b", "--gpus", "4", "--gpu-memory-gib", "24", "--seq-len", "2048"]
-CLEAR = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "2048", "--activation-checkpointing", "full"]
+# the strategy rows only: the N-D search finds a layout within 12% of the pipeline here (a tie)
+CLEAR = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "2048", "--activation-checkpointing", "full",
+         "--strategies", *PLANNED]
 
 
 def check_tie(plan, argv: list[str], capsys) -> dict:
     """What the report and the JSON say about a tie, checked against the estimates: a tie is said
     exactly when another eligible configuration is predicted within 20% (the step time's median
     error bound) of the fastest; the pick is then the simplest family among them (DDP < ZeRO/FSDP <
-    TP < PP < CP), its fastest member; JSON and table agree. Returns the JSON's tie (or None)."""
+    TP < PP < CP < N-D), its fastest member; JSON and table agree. Returns the JSON's tie (or None)."""
     plan_main(plan, [*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     plan_main(plan, argv)
     text = capsys.readouterr().out
-    order = {"ddp": 0, "fsdp_tp": 2, "ep": 2, "cp": 4}
+    order = {"ddp": 0, "fsdp_tp": 2, "ep": 2, "cp": 4, "nd": 5}
     rank = {s["name"]: order.get(s["name"], 3 if s["name"].startswith("pp_") else 1) for s in out["strategies"]}
     eligible = {s["name"]: s["step_time_s"] for s in out["strategies"] if s["valid"] and s["fits"]
                 and s["name"] not in ("lora_fsdp", "zero3_offload")}
@@ -363,25 +368,25 @@ def plan_with_tie_bound(bound: float):
 
 
 def test_a_tie_within_the_error_picks_the_simpler(capsys):
-    """The request's case, a 1B Llama on 4 x 24 GB GPUs with 2k sequences: context parallelism is the
-    fastest by 0.02%, far inside the planner's 20% median error, so the report says it is a tie and
-    picks ZeRO-2 (ZeRO/FSDP before CP), with the reason in one line; the JSON carries the same.
-    Negative control: the planner with no error bound (``tie_bound=0``) recommends CP and the check
-    fails on it."""
+    """The request's case, a 1B Llama on 4 x 24 GB GPUs with 2k sequences: the best N-D layout (FSDP
+    over a CP ring) is the fastest by 0.16%, and context parallelism within 0.02% of ZeRO-2, far inside
+    the planner's 20% median error, so the report says it is a tie and picks ZeRO-2 (ZeRO/FSDP before
+    CP and N-D), with the reason in one line; the JSON carries the same. Negative control: the planner
+    with no error bound (``tie_bound=0``) recommends the N-D layout and the check fails on it."""
     plan = load_script(BENCH / "plan.py")
     tie = check_tie(plan, TIED, capsys)
-    assert tie["fastest"] == "cp" and tie["picked"] == "zero2"
-    assert tie["reason"].startswith("zero2 (ZeRO/FSDP) before cp (CP), 0.0")
+    assert tie["fastest"] == "nd" and tie["picked"] == "zero2" and "cp" in tie["within"]
+    assert tie["reason"].startswith("zero2 (ZeRO/FSDP) before nd (N-D), 0.1")
     assert "every layer stays whole" in tie["reason"]
     with pytest.raises(AssertionError):
         check_tie(plan_with_tie_bound(0), TIED, capsys)
 
 
 def test_a_clear_win_says_no_tie(capsys):
-    """A 70B Llama on 64 H100s, 2k sequences, full AC: the 1F1B pipeline is predicted 2.7x faster than
-    anything else that fits, far outside the error: it is recommended and no tie is said. Negative
-    control: an error bound of 300% (a broken bound) calls it a tie and picks FSDP, and the check
-    fails."""
+    """A 70B Llama on 64 H100s, 2k sequences, full AC, among the strategy rows: the 1F1B pipeline is
+    predicted 2.7x faster than anything else that fits, far outside the error: it is recommended and
+    no tie is said. Negative control: an error bound of 300% (a broken bound) calls it a tie and picks
+    FSDP, and the check fails."""
     plan = load_script(BENCH / "plan.py")
     assert check_tie(plan, CLEAR, capsys) is None
     plan_main(plan, [*CLEAR, "--json"])
@@ -419,7 +424,8 @@ def check_matrix_picks(text: str) -> None:
 
 def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
     """``plan.py --decision-matrix``: each row's pick is the planner's own answer for that job; the rows
-    that disagree with the guide get a line, the 3-D row says the planner has no 3-D layout, and
+    that disagree with the guide get a line, the 3-D row is the planner's best N-D layout (with three
+    axes or more), and
     ResNet-50 is not expressible. Negative control: rows planned with selective instead of full
     activation checkpointing (a matrix that plans another job than the one its header states) fail the
     check."""
@@ -427,7 +433,7 @@ def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
     plan.main(["--decision-matrix"])
     text = capsys.readouterr().out
     check_matrix_picks(text)
-    assert "LLaMA-70B: the planner has no 3-D layout" in text and "ResNet-50: not expressible" in text
+    assert "LLaMA-70B: the guide's 3D (TP x PP x DP) as nd: fits" in text and "ResNet-50: not expressible" in text
     for row in planner.decision.ROWS:
         agrees = row.name + " " * (31 - len(row.name))
         line = next(ln for ln in text.splitlines() if ln.startswith(agrees))
@@ -452,7 +458,7 @@ def test_cli_json_schema(capsys):
     plan.main([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     names = [s["name"] for s in out["strategies"]]
-    assert names == list(PLANNED)
+    assert names == list(planner.SEARCHED)  # every strategy, then the best N-D layout
     for s in out["strategies"]:
         assert {"name", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu"} <= set(s)
         if s["valid"]:
@@ -514,6 +520,12 @@ def test_cli_plot(tmp_path):
     (["--top-k", "2"], "--top-k routes tokens to experts: give --experts N too"),
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is larger than --experts 2"),
     (["--experts", "0"], "argument --experts: must be a positive integer, got 0"),
+    (["--layout", "tp=3"], "tp=3 does not divide 32 heads / 8 kv-heads; tp that do: 1, 2, 4, 8"),
+    (["--layout", "dp_shard=2,tp=2"], "uses 4 GPUs, not the 8 of the job (the axes multiply); dp_shard=4 would"),
+    (["--layout", "pp=64", "--gpus", "64", "--global-batch", "64"], "pp=64 x 1 chunk(s) needs at least 64 blocks"),
+    (["--layout", "cp=8", "--seq-len", "40"], "cp=8 does not cut 40 tokens into 2 x cp chunks; cp that do: 2"),
+    (["--layout", "tp=8", "--strategies", "ddp"], "--layout pins one layout"),
+    (["--layout", "tq=2"], "'tq=2' is not AXIS=N"),
 ])
 def test_cli_bad_input_is_one_line(args, expected):
     """Bad flags end in one ``error:`` line and exit 2: argparse's own, or a ``UsageError`` raised by
@@ -842,7 +854,22 @@ def test_readme_planner_commands_print_their_recorded_output(name, capsys):
     and launches nothing), prints exactly the output recorded for its block (the torchvision note
     aside, which goes to stderr): a planner change that alters an answer without re-recording the
     README fails here, not only in ``distkit.records check``."""
-    argv = command_argv(lookup_command(README, PLANNER_LOOKUPS[name]))
+    check_recorded_command(PLANNER_LOOKUPS[name], name, capsys)
+
+
+# the N-D examples of the Planning section: (substrings that find the command, record)
+ND_LOOKUPS = {"plan_405b_512xh100": ("plan.py", "--gpus 512"),
+              "plan_70b_64xh100_layout": ("plan.py", "--layout dp_shard=2")}
+
+
+@pytest.mark.parametrize("name", sorted(ND_LOOKUPS))
+def test_readme_nd_commands_print_their_recorded_output(name, capsys):
+    """The N-D examples, as :func:`test_readme_planner_commands_print_their_recorded_output`."""
+    check_recorded_command(ND_LOOKUPS[name], name, capsys)
+
+
+def check_recorded_command(lookup, name, capsys) -> None:
+    argv = command_argv(lookup_command(README, lookup))
     assert argv[1].endswith("benchmarks/plan.py")
     load_script(BENCH / "plan.py").main(argv[2:])
     printed = capsys.readouterr().out
@@ -864,3 +891,111 @@ def test_params_picks_the_block_count():
     assert psi(cfg) == 6_939_701_248
     block = (psi(LLAMA_8B) - psi(cfg)) // (32 - 27)
     assert abs(psi(cfg) - 7e9) <= block / 2
+
+
+# ---------------------------------------------------------------- N-D layouts (--layout, the nd row)
+
+
+LLAMA_70B = model_config("llama", "llama-3.1-70b")
+LLAMA_405B = model_config("llama", "llama-3.1-405b")
+# Llama 3.1 70B by hand: a block is q and o (8192 x 8192 each), k and v (8192 x 1024: 8 kv-heads of 128),
+# the SwiGLU MLP (3 x 8192 x 28672) and two norms; outside the blocks the embedding and the untied head
+# (128256 x 8192 each) and the final norm.
+BLOCK_70B = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+OUTSIDE_70B = 2 * 128256 * 8192 + 8192
+
+
+def nd_axes(layout: dict) -> int:
+    return sum(layout.get(a, 1) > 1 for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+
+
+def test_nd_layouts_are_enumerated_and_each_is_valid():
+    """Llama 3.1 405B on 512 H100s: the search enumerates 3- and 4-axis layouts (TP x PP x FSDP among
+    them); each, checked here from its axes, multiplies to 512 GPUs, has tp dividing the 128 heads and
+    8 kv-heads with TP x CP inside a node of 8, at most 126 pipeline stages, 8192 tokens in 2 x cp
+    chunks, a batch of 2048 that splits over dp_replicate x dp_shard; none is a layout another row
+    already plans (FSDP alone, HSDP, TP x FSDP, PP x DDP, CP x DDP). Negative controls: layouts that
+    break each rule are refused by ``check_dims`` in one line."""
+    plan, cl = planner.Plan(LLAMA_405B, global_batch=2048, ac="selective"), planner.cluster("h100", 512)
+    dims = planner.enumerate_dims(plan, cl)
+    covered = [{"dp_shard"}, {"dp_replicate", "dp_shard"}, {"tp", "dp_shard"}, {"pp", "dp_replicate"},
+               {"cp", "dp_replicate"}, {"tp"}, {"pp"}, {"cp"}, {"dp_replicate"}]
+    for d in dims:
+        assert d.dp_replicate * d.dp_shard * d.tp * d.pp * d.cp == 512, d
+        assert 128 % d.tp == 0 and 8 % d.tp == 0 and d.tp * d.cp <= 8, d
+        assert d.pp * (2 if d.schedule == "interleaved_1f1b" else 1) <= 126 and 8192 % (2 * d.cp) == 0, d
+        assert 2048 % (d.dp_replicate * d.dp_shard) == 0, d
+        assert {a for a in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if getattr(d, a) > 1} not in covered, d
+    axes = {nd_axes(vars(d)) for d in dims}
+    assert {3, 4} <= axes, axes
+    assert any(d.tp == 8 and d.pp > 1 and d.dp_shard > 1 for d in dims)
+    bad = {planner.ParallelDims(dp_shard=3, tp=8, pp=2): "not the 512 of the job",
+           planner.ParallelDims(dp_shard=16, tp=32): "tp=32 does not divide",
+           planner.ParallelDims(dp_shard=2, pp=256): "needs at least 256 blocks",
+           planner.ParallelDims(dp_shard=128, pp=2, cp=2, schedule="zb"): "schedule 'zb' unknown",
+           planner.ParallelDims(dp_shard=1, dp_replicate=1, tp=8, pp=64): None}
+    for d, expected in bad.items():
+        problem = planner.check_dims(plan, cl, d)
+        assert (problem is None) if expected is None else (expected in problem and "\n" not in problem), (d, problem)
+    assert planner.check_dims(replace(plan, global_batch=48), cl, planner.ParallelDims(dp_shard=64, tp=8)) \
+        == "the global batch 48 does not split over dp_replicate x dp_shard = 64 batch ranks"
+
+
+def test_405b_on_512_gpus_gets_a_3d_or_4d_layout():
+    """Llama 3.1 405B, 2048 sequences of 8192, selective AC, 512 H100s: no strategy row fits and is
+    within 20% (the tie bound) of the best N-D layout, so the recommendation is that layout, with
+    three axes or more. Negative control: with full AC, ZeRO-3 fits at a step within the tie bound,
+    and the simpler family wins the tie: the 3-D pick is the model's, not forced."""
+    plan, cl = planner.Plan(LLAMA_405B, global_batch=2048, ac="selective"), planner.cluster("h100", 512)
+    estimates = planner.estimate_all(plan, cl)
+    best = planner.recommend(estimates, cl).best
+    assert best.name == "nd" and nd_axes(best.layout) >= 3, best.layout
+    for e in estimates:
+        if e is not best and e.valid and e.fits and not e.lora and not e.offload:
+            assert e.step_time_s > 1.2 * best.step_time_s, e.name
+    full = replace(plan, ac="full")
+    assert planner.recommend(planner.estimate_all(full, cl), cl).best.name != "nd"
+
+
+def check_pinned_state(memory: dict) -> None:
+    """``--layout dp_shard=2,tp=8,pp=4`` for Llama 3.1 70B on 64 GPUs: the busiest stage holds 80 / 4 =
+    20 blocks and half of what is outside them; TP splits it 8 ways, FSDP 2: 2 bytes of bf16 weight,
+    2 of gradient, 12 of AdamW state per parameter held (the ZeRO paper's 2 + 2 + 12)."""
+    held = (20 * BLOCK_70B + OUTSIDE_70B / 2) / 8 / 2
+    assert memory["params"] == pytest.approx(2 * held) and memory["grads"] == pytest.approx(2 * held)
+    assert memory["optimizer"] == pytest.approx(12 * held)
+
+
+def test_a_pinned_layout_is_planned_alone_and_counts_its_state_by_hand(capsys, monkeypatch):
+    """``plan.py --layout dp_shard=2,tp=8,pp=4`` plans that one layout (one ``nd`` row, its axes in the
+    layout column) and its model state is the hand count of :func:`check_pinned_state` (the 70B's 70.55B
+    parameters recomputed from its shapes as literals). Negative control: a stage count that ignores
+    the pipeline (every GPU holding all 80 blocks) fails the same check."""
+    assert 80 * BLOCK_70B + OUTSIDE_70B == psi(LLAMA_70B) == 70_553_706_496
+    plan = load_script(BENCH / "plan.py")
+    argv = ["--model", "llama-3.1-70b", "--gpus", "64", "--global-batch", "128", "--layout", "dp_shard=2,tp=8,pp=4"]
+    plan_main(plan, [*argv, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in out["strategies"]] == ["nd"]
+    check_pinned_state(out["strategies"][0]["memory_bytes"])
+    plan_main(plan, argv)
+    assert re.search(r"^nd +dps=2 tp=8 pp=4 1f1b micro=1 mbs=64 ", capsys.readouterr().out, re.M)
+    whole = planner.nd._stage_params
+    monkeypatch.setattr(planner.nd, "_stage_params", lambda cfg, d: whole(cfg, replace(d, pp=1)))
+    plan_main(plan, [*argv, "--json"])
+    with pytest.raises(AssertionError):
+        check_pinned_state(json.loads(capsys.readouterr().out)["strategies"][0]["memory_bytes"])
+
+
+def test_loss_parallel_shards_the_heads_vocabulary_terms():
+    """The LM head's working set (``head_bytes``): at tp = 1 it is the measured one
+    (``head_working_set``, checked on the CPU matrix); under TP with loss parallel every vocabulary-sized
+    tensor is split: T (12 V / tp + 4 h) bytes in bf16, recomputed here for 8B, 2 x 8192 tokens, tp 8.
+    Negative control: loss parallel off keeps the whole vocabulary on every TP rank (T (12 V + 4 h)),
+    which is not that count."""
+    plan = planner.Plan(replace(LLAMA_8B, seq_len=8192), global_batch=16, micro_batch=2)
+    tokens, vocab, h = 2 * 8192, 128256, 4096
+    assert planner.head_bytes(plan, 2) == planner.costs.head_working_set(plan, 2)
+    assert planner.head_bytes(plan, 2, tp=8) == tokens * (12 * vocab / 8 + 4 * h)
+    assert planner.head_bytes(plan, 2, tp=8, loss_parallel=False) == tokens * (12 * vocab + 4 * h)
+    assert planner.head_bytes(plan, 2, tp=8, loss_parallel=False) != tokens * (12 * vocab / 8 + 4 * h)

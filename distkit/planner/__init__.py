@@ -39,6 +39,8 @@ The modules, each importing only those above it:
 * :mod:`.costs`: memory in five parts, time per collective and of compute;
 * :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies (data parallel, TP x
   FSDP, the pipelines), :mod:`.layouts_cp_ep` context and expert parallelism;
+* :mod:`.dims`: N-D layouts (torchtitan's ``ParallelDims``: named axes, validated once, parsed from
+  ``--layout``, enumerated); :mod:`.nd`: the estimate of one, and the search over them;
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
 * :mod:`.calibration`: a CPU cluster calibrated from this machine's records;
 * :mod:`.validation`: every matrix cell, predicted vs measured;
@@ -49,6 +51,7 @@ What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
 """
 from .calibration import CPU, cpu_cluster, fit_collectives, read_matrix, with_measured_speed
 from .choose import (
+    SEARCHED,
     STEP_MEDIAN_ERROR,
     Recommendation,
     estimate,
@@ -61,6 +64,7 @@ from .choose import (
 )
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
 from .decision import decision_matrix
+from .dims import AXES, SCHEDULES, ParallelDims, check_dims, enumerate_dims, parse_layout
 from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
 from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
 from .hf_config import read_hf_config, uncounted_note, with_overrides
@@ -87,6 +91,7 @@ from .inputs import (
     with_params,
 )
 from .layouts import Estimate
+from .nd import ND, estimate_dims, estimate_nd, head_bytes
 from .report import describe, format_report, plot_estimates, report_json
 from .validation import (
     VALIDATION_BOUNDS,
@@ -97,7 +102,9 @@ from .validation import (
     validation_table,
 )
 
-__all__ = ["AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
+__all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
+           "estimate_nd", "head_bytes", "parse_layout",
+           "AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",
            "check_whole_nodes", "cluster", "collective_time", "compute_rate", "cpu_cluster", "decision_matrix",

@@ -14,13 +14,14 @@ from ..strategies import PLANNED, Strategy
 from .inputs import Cluster, GiB, Plan
 from .layouts import Estimate, _dp_family, _invalid, _pipeline, _tp_fsdp
 from .layouts_cp_ep import _context_parallel, _expert_parallel
+from .nd import ND, estimate_nd
 
 # a strategy the calibration never saw borrows its family's overhead
 OVERHEAD_FAMILY = {Strategy.FSDP_HYBRID_SHARD: Strategy.FSDP_FULL_SHARD, Strategy.HSDP: Strategy.FSDP_FULL_SHARD,
                    Strategy.FSDP_TP_2D: Strategy.TP, Strategy.ZERO3_OFFLOAD: Strategy.ZERO3,
                    Strategy.PP_INTERLEAVED_1F1B: Strategy.PP_1F1B, Strategy.PP_GPIPE: Strategy.PP_1F1B,
                    Strategy.TP_SP: Strategy.TP, Strategy.FSDP_NO_SHARD: Strategy.FSDP_SHARD_GRAD_OP,
-                   Strategy.FSDP_TP: Strategy.FSDP_TP_2D}
+                   Strategy.FSDP_TP: Strategy.FSDP_TP_2D, ND: Strategy.FSDP_TP_2D}
 
 
 # What a strategy's framework overhead grows with: its communication (a hook, a copy in and out per
@@ -53,6 +54,10 @@ def with_overhead(est: Estimate, cl: Cluster, strategy: str) -> Estimate:
     return est
 
 
+# What the search ranks: every planned strategy, then the best N-D layout (:mod:`.nd`).
+SEARCHED = (*PLANNED, ND)
+
+
 def _powers_of_two(limit: int) -> list[int]:
     return [2 ** i for i in range(1, int(math.log2(limit)) + 1)] if limit >= 2 else []
 
@@ -73,8 +78,8 @@ def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     power of two within a node (and splits the heads), the pipelines every power-of-two stage count;
     every strategy also tries halving the micro-batch (more accumulation, fewer activations) when
     ``plan.micro_batch`` does not fit; the fastest that fits is kept (else the smallest)."""
-    if strategy not in PLANNED:
-        raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(PLANNED)}")
+    if strategy not in SEARCHED:
+        raise UsageError(f"unknown strategy {strategy!r}; known: {', '.join(SEARCHED)}")
     micro = [plan.micro_batch]
     while micro[-1] > 1:
         micro.append(micro[-1] // 2)
@@ -88,6 +93,8 @@ def estimate(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
 
 def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     cfg, n = plan.model, cluster.gpus
+    if strategy == ND:  # every N-D layout no other row plans: 3+ axes, PP x FSDP, TP x CP, ...
+        return with_overhead(estimate_nd(plan, cluster), cluster, ND)
     if strategy == Strategy.FSDP_TP:
         heads = [cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head)]
         sizes = [t for t in _powers_of_two(min(cluster.gpus_per_node, n))
@@ -119,8 +126,10 @@ def _estimate_layouts(plan: Plan, cluster: Cluster, strategy: str) -> Estimate:
     return with_overhead(_dp_family(strategy, plan, cluster), cluster, strategy)
 
 
-def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] = PLANNED) -> list[Estimate]:
-    """:func:`estimate` for every strategy, in :data:`~distkit.strategies.PLANNED` order."""
+def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] | None = None) -> list[Estimate]:
+    """:func:`estimate` for every strategy, in :data:`SEARCHED` order (the strategies, then the best N-D
+    layout)."""
+    strategies = SEARCHED if strategies is None else strategies
     return [estimate(plan, cluster, s) for s in strategies]
 
 
@@ -136,17 +145,19 @@ STEP_MEDIAN_ERROR = 0.20
 
 # Simpler first: what a strategy changes beyond replicating the model. Within one family the fastest
 # is kept; expert parallelism splits the MoE layers inside a group, as TP splits layers in a node.
-SIMPLICITY = {Strategy.DDP: (0, "DDP"), Strategy.FSDP_TP: (2, "TP"), Strategy.EP: (2, "EP"), Strategy.CP: (4, "CP")}
+SIMPLICITY = {Strategy.DDP: (0, "DDP"), Strategy.FSDP_TP: (2, "TP"), Strategy.EP: (2, "EP"), Strategy.CP: (4, "CP"),
+              ND: (5, "N-D")}
 
 
 WHY_SIMPLER = {0: "nothing is sharded: every GPU runs the whole model, one all-reduce behind backward",
                1: "state is sharded but every layer stays whole and runs as written",
                2: "layers are split inside a node but the step keeps one schedule",
-               3: "only the layer sequence is cut; no layer is rewritten"}
+               3: "only the layer sequence is cut; no layer is rewritten",
+               4: "one more axis (the sequence over a ring); layers and schedule stay as written"}
 
 
 def simplicity(name: str) -> tuple[int, str]:
-    """``(rank, family)`` of a strategy in the order DDP < ZeRO/FSDP < TP (and EP) < PP < CP."""
+    """``(rank, family)`` of a strategy in the order DDP < ZeRO/FSDP < TP (and EP) < PP < CP < N-D."""
     if name in SIMPLICITY:
         return SIMPLICITY[name]
     return (3, "PP") if name.startswith("pp_") else (1, "ZeRO/FSDP")

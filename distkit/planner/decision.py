@@ -12,6 +12,7 @@ from ..models import GPTConfig, LlamaModelConfig, model_config
 from .choose import estimate_all, recommend, simplicity
 from .inputs import GiB, Plan, cluster
 from .layouts import Estimate
+from .nd import ND
 
 # Every row on H100 80GB GPUs, 8 to a node (no row of the guide implies another), bf16 mixed precision,
 # AdamW, full activation checkpointing (what a large model's recipe turns on first), and steps of 1M
@@ -49,9 +50,7 @@ ROWS = (
              "by hand its 25.6M parameters hold 16 B x 25.6M = 0.41 GB of state, which fits any GPU: DDP stands"),
     Row("GPT-2 1.5B", 4, "FSDP FULL_SHARD", SHARDED, GPT2_XL),
     Row("LLaMA-7B", 8, "ZeRO-3", SHARDED, LLAMA_7B),
-    Row("LLaMA-70B", 64, "3D (TP x PP x DP)", (),
-        model_config("llama", "llama-3.1-70b"),
-        note="the planner has no 3-D layout (its layouts are TP x FSDP and PP x DP): 3D cannot be its pick"),
+    Row("LLaMA-70B", 64, "3D (TP x PP x DP)", (ND,), model_config("llama", "llama-3.1-70b")),
     Row("LLM fine-tuning (Llama 3.1 8B)", 8, "FSDP + LoRA", ("lora_fsdp",), model_config("llama", "llama-3.1-8b"),
         lora=True),
 )

@@ -32,7 +32,17 @@ def describe(plan: Plan, cl: Cluster) -> str:
 
 
 def _layout_text(layout: dict) -> str:
-    """``dp=8 tp=2 micro=1 accum=2``: the sizes that matter (1s left out, dp always shown)."""
+    """``dp=8 tp=2 micro=1 accum=2``: the sizes that matter (1s left out, dp always shown); an N-D
+    layout's axes by short names (``dpr=2 dps=16 tp=8 pp=2 1f1b micro=1 mbs=8``)."""
+    if "dims" in layout:
+        short = {"dp_replicate": "dpr", "dp_shard": "dps", "schedule": "", "sp": "sp", "microbatches": "mbs",
+                 "interleaved_1f1b": "i1f1b"}
+        parts = [short.get(v, v) if k == "schedule" else f"{short.get(k, k)}={v}"
+                 for k, v in (kv.split("=") for kv in layout["dims"].split(","))]
+        tail = [f"micro={layout['micro_batch']}"] + ([] if "microbatches" in layout["dims"] else
+                                                     [f"mbs={layout['microbatches']}"] if "microbatches" in layout
+                                                     else [f"accum={layout['accumulation']}"])
+        return " ".join(parts + tail)
     names = {"dp": "dp", "shard": "shard", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "micro_batch": "micro",
              "microbatches": "mbs", "accumulation": "accum"}
     return " ".join(f"{short}={layout[key]}" for key, short in names.items()
