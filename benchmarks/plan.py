@@ -108,6 +108,9 @@ def parse_args(argv=None):
     out.add_argument("--decision-matrix", action="store_true",
                      help="instead of planning: the top README's decision guide, each row planned (H100 80GB, 8 per "
                           "node, bf16 AdamW, full AC, 1M-token steps; the other flags are not used)")
+    out.add_argument("--published", action="store_true",
+                     help="instead of planning: the planner against torchtitan's published GPU runs (each with its "
+                          "own layout), its efficiency fitted on the H100 rows only, the A100 rows predicted")
     out.add_argument("--validate", metavar="RESULTS",
                      help="instead of planning: predicted vs measured for every cell of a benchmark results file "
                           "(distributed_benchmarks.py --bandwidth), the time calibrated on the other "
@@ -199,6 +202,9 @@ def main(argv=None) -> None:
     check_outputs(None, args, files=["plot"])  # before the plan is printed, not after
     if args.decision_matrix:
         print(planner.decision_matrix())
+        return
+    if args.published:
+        print(planner.published_table())
         return
     if args.validate:
         rows = planner.validate(planner.read_matrix(args.validate))

@@ -41,6 +41,8 @@ The modules, each importing only those above it:
   FSDP, the pipelines), :mod:`.layouts_cp_ep` context and expert parallelism;
 * :mod:`.dims`: N-D layouts (torchtitan's ``ParallelDims``: named axes, validated once, parsed from
   ``--layout``, enumerated); :mod:`.nd`: the estimate of one, and the search over them;
+* :mod:`.published`: torchtitan's published GPU runs as literal rows, calibration and validation
+  apart; :mod:`.published_check`: the efficiency fitted on the first, every row predicted;
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
 * :mod:`.calibration`: a CPU cluster calibrated from this machine's records;
 * :mod:`.validation`: every matrix cell, predicted vs measured;
@@ -92,6 +94,7 @@ from .inputs import (
 )
 from .layouts import Estimate
 from .nd import ND, estimate_dims, estimate_nd, head_bytes
+from .published_check import published_table
 from .report import describe, format_report, plot_estimates, report_json
 from .validation import (
     VALIDATION_BOUNDS,
@@ -103,7 +106,7 @@ from .validation import (
 )
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
-           "estimate_nd", "head_bytes", "parse_layout",
+           "estimate_nd", "head_bytes", "parse_layout", "published_table",
            "AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",

@@ -12,7 +12,9 @@ Memory per GPU (bytes; w = 2 in bf16, 4 in fp32; Ψ_stage the busiest stage's pa
   in-flight micro-batch's stage input and output (b s/cp h w, / tp with SP);
 * the LM head (last stage): :func:`head_bytes` (loss parallel divides its vocabulary terms by tp);
 * temporaries: with FSDP the gathered block and the prefetched next one (2 x block / tp x w), the
-  pipeline's send and receive buffers, DDP's flat gradient copy when replicas are not sharded.
+  pipeline's send and receive buffers, DDP's flat gradient copy when replicas are not sharded; with
+  FSDP under a pipeline the whole stage gathered and its unsharded fp32 gradients
+  (Ψ_stage / tp x (w + 4)), held across the micro-batches.
 
 Time: compute = training FLOPs per GPU / achieved FLOP/s; TP: 4 all-reduces (or all-gather +
 reduce-scatter pairs with SP, the same bus bytes) of b s/cp h w per block per micro-batch, 6 with
@@ -109,6 +111,12 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> tup
         temp += 2 * block / d.tp * w
     if d.pp > 1:
         temp += 2 * io
+    if d.pp > 1 and d.shard > 1:
+        # torchtitan does not reshard a stage's weights between a pipeline's micro-batches, and
+        # torch.distributed.pipelining's stage defers FSDP's gradient reduce-scatter to the last one
+        # (backward_maybe_with_nosync): the stage stays gathered (w bytes) and its unsharded
+        # gradients accumulate in the fp32 reduce dtype (4 bytes) through the step
+        temp += stage / d.tp * (w + 4)
     if d.dp_replicate > 1 and d.shard == 1:
         temp += state["grads"]
     return state, act, temp, head

@@ -1,0 +1,118 @@
+"""Published GPU training runs, as literal rows, each citing the file and table it comes from: the
+rows the planner's time model is calibrated on (:data:`CALIBRATION`, torchtitan's H100 benchmark of
+December 2024) and the rows it is only checked against (:data:`VALIDATION`, torchtitan's A100 numbers
+in docs/performance.md). Nothing here is computed: a number that is not in its source is not here.
+
+What the sources do not state is a stated assumption of this module, named per row in ``assumed``:
+the sequence length where a table gives none (torchtitan's Llama 3 configs train on 8,192 tokens,
+Llama 2 on 4,096), a pipeline's micro-batch of 1 sequence, and torchtitan's "selective layer" and
+"selective op" checkpointing both as the planner's selective AC."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models import LlamaModelConfig, model_config
+
+H100_FILE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+A100_FILE = "pytorch/torchtitan docs/performance.md"
+
+# Llama 2's published shapes (Touvron et al. 2023, and the Hugging Face configs torchtitan loads):
+# 13B 40 x 5120, 40 heads, MLP 13824; 70B 80 x 8192, 64 heads with 8 kv-heads, MLP 28672; vocab 32k.
+LLAMA2_13B = LlamaModelConfig(vocab_size=32000, seq_len=4096, n_layer=40, n_embd=5120, n_head=40, n_kv_head=40,
+                              intermediate_size=13824)
+LLAMA2_70B = LlamaModelConfig(vocab_size=32000, seq_len=4096, n_layer=80, n_embd=8192, n_head=64, n_kv_head=8,
+                              intermediate_size=28672)
+MODELS = {**{name: model_config("llama", name) for name in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")},
+          "llama-2-13b": LLAMA2_13B, "llama-2-70b": LLAMA2_70B}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published run: ``source`` (file, table), ``model`` (a key of :data:`MODELS`), ``gpu`` (a
+    :data:`~.inputs.GPUS` key), ``gpus``, ``dims`` (the :class:`~.dims.ParallelDims` axes),
+    ``local_batch`` (sequences per batch rank), ``seq_len``, ``ac``, ``compile``, ``float8``, the
+    measured ``tps`` (tokens/s per GPU) and ``memory_gib`` (None where not published), ``assumed``
+    (what the source does not say)."""
+
+    source: str
+    model: str
+    gpu: str
+    gpus: int
+    dims: dict
+    local_batch: int
+    seq_len: int
+    ac: str
+    compile: bool
+    float8: bool
+    tps: float
+    memory_gib: float | None = None
+    schedule: str = "1f1b"
+    assumed: tuple = field(default_factory=tuple)
+
+    @property
+    def label(self) -> str:
+        axes = " ".join(f"{k}={v}" for k, v in self.dims.items())
+        tech = "+".join(t for t, on in (("compile", self.compile), ("float8", self.float8)) if on) or "eager"
+        sched = f" {self.schedule}" if self.dims.get("pp", 1) > 1 else ""
+        return f"{self.model} {self.gpus}x{self.gpu} {axes}{sched} s={self.seq_len} b={self.local_batch} {tech}"
+
+
+_T1, _T2, _T3 = f"{H100_FILE}, Table 1", f"{H100_FILE}, Table 2", f"{H100_FILE}, Table 3"
+_T4, _T5, _T6 = f"{H100_FILE}, Table 4", f"{H100_FILE}, Table 5", f"{H100_FILE}, Table 6"
+_SEQ = "seq_len 8192 (torchtitan's Llama 3 config; the table gives none)"
+_MICRO = "pipeline micro-batch of 1 sequence (the table gives none)"
+_A = f"{A100_FILE}, Llama 3 table"
+_A2 = f"{A100_FILE}, Llama 2 table"
+_SEL = "torchtitan's selective layer/op AC as the planner's selective AC"
+_SEQ2 = "seq_len 4096 (Llama 2's, as the doc says)"
+
+# H100 (96 GB HBM2e, 500 W: the file's hardware section), 8 per host, 400 Gb/s per GPU between hosts.
+CALIBRATION = (
+    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", False, False, 5762, 82.4,
+        assumed=(_SEQ,)),
+    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", True, False, 6667, 77.0,
+        assumed=(_SEQ,)),
+    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", True, True, 8532, 76.8,
+        assumed=(_SEQ,)),
+    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 8, "cp": 1}, 1, 32768, "full", True, True, 3890, 83.9),
+    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 4, "cp": 2}, 1, 65536, "full", True, True, 2540, 84.2),
+    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 2, "cp": 4}, 1, 131072, "full", True, True, 1071, 84.0),
+    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 1, "cp": 8}, 1, 262144, "full", True, True, 548, 84.5),
+    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", False, False, 5605, 67.0,
+        assumed=(_SEQ,)),
+    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", True, False, 6514, 62.0,
+        assumed=(_SEQ,)),
+    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", True, True, 8380, 61.8,
+        assumed=(_SEQ,)),
+    Row(_T4, "llama-3.1-70b", "h100", 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 829, 71.9,
+        assumed=(_SEQ,)),
+    Row(_T5, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 100,
+        82.5, assumed=(_SEQ, _MICRO)),
+    Row(_T5, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 128,
+        72.7, schedule="interleaved_1f1b", assumed=(_SEQ, _MICRO)),
+    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}, 8, 32768, "full", True, True,
+        76, 75.3, assumed=(_MICRO,)),
+    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 4, "tp": 8, "pp": 8, "cp": 2}, 8, 65536, "full", True, True,
+        47, 75.9, assumed=(_MICRO,)),
+    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 2, "tp": 8, "pp": 8, "cp": 4}, 8, 131072, "full", True,
+        True, 31, 77.1, assumed=(_MICRO,)),
+    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 1, "tp": 8, "pp": 8, "cp": 8}, 8, 262144, "full", True,
+        True, 16, 84.9, assumed=(_MICRO,)),
+)
+
+# A100 80GB, 64 GPUs (8 hosts of 8), FSDP2 only (dp_shard 64), bf16, no compile or Float8 named.
+VALIDATION = (
+    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "selective", False, False, 2904,
+        assumed=(_SEQ, _SEL)),
+    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "selective", False, False, 2973,
+        assumed=(_SEQ, _SEL)),
+    Row(_A, "llama-3.1-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "full", False, False, 331, assumed=(_SEQ,)),
+    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "none", False, False, 2162, assumed=(_SEQ2,)),
+    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "selective", False, False, 1914,
+        assumed=(_SEQ2, _SEL)),
+    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "selective", False, False, 1904,
+        assumed=(_SEQ2, _SEL)),
+    Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 4096, "selective", False, False, 355,
+        assumed=(_SEQ2, _SEL)),
+    Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "full", False, False, 353, assumed=(_SEQ2,)),
+)

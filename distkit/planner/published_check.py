@@ -1,0 +1,127 @@
+"""The planner against published GPU runs (:mod:`.published`): each row planned with its own layout
+(:func:`~.nd.estimate_dims`), the time model's one free constant, the achievable fraction of the
+bf16 peak, fitted on the calibration rows only (H100, torchtitan December 2024), then every row
+predicted with it; :func:`published_table` prints them with their errors, calibration and
+validation apart, and the summary (median and worst error of each).
+
+What is fitted and what is measured, each from its source:
+
+* ``efficiency`` (:func:`calibrate`): the fraction of the datasheet bf16 peak (989 TFLOP/s H100 SXM,
+  312 A100: :data:`~.inputs.GPUS`) that the median calibration row needs; the A100 rows use the
+  H100's fraction (no A100 row is fitted on);
+* ``torch.compile`` and Float8 as measured factors (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`):
+  the ratios of Table 1's rows (the same 8B job with and without each);
+* communication, overlap, the bubble and the CP ring: :mod:`.nd`'s terms with the link speeds of
+  :data:`~.inputs.GPUS` (stated assumptions there), nothing fitted;
+* memory: nothing fitted, so every row with a published memory checks the memory model. The
+  published figure is torchtitan's peak of the CUDA caching allocator (the file's footnote: the
+  maximum over GPUs), which holds fragmentation and the allocator's reserve besides the tensors the
+  planner counts."""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from .dims import ParallelDims
+from .inputs import GiB, Plan, cluster
+from .nd import estimate_dims
+from .published import CALIBRATION, H100_FILE, MODELS, VALIDATION, Row
+
+# Measured factors, H100_FILE Table 1 (Llama 3.1 8B, FSDP 8, local batch 2): FSDP 5,762 tokens/s per
+# GPU, + torch.compile 6,667, + Float8 8,532.
+COMPILE_SPEEDUP = 6667 / 5762
+FLOAT8_SPEEDUP = 8532 / 6667
+# Goals for the validation rows (tokens/s median / worst, memory median / worst).
+GOALS = {"tps": (0.15, 0.30), "memory": (0.10, 0.20)}
+
+
+def row_plan(row: Row) -> tuple[Plan, ParallelDims]:
+    """The job and layout of a row: its model at its sequence length, ``local_batch`` sequences per
+    batch rank (one micro-batch; a pipeline's micro-batches of 1 sequence), bf16 AdamW, its AC."""
+    cfg = replace(MODELS[row.model], seq_len=row.seq_len)
+    dims = ParallelDims(**row.dims, schedule=row.schedule)
+    micro = 1 if dims.pp > 1 else row.local_batch
+    plan = Plan(cfg, global_batch=row.local_batch * dims.batch_ranks, micro_batch=micro, ac=row.ac)
+    return plan, dims
+
+
+def predict(row: Row, efficiency: float) -> tuple[float, float]:
+    """(tokens/s per GPU, peak GiB per GPU) the planner predicts for ``row`` at ``efficiency``."""
+    plan, dims = row_plan(row)
+    est = estimate_dims(plan, cluster(row.gpu, row.gpus, efficiency=efficiency), dims)
+    if not est.valid:
+        raise ValueError(f"{row.label}: {est.note}")
+    speedup = (COMPILE_SPEEDUP if row.compile else 1.0) * (FLOAT8_SPEEDUP if row.float8 else 1.0)
+    return est.tokens_per_s_per_gpu * speedup, est.memory_bytes["peak"] / GiB
+
+
+_FITTED: dict = {}
+
+
+def calibrate(rows=CALIBRATION) -> float:
+    """The efficiency in [0.2, 0.8] whose median absolute log error of tokens/s over ``rows`` is
+    smallest (golden-section search, to 1e-4: the error is one-dipped in it). Fitted once per set of
+    rows in a process."""
+    key = tuple(r.label + r.source for r in rows)
+    if key not in _FITTED:
+        _FITTED[key] = _fit(rows)
+    return _FITTED[key]
+
+
+def _fit(rows) -> float:
+    def loss(e: float) -> float:
+        return statistics.median(abs(math.log(predict(r, e)[0] / r.tps)) for r in rows)
+    lo, hi, g = 0.2, 0.8, (math.sqrt(5) - 1) / 2
+    while hi - lo > 1e-4:
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, b) if loss(a) <= loss(b) else (a, hi)
+    return round((lo + hi) / 2, 4)
+
+
+def compare(efficiency: float | None = None) -> list[dict]:
+    """Every row predicted at the calibrated efficiency (or the one given): source, label, role,
+    measured and predicted tokens/s and memory, their relative errors."""
+    eff = calibrate() if efficiency is None else efficiency
+    out = []
+    for role, rows in (("calibration", CALIBRATION), ("validation", VALIDATION)):
+        for row in rows:
+            tps, mem = predict(row, eff)
+            out.append({"role": role, "source": row.source, "label": row.label, "efficiency": eff,
+                        "tps": row.tps, "tps_pred": tps, "tps_err": tps / row.tps - 1,
+                        "memory_gib": row.memory_gib, "memory_pred": mem,
+                        "memory_err": None if row.memory_gib is None else mem / row.memory_gib - 1})
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median and worst absolute error: tokens/s of the calibration and of the validation rows, and
+    memory over every row that publishes it (nothing of memory is fitted)."""
+    def stats(errors):
+        errors = [abs(e) for e in errors]
+        return (statistics.median(errors), max(errors), len(errors)) if errors else (math.nan, math.nan, 0)
+    return {"tps_calibration": stats(r["tps_err"] for r in rows if r["role"] == "calibration"),
+            "tps_validation": stats(r["tps_err"] for r in rows if r["role"] == "validation"),
+            "memory": stats(r["memory_err"] for r in rows if r["memory_err"] is not None)}
+
+
+def published_table(rows: list[dict] | None = None) -> str:
+    """Markdown: one line per row (calibration first), then the summary against :data:`GOALS`."""
+    rows = compare() if rows is None else rows
+    lines = [f"efficiency fitted on the {sum(r['role'] == 'calibration' for r in rows)} calibration rows: "
+             f"{rows[0]['efficiency']:.4f} of the bf16 peak; compile x{COMPILE_SPEEDUP:.3f}, Float8 "
+             f"x{FLOAT8_SPEEDUP:.3f} (Table 1's ratios)", "",
+             "| role | source | run | tok/s/GPU meas | pred | err | memory GiB meas | pred | err |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        src = r["source"].replace(H100_FILE, "H100 202412").replace("pytorch/torchtitan ", "")
+        mem = ("-", f"{r['memory_pred']:.1f}", "-") if r["memory_gib"] is None else \
+            (f"{r['memory_gib']:.1f}", f"{r['memory_pred']:.1f}", f"{r['memory_err']:+.1%}")
+        lines.append(f"| {r['role']} | {src} | {r['label']} | {r['tps']:,.0f} | {r['tps_pred']:,.0f} | "
+                     f"{r['tps_err']:+.1%} | {' | '.join(mem)} |")
+    s = summary(rows)
+    lines += ["", "tokens/s: calibration median {:.1%}, worst {:.1%} ({} rows); validation median {:.1%}, worst {:.1%} "
+              "({} rows), goal {:.0%} / {:.0%}".format(*s["tps_calibration"], *s["tps_validation"], *GOALS["tps"]),
+              "memory (nothing fitted): median {:.1%}, worst {:.1%} ({} rows), goal {:.0%} / {:.0%}".format(
+                  *s["memory"], *GOALS["memory"])]
+    return "\n".join(lines)
