@@ -71,6 +71,9 @@ def parse_args(argv=None):
     job.add_argument("--optimizer", choices=planner.OPTIMIZERS, default="adamw", help="(default: adamw)")
     job.add_argument("--activation-checkpointing", choices=planner.AC_MODES, default="none",
                      help="what each block keeps for backward (default: none)")
+    job.add_argument("--attention", choices=planner.ATTENTION, default="flash",
+                     help="the attention kernel the activations assume: flash keeps no s x s matrix; eager keeps "
+                          "its softmax probabilities (Korthikanti's 5as/h term at dropout 0) (default: flash)")
     job.add_argument("--offload", action="store_true",
                      help="allow CPU offload of the optimizer state (ZeRO-3 offload) to be recommended")
     job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
@@ -179,7 +182,7 @@ def build_plan(args) -> planner.Plan:
         batch = rounded
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
-                        lora_rank=args.lora_rank)
+                        lora_rank=args.lora_rank, attention=args.attention)
 
 
 def build_cluster(args) -> planner.Cluster:

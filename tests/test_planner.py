@@ -1051,3 +1051,37 @@ def test_published_rows_are_apart_and_predicted_within_the_stated_bounds(publish
         pc.published_table(rows)
     with pytest.raises(AssertionError):
         check_published_bounds(pc.compare(2 * eff))
+
+
+def check_eager_term(flash: planner.Estimate, eager: planner.Estimate, tp: int) -> None:
+    """Eager attention keeps the softmax probabilities: by hand, per block a x s^2 x b bf16 elements
+    (2 bytes), Korthikanti's 5as/h term at dropout 0, split over the tp ranks with the heads."""
+    extra = 32 * 32 * 2048 ** 2 * 1 * 2 / tp  # 32 blocks, 32 heads, s = 2048, b = 1
+    assert eager.memory_bytes["activations"] - flash.memory_bytes["activations"] == pytest.approx(extra)
+
+
+def test_eager_attention_keeps_the_softmax_and_ac_drops_it():
+    """Llama 3.1 8B, 2,048 tokens, micro-batch 1, bf16 on 8 H100s: ``attention="eager"`` adds 32 x 32 x
+    2048^2 x 2 bytes = 8 GiB of activations to FSDP without AC, 4 GiB to TP 2 x FSDP; selective and
+    full AC add nothing (they recompute attention); CP refuses eager attention in one line (ring
+    attention runs on flash). Negative control: the term counted as a x s x b (s instead of s^2)
+    fails the same check."""
+    cl = planner.cluster("h100", 8)
+    for ac in ("none", "selective", "full"):
+        plan = planner.Plan(LLAMA_8B, global_batch=16, ac=ac)
+        for name, tp in (("fsdp_full_shard", 1), ("fsdp_tp", 2)):
+            flash = planner.estimate(plan, cl, name)
+            eager = planner.estimate(replace(plan, attention="eager"), cl, name)
+            assert flash.layout.get("tp", 1) == eager.layout.get("tp", 1) == tp
+            if ac == "none":
+                check_eager_term(flash, eager, tp)
+            else:
+                assert eager.memory_bytes["activations"] == flash.memory_bytes["activations"], (ac, name)
+    cp = planner.estimate(planner.Plan(LLAMA_8B, global_batch=16, attention="eager"), cl, "cp")
+    assert not cp.valid and "flash attention" in cp.note
+    plan = planner.Plan(LLAMA_8B, global_batch=16)
+    wrong = replace(planner.estimate(plan, cl, "fsdp_full_shard"))
+    wrong.memory_bytes = {**wrong.memory_bytes,
+                          "activations": wrong.memory_bytes["activations"] + 32 * 32 * 2048 * 2}
+    with pytest.raises(AssertionError):
+        check_eager_term(planner.estimate(plan, cl, "fsdp_full_shard"), wrong, 1)

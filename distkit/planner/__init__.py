@@ -72,6 +72,7 @@ from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
 from .hf_config import read_hf_config, uncounted_note, with_overrides
 from .inputs import (
     AC_MODES,
+    ATTENTION,
     GPU,
     GPU_NAME_PARTS,
     GPUS,
@@ -107,7 +108,8 @@ from .validation import (
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
            "estimate_nd", "head_bytes", "parse_layout", "published_table",
-           "AC_MODES", "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
+           "AC_MODES", "ATTENTION",
+           "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",
            "check_whole_nodes", "cluster", "collective_time", "compute_rate", "cpu_cluster", "decision_matrix",

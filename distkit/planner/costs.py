@@ -59,9 +59,24 @@ def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, s
     ``micro_batch`` sequences (:func:`distkit.theory.activation_bytes_per_layer`, fp32; bf16 halves
     it), split over ``tp`` ranks as :func:`_replicated_per_token` says (all of it with sequence
     parallelism), times the ``in_flight`` micro-batches a pipeline stage holds. The loss's tensors
-    are no longer activations then: see :func:`head_working_set`."""
+    are no longer activations then: see :func:`head_working_set`.
+
+    Per block, by AC mode (theory's docstring derives each; s tokens, b sequences, h width, a heads,
+    g kv-heads, I the MLP width, fp32 floats; bf16 halves them):
+
+    * none: the Llama 4sb (8h + 2hg/a + 4I + a + 2), the GPT 4sb (16h + a + 4);
+    * full (every block recomputed): the block input, 4sbh;
+    * selective (op-level: the matmul outputs and attention's output saved, norms and activations
+      recomputed): the Llama 4sb (5h + 2hg/a + 2I + a), the GPT 4sb (11h + a).
+
+    The attention kernel (``plan.attention``): flash (the default; SDPA's fused kernel) keeps no s x s
+    matrix, only a log-sum-exp per row and head. Eager attention keeps its softmax probabilities for
+    backward, :func:`eager_attention_bytes` more per block without AC (Korthikanti et al.'s 5as/h term
+    of sbh (34 + 5as/h), at dropout 0); selective and full AC recompute them."""
     cfg = plan.model
     per_layer = theory.activation_bytes_per_layer(cfg, micro_batch, plan.ac)
+    if plan.attention == "eager" and plan.ac == "none":
+        per_layer += eager_attention_bytes(cfg, micro_batch)  # split over tp below with the heads
     head = 0.0
     if tp > 1:
         replicated = min(per_layer, 4 * cfg.seq_len * micro_batch * _replicated_per_token(cfg, plan.ac, sp))
@@ -71,6 +86,16 @@ def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, s
         tokens = cfg.seq_len * micro_batch
         head = tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
     return layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4 + head
+
+
+def eager_attention_bytes(cfg, micro_batch: int, tp: int = 1) -> float:
+    """What eager attention keeps per block beyond flash, in bytes of the activation dtype's width
+    counted as Korthikanti et al. do (arXiv:2205.05198, section 4.1: 5 a s^2 b bytes in 16-bit, the
+    softmax output 2, its dropout mask 1, the dropout's output 2). With dropout 0 (every model here)
+    the mask and the dropout's output do not exist: the softmax output, a s^2 b elements, x 2 bytes.
+    Returned in fp32 bytes (4 a s^2 b, as theory's counts are) before the caller's dtype scaling;
+    split over ``tp`` (heads)."""
+    return 4 * cfg.n_head * cfg.seq_len ** 2 * micro_batch / tp
 
 
 def head_working_set(plan: Plan, micro_batch: int) -> float:

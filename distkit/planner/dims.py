@@ -121,6 +121,8 @@ def check_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> str | None:
         return f"tp={d.tp} does not divide {heads[0]} heads / {heads[1]} kv-heads; " + _divisors_note("tp that do", ok)
     if d.pp * d.chunks > cfg.n_layer:
         return f"pp={d.pp} x {d.chunks} chunk(s) needs at least {d.pp * d.chunks} blocks, the model has {cfg.n_layer}"
+    if d.cp > 1 and plan.attention == "eager":
+        return f"cp={d.cp} runs ring attention, built on flash attention: plan it with --attention flash"
     if d.cp > 1 and cfg.seq_len % (2 * d.cp):
         ok = [c for c in range(2, n + 1) if n % c == 0 and cfg.seq_len % (2 * c) == 0][:8]
         return f"cp={d.cp} does not cut {cfg.seq_len} tokens into 2 x cp chunks; " + _divisors_note("cp that do", ok)

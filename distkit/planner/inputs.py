@@ -146,6 +146,9 @@ OPTIMIZERS = ("adamw", "sgd")
 
 
 AC_MODES = ("none", "selective", "full")
+# Which attention kernel the activations assume: flash (SDPA's fused kernels, the default: no s x s
+# matrix is kept) or eager (softmax(QK^T)V as separate ops: its probabilities are kept for backward).
+ATTENTION = ("flash", "eager")
 
 
 # What the planner plans for; plan.py turns anything outside into one ``error:`` line. The floor:
@@ -207,7 +210,8 @@ class Plan:
     moments) or sgd (with momentum: one), ``ac`` activation checkpointing, ``offload`` whether
     CPU-offload configurations may be chosen, ``lora_rank`` and ``lora_targets`` the adapters of
     the LoRA row, ``microbatches`` for the pipeline (None: as many micro-batches of
-    ``micro_batch`` as one replica's share of the batch holds)."""
+    ``micro_batch`` as one replica's share of the batch holds), ``attention`` the kernel the
+    activations assume (:data:`ATTENTION`; flash by default)."""
 
     model: Any
     global_batch: int
@@ -219,10 +223,12 @@ class Plan:
     lora_rank: int = 16
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     microbatches: int | None = None
+    attention: str = "flash"
 
     def __post_init__(self):
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
-                                     ("optimizer", self.optimizer, OPTIMIZERS), ("ac", self.ac, AC_MODES)):
+                                     ("optimizer", self.optimizer, OPTIMIZERS), ("ac", self.ac, AC_MODES),
+                                     ("attention", self.attention, ATTENTION)):
             if value not in allowed:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.global_batch < 1 or self.micro_batch < 1:

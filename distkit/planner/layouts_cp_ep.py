@@ -50,6 +50,8 @@ def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
     the gradients through one flat copy (:func:`_after_backward_peak`)."""
     n, cfg = cluster.gpus, plan.model
     name, dp = Strategy.CP, n // cp
+    if plan.attention == "eager":
+        return _invalid(name, {"cp": cp, "dp": dp}, "ring attention is built on flash attention (--attention flash)")
     layout, problem = _data_parallel_layout(plan, dp, name)
     if problem:
         return _invalid(name, {"cp": cp, "dp": dp}, problem)

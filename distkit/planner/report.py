@@ -27,7 +27,8 @@ def describe(plan: Plan, cl: Cluster) -> str:
     return (f"{cfg.arch} {psi / 1e9:.2f}B params ({cfg.n_layer} layers, width {cfg.n_embd}{experts}), "
             f"seq {cfg.seq_len}, "
             f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
-            f"{plan.precision}, {plan.optimizer}, AC {plan.ac} | {cl.gpus} x {cl.gpu.name} "
+            f"{plan.precision}, {plan.optimizer}, AC {plan.ac}"
+            + (" (eager attention)" if plan.attention == "eager" else "") + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
 
 
