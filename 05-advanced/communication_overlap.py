@@ -26,13 +26,14 @@ order and overlap predictably with compute. It has no effect on CPU/gloo.
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
@@ -101,16 +102,18 @@ def is_nccl_kernel(name: str) -> bool:
     return "nccl" in name.lower()
 
 
-def overlap_from_profile(events, device_type: str) -> dict[str, float]:
-    """Communication time hidden under backward compute, from the profiler's events.
+def overlap_from_trace(events: list[dict], device_type: str) -> dict[str, float]:
+    """Communication time hidden under backward compute, from a Chrome trace's complete ("X") events.
 
-    Both sides must come from the same timeline:
+    Read from the exported trace, not from ``prof.events()``: the two can disagree on a worker
+    thread's span by a millisecond, and the trace is the file a reader opens. Both sides must come
+    from the same timeline:
 
     * CPU/gloo: gloo runs each all-reduce on its own worker thread (``gloo:all_reduce`` events) while
       backward computes on the autograd thread (``autograd::engine::evaluate_function`` events):
       both are host spans, and the host is where the work happens.
     * GPU/NCCL: the host spans only *launch* work, so they say nothing about when it ran. Both sides
-      are device events (``DeviceType.CUDA``, what the GPU really executed): NCCL kernels on the
+      are device events (``"cat": "kernel"``, what the GPU really executed): NCCL kernels on the
       communication stream against every other kernel (backward's compute; forward ends before the
       first bucket is ready and the optimizer waits for the last one, so only backward can overlap).
 
@@ -118,20 +121,31 @@ def overlap_from_profile(events, device_type: str) -> dict[str, float]:
     """
     comm, compute = [], []
     for event in events:
-        span = (event.time_range.start, event.time_range.end)
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        name, span = event.get("name", ""), (event["ts"], event["ts"] + event["dur"])  # microseconds
         if device_type == "cuda":
-            if event.device_type != DeviceType.CUDA:
+            if event.get("cat") != "kernel":
                 continue  # host-side spans: launch times, not execution
-            (comm if is_nccl_kernel(event.name) else compute).append(span)
-        elif event.name.startswith("gloo:"):
+            (comm if is_nccl_kernel(name) else compute).append(span)
+        elif name.startswith("gloo:"):
             comm.append(span)
-        elif event.name.startswith("autograd::engine::evaluate_function"):
+        elif name.startswith("autograd::engine::evaluate_function"):
             compute.append(span)
     comm, compute = union(comm), union(compute)
     comm_us = sum(e - s for s, e in comm)
     hidden_us = covered(comm, compute)
     return {"comm_ms": comm_us / 1e3, "hidden_ms": hidden_us / 1e3,
             "hidden_fraction": hidden_us / comm_us if comm_us else 0.0}
+
+
+def profiled_trace(prof, path: str | None) -> list[dict]:
+    """The profile's Chrome trace events, exported to ``path`` (rank 0's, kept) or to a scratch file."""
+    with tempfile.TemporaryDirectory() as scratch:
+        target = path or os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(target)
+        with open(target) as f:
+            return json.load(f)["traceEvents"]
 
 
 def async_demo(ctx, mib: float, reps: int = 5) -> tuple[float, float]:
@@ -201,10 +215,9 @@ def main():
             ddp_step(model, optimizer, x)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)  # every kernel of the step inside the trace
-        overlap = overlap_from_profile(prof.events(), ctx.device.type)
         if ctx.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
-            prof.export_chrome_trace(args.trace)
+        overlap = overlap_from_trace(profiled_trace(prof, args.trace if ctx.is_main else None), ctx.device.type)
         per_rank = [None] * ctx.world_size
         dist.all_gather_object(per_rank, overlap)
         log.info(f"profiled step (bucket_cap_mb={args.profile_bucket_cap_mb}): trace {args.trace}")

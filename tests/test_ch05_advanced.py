@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -372,27 +371,24 @@ def test_overlap_is_measured_on_one_timeline():
     """On CPU, gloo's worker-thread spans against autograd's; on GPU, NCCL kernels against the other
     *kernels* only: the host spans there are launch times, and a host span covering everything
     must not make communication look hidden."""
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Interval
-
     overlap = load_script(CHAPTER / "communication_overlap.py")
 
-    def event(name, start, end, device=DeviceType.CPU):
-        return SimpleNamespace(name=name, time_range=Interval(start, end), device_type=device)
+    def event(name, start, end, cat="cpu_op"):  # a Chrome trace's complete event, microseconds
+        return {"ph": "X", "name": name, "ts": start, "dur": end - start, "cat": cat}
 
     host_backward = event("autograd::engine::evaluate_function: AddmmBackward0", 0, 1000)
     gpu = [host_backward,
-           event("void at::native::gemm_kernel", 0, 50, DeviceType.CUDA),
-           event("void at::native::gemm_kernel", 60, 100, DeviceType.CUDA),
-           event("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 40, 80,
-                 DeviceType.CUDA),
+           event("void at::native::gemm_kernel", 0, 50, "kernel"),
+           event("void at::native::gemm_kernel", 60, 100, "kernel"),
+           event("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 40, 80, "kernel"),
            event("record_param_comms", 40, 41)]  # host side of the launch: ignored on GPU
-    result = overlap.overlap_from_profile(gpu, "cuda")
-    assert result["comm_ms"] == pytest.approx(0.040)  # profiler times are microseconds
+    result = overlap.overlap_from_trace(gpu, "cuda")
+    assert result["comm_ms"] == pytest.approx(0.040)  # trace times are microseconds
     assert result["hidden_fraction"] == pytest.approx(30 / 40)  # [40,50] and [60,80] under kernels
     cpu = [event("gloo:all_reduce", 0, 10), event("gloo:all_reduce", 20, 30),
-           event("autograd::engine::evaluate_function: AddmmBackward0", 5, 25)]
-    assert overlap.overlap_from_profile(cpu, "cpu")["hidden_fraction"] == pytest.approx(10 / 20)
+           event("autograd::engine::evaluate_function: AddmmBackward0", 5, 25),
+           {"ph": "i", "name": "gloo:all_reduce", "ts": 0}]  # an instant event has no span
+    assert overlap.overlap_from_trace(cpu, "cpu")["hidden_fraction"] == pytest.approx(10 / 20)
 
 
 def test_bad_flags_are_one_argparse_line():
