@@ -261,31 +261,8 @@ def train_and_checkpoint(args, ctx):
     log = setup_logging(ctx.rank)
     check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)
-    # Rank 0 decides what --resume names (on a cluster the other ranks may not see a full file) and
-    # checks a DCP folder's trainer state, then tells everyone: a missing checkpoint, or one of
-    # another model, is one error on every rank at the same moment, before any model is built.
-    verdict = [None, None]  # (problem, (format, path) or None)
-    if ctx.is_main:
-        try:
-            verdict[1] = resolve_resume(args.resume, args.checkpoint_dir)
-            if verdict[1] and verdict[1][0] == "dcp":
-                read_trainer_state(verdict[1][1], cfg)
-        except UsageError as exc:
-            verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=0, device=ctx.device)
-    if verdict[0]:
-        raise UsageError(verdict[0])
-    resume = verdict[1]
+    resume = decide_resume(args, ctx, cfg, log)  # (format, path) or None, agreed by every rank
     dcp_dir, full_path = dcp_folder(args.checkpoint_dir), full_file(args.checkpoint_dir)
-    if ctx.is_main:  # leftovers of writers killed mid-save (their PIDs are in the names)
-        files = [full_path, args.dump_loaded, resume[1] if resume and resume[0] == "full" else None]
-        folders = {os.path.dirname(os.path.abspath(p)) for p in files if p} | {os.path.abspath(dcp_dir)}
-        if resume and resume[0] == "dcp":
-            folders.add(os.path.abspath(resume[1]))
-        removed = [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
-        if removed:
-            log.info(f"removed {len(removed)} temporary file(s) left by an interrupted save: "
-                     f"{', '.join(p.name for p in removed[:3])}")
     model = build_model(cfg).to(ctx.device)
     # An explicit mesh on this job's device type: fully_shard's default mesh would use the host's
     # accelerator whatever --device says (CUDA on any GPU host).
@@ -342,6 +319,39 @@ def train_and_checkpoint(args, ctx):
             log.info(f"sharded DCP checkpoint: {dcp_dir} | {len(files)} files "
                      f"({', '.join(files)}) | {folder_bytes(dcp_dir):,} B | "
                      f"{time.perf_counter() - t0:.2f} s")
+
+
+
+def decide_resume(args, ctx, cfg, log):
+    """What ``--resume`` names, as (format, path) or None, the same on every rank; and the temporaries
+    of saves killed midway removed from every folder this run reads or writes."""
+    # Rank 0 decides what --resume names (on a cluster the other ranks may not see a full file) and
+    # checks a DCP folder's trainer state, then tells everyone: a missing checkpoint, or one of
+    # another model, is one error on every rank at the same moment, before any model is built.
+    verdict = [None, None]  # (problem, (format, path) or None)
+    if ctx.is_main:
+        try:
+            verdict[1] = resolve_resume(args.resume, args.checkpoint_dir)
+            if verdict[1] and verdict[1][0] == "dcp":
+                read_trainer_state(verdict[1][1], cfg)
+        except UsageError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=0, device=ctx.device)
+    if verdict[0]:
+        raise UsageError(verdict[0])
+    resume = verdict[1]
+    full_path = full_file(args.checkpoint_dir)
+    if ctx.is_main:  # leftovers of writers killed mid-save (their PIDs are in the names)
+        files = [full_path, args.dump_loaded, resume[1] if resume and resume[0] == "full" else None]
+        folders = {os.path.dirname(os.path.abspath(p)) for p in files if p}
+        folders.add(os.path.abspath(dcp_folder(args.checkpoint_dir)))
+        if resume and resume[0] == "dcp":
+            folders.add(os.path.abspath(resume[1]))
+        removed = [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
+        if removed:
+            log.info(f"removed {len(removed)} temporary file(s) left by an interrupted save: "
+                     f"{', '.join(p.name for p in removed[:3])}")
+    return resume
 
 
 if __name__ == "__main__":

@@ -228,25 +228,8 @@ def train(args, ctx):
         model = build_model(cfg)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # HF names, full shapes
 
-    # 2a. Rank 0 alone touches the files (on a cluster the others may not even see them) and holds
-    # the full weights, in CPU memory. It checks everything first and tells everyone the verdict: a
-    # problem found inside the collective load would leave the others waiting in a broadcast.
-    verdict, state = [None], {}
-    if ctx.is_main:
-        try:
-            if args.create_hf_in and not os.path.exists(args.hf_in):
-                create_hf_folder(cfg, args.hf_in, args.seed)
-                log.info(f"created a random-weights Hugging Face folder: {args.hf_in}")
-            t0 = time.perf_counter()
-            state = read_hf_folder(args.hf_in, cfg, expected)
-            tensors = {t.data_ptr(): t for t in state.values()}.values()  # a tied matrix, under two names, once
-            log.info(f"read {args.hf_in} on rank 0 only: {len(tensors)} tensors, "
-                     f"{sum(t.numel() for t in tensors):,} parameters in {time.perf_counter() - t0:.2f} s")
-        except UsageError as exc:
-            verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=0, device=ctx.device)  # NCCL: through this rank's GPU
-    if verdict[0]:
-        raise UsageError(verdict[0])
+    # 2a. Rank 0 alone reads the files and holds the full weights in CPU memory; the others get {}.
+    state = read_on_rank0(args, ctx, cfg, expected, log)
 
     # 1b. Shard while still on meta, then allocate: each rank materialises 1/N of every parameter.
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
@@ -315,6 +298,32 @@ def train(args, ctx):
         log.info(f"Hugging Face folder (weights only, for from_pretrained): {args.hf_out} | "
                  f"{', '.join(files)} | {size:,} B | {device_clock(ctx.device) - t0:.2f} s")
     dist.barrier()
+
+
+
+def read_on_rank0(args, ctx, cfg, expected, log) -> dict:
+    """The Hugging Face folder's full state dict on rank 0 (created first with --create-hf-in), {} on
+    the other ranks; a problem with the folder is one error on every rank."""
+    # On a cluster the others may not even see the files. Rank 0 checks everything first and tells
+    # everyone the verdict: a problem found inside the collective load would leave the others waiting
+    # in a broadcast.
+    verdict, state = [None], {}
+    if ctx.is_main:
+        try:
+            if args.create_hf_in and not os.path.exists(args.hf_in):
+                create_hf_folder(cfg, args.hf_in, args.seed)
+                log.info(f"created a random-weights Hugging Face folder: {args.hf_in}")
+            t0 = time.perf_counter()
+            state = read_hf_folder(args.hf_in, cfg, expected)
+            tensors = {t.data_ptr(): t for t in state.values()}.values()  # a tied matrix, under two names, once
+            log.info(f"read {args.hf_in} on rank 0 only: {len(tensors)} tensors, "
+                     f"{sum(t.numel() for t in tensors):,} parameters in {time.perf_counter() - t0:.2f} s")
+        except UsageError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=0, device=ctx.device)  # NCCL: through this rank's GPU
+    if verdict[0]:
+        raise UsageError(verdict[0])
+    return state
 
 
 if __name__ == "__main__":

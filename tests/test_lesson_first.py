@@ -57,9 +57,6 @@ LESSONS: dict[str, tuple[str, ...]] = {
     "05-advanced/activation_checkpointing.py": ("apply_ac_and_compile",),
     "05-advanced/communication_overlap.py": ("DDP",),
 }
-# A checkpoint loads into the sharded model, so its lesson comes after the sharding: these two read the
-# mesh and fully_shard first (within the screen), then the load, a few lines past it.
-ALLOWANCE = {"02-fsdp/fsdp_checkpoint.py": 50, "02-fsdp/fsdp_hf_checkpoint.py": 50}
 # scripts that report on, draw or tabulate what the lesson scripts recorded: no mechanism of their own
 EXEMPT = {"01-ddp-basics/recovery_report.py", "02-fsdp/make_strategies_table.py", "05-advanced/plot_results.py"}
 
@@ -119,8 +116,7 @@ def test_every_chapter_script_is_named():
 def test_the_lesson_comes_in_the_first_screen_of_main(script):
     reached = lines_to_lesson((REPO / script).read_text(), LESSONS[script])
     assert reached is not None, f"{script}: main never reaches {LESSONS[script]}"
-    limit = ALLOWANCE.get(script, SCREEN)
-    assert reached <= limit, f"{script}: the lesson ({LESSONS[script]}) comes {reached} lines into main, over {limit}"
+    assert reached <= SCREEN, f"{script}: the lesson ({LESSONS[script]}) comes {reached} lines into main, over {SCREEN}"
 
 
 PADDED = '''
