@@ -41,11 +41,14 @@ micro-batches of M = 2 sequences):
   rank's median step, and the printed table row (all-reduces, samples/s, ms/step) is that record.
   Mutant: the harness told one rank's samples.
 
-02-fsdp/fsdp_checkpoint.py (FSDP2, 2 steps, ``--checkpoint-format none``):
+02-fsdp/fsdp_checkpoint.py (FSDP2, 2 steps saved as DCP, then resumed to step 4):
 
 * ``test_fsdp_checkpoint_feeds_each_rank_its_own_rows``: mutant: rank 0's rows everywhere.
 * ``test_fsdp_checkpoint_logged_losses_are_the_observed_logits``: each logged loss (4 decimals) is
   the job's mean cross-entropy of the observed logits. Mutant: not divided by W.
+* ``test_fsdp_checkpoint_resume_goes_on_with_the_next_batches``: resumed from the correct run's DCP
+  checkpoint (step 2) to step 4, each rank's model gets its rows of steps 2 and 3, the batches an
+  uninterrupted run takes next. Mutant: the resumed run counts its batches from 0 again.
 
 02-fsdp/fsdp_lora.py (FSDP2 + peft LoRA on the tiny Llama, 2 steps):
 
@@ -68,7 +71,7 @@ import torch
 
 from distkit.harness import read_records
 from distkit.models import model_config
-from launch import REPO
+from launch import REPO, job
 from observed import (
     check_mfu,
     check_tokens_per_s,
@@ -295,10 +298,30 @@ CK_RUNS = {
 
 @pytest.fixture(scope="module")
 def ck_runs(tmp_path_factory):
-    # fully_shard swaps the model's class for FSDPTinyGPT: both names are observed
+    # fully_shard swaps the model's class for FSDPTinyGPT: both names are observed. Each run saves a
+    # sharded checkpoint at step CK_STEPS, which the correct one's resume below starts from.
     return observe_jobs(tmp_path_factory, CK_SCRIPT, "TinyGPT,FSDPTinyGPT", CK_RUNS, lambda folder: [
         "--model-size", "tiny", "--global-batch-size", CK_B, "--steps", CK_STEPS, "--log-every", 1,
-        "--checkpoint-dir", folder / "ck", "--checkpoint-format", "none"], nproc=W, outputs=True)
+        "--checkpoint-dir", folder / "ck", "--checkpoint-format", "dcp"], nproc=W, outputs=True)
+
+
+# A resume must go on with the batches an uninterrupted run takes after the saved step: the data
+# position is the step, restored from the checkpoint's trainer state.
+CK_RESUMED_STEPS = 4
+CK_RESUME_RUNS = {
+    "correct": None,
+    "restarts_the_data": ("inputs, targets = task.global_batch(step, args.global_batch_size)",
+                          "inputs, targets = task.global_batch(step - start_step, args.global_batch_size)"),
+}
+
+
+@pytest.fixture(scope="module")
+def ck_resume_runs(tmp_path_factory, ck_runs):
+    saved, _ = job(ck_runs, "correct")
+    return observe_jobs(tmp_path_factory, CK_SCRIPT, "TinyGPT,FSDPTinyGPT", CK_RESUME_RUNS, lambda folder: [
+        "--model-size", "tiny", "--global-batch-size", CK_B, "--steps", CK_RESUMED_STEPS, "--log-every", 1,
+        "--resume", saved / "ck" / "dcp", "--checkpoint-dir", folder / "ck", "--checkpoint-format", "none"],
+        nproc=W, outputs=True)
 
 
 def check_ck_rows(folder: Path) -> None:
@@ -323,6 +346,19 @@ def test_fsdp_checkpoint_feeds_each_rank_its_own_rows(ck_runs):
 
 def test_fsdp_checkpoint_logged_losses_are_the_observed_logits(ck_runs):
     pinned(ck_runs, check_ck_losses, "loss_not_averaged", output=True)
+
+
+def check_ck_resumed_rows(folder: Path, out: str) -> None:
+    """Resumed at step CK_STEPS: each rank's forwards get its rows of steps CK_STEPS.. only."""
+    assert f"at step {CK_STEPS}" in out, out[-2000:]
+    for rank in range(W):
+        calls = seen_calls(folder, rank)
+        assert [c["rows"] for c in calls] == [digest_rows(mine(GPT, s, CK_B, rank)[0])
+                                              for s in range(CK_STEPS, CK_RESUMED_STEPS)]
+
+
+def test_fsdp_checkpoint_resume_goes_on_with_the_next_batches(ck_resume_runs):
+    pinned(ck_resume_runs, check_ck_resumed_rows, "restarts_the_data", output=True)
 
 
 # ==== fsdp_lora.py ==================================================================================
