@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -190,6 +191,80 @@ def test_committed_hsdp_row_is_recomputed():
         check_hsdp_row(wrong)
 
 
+def table_row(text: str, strategy: str) -> dict:
+    """One row of the one markdown strategies table in text, as {column header: cell}."""
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+    (header,) = [line for line in text.splitlines() if line.startswith("| strategy |")]
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| {strategy} |")]
+    return dict(zip(cells(header), cells(row), strict=True))
+
+
+def median(values: list) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def check_hsdp_table_cells(row: dict, hsdp: dict, ddp: dict, shard: int = 2, replicas: int = 2) -> None:
+    """The HSDP row's peak memory, step ms and bus-vs-DDP cells, recomputed from the records' per-rank
+    and per-step fields and compared at the precision the table prints (half a unit of its last
+    digit), so a cell drawn from the wrong rank, the wrong statistic or the wrong row fails. Each
+    message starts with its column, so a control can show which cell it broke."""
+    m = hsdp["metrics"]
+    (peak_header,) = [h for h in row if h.startswith("peak ")]
+    peak_cell = row[peak_header]
+    # the largest rank's peak: that is what a host must hold for every rank
+    peak_mib = max(m["peak_memory_bytes_per_rank"]) / 2**20
+    assert re.fullmatch(r"[\d,]+", peak_cell) and abs(float(peak_cell.replace(",", "")) - peak_mib) <= 0.5, \
+        f"peak: cell {peak_cell} vs {peak_mib:.3f} MiB"
+
+    # a step ends when its slowest rank does: the largest of the ranks' medians over their timed steps
+    times = m["step_times_s_per_rank"]
+    assert len(times) == hsdp["world_size"] and all(len(t) == m["timed_steps"] for t in times)
+    step_ms = max(median(t) for t in times) * 1e3
+    step_cell = row["step ms"]
+    assert re.fullmatch(r"[\d,]+", step_cell) and abs(float(step_cell.replace(",", "")) - step_ms) <= 0.5, \
+        f"step ms: cell {step_cell} vs {step_ms:.3f} ms"
+
+    # bytes on the wire from the payloads, not from the harness's bus_bytes: HSDP's per group
+    # (hsdp_bus_bytes), DDP's one all-reduce over the whole world at 2(n-1)/n
+    hsdp_bus = sum(hsdp_bus_bytes(m["comm_per_step"], shard, replicas).values())
+    ddp_comm, world = ddp["metrics"]["comm_per_step"], ddp["world_size"]
+    assert set(ddp_comm) == {"all_reduce"}, ddp_comm
+    ratio = hsdp_bus / (ddp_comm["all_reduce"]["bytes"] * 2 * (world - 1) / world)
+    bus_cell = row["bus vs DDP"]
+    assert re.fullmatch(r"\d+\.\d\dx", bus_cell) and abs(float(bus_cell[:-1]) - ratio) <= 0.005 + 1e-9, \
+        f"bus vs DDP: cell {bus_cell} vs {ratio:.4f}"
+
+
+def test_committed_hsdp_row_peak_step_and_bus_vs_ddp_are_recomputed():
+    """The README table's HSDP row: its peak memory (largest rank's, MiB), step ms (slowest rank's
+    median) and bus vs DDP (bytes on the wire from both records' payloads), recomputed from the
+    committed record. Controls, one per cell, each failing the same check: the record with rank 3's
+    peak 4 MiB higher; with rank 0's steps 10 ms slower; the row showing the DDP row's own ratio."""
+    records = {r["strategy"]: r for r in read_records(CHAPTER / "records" / "fsdp_strategies.jsonl")}
+    hsdp, ddp = records[RECORD["hybrid_shard"]], records[RECORD["ddp"]]
+    readme = README.read_text()
+    row = table_row(readme, RECORD["hybrid_shard"])
+    check_hsdp_table_cells(row, hsdp, ddp)
+
+    metrics = hsdp["metrics"]
+    peaks = list(metrics["peak_memory_bytes_per_rank"])
+    peaks[3] += 4 * 2**20
+    higher_peak = {**hsdp, "metrics": {**metrics, "peak_memory_bytes_per_rank": peaks}}
+    with pytest.raises(AssertionError, match="^peak: "):
+        check_hsdp_table_cells(row, higher_peak, ddp)
+    slow = [[t + 0.010 for t in times] if rank == 0 else times
+            for rank, times in enumerate(metrics["step_times_s_per_rank"])]
+    slower_rank = {**hsdp, "metrics": {**metrics, "step_times_s_per_rank": slow}}
+    with pytest.raises(AssertionError, match="^step ms: "):
+        check_hsdp_table_cells(row, slower_rank, ddp)
+    ddp_ratio = {**row, "bus vs DDP": table_row(readme, RECORD["ddp"])["bus vs DDP"]}
+    with pytest.raises(AssertionError, match="^bus vs DDP: "):
+        check_hsdp_table_cells(ddp_ratio, hsdp, ddp)
+
+
 def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, capsys):
     records, _ = sweep
     plots = tmp_path / "plots"
@@ -201,6 +276,17 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
     assert "GPT (vocab_size 65, seq_len 32, n_layer 2" in result.stdout
     assert (plots / "strategies_memory.png").stat().st_size > 0
     assert (plots / "strategies_comm.png").stat().st_size > 0
+
+    # the printed HSDP row's peak, step ms and bus vs DDP, recomputed from this run's records;
+    # control: the record with one rank's peak 4 MiB higher fails the same check
+    swept = {r["strategy"]: r for r in read_records(records / "records.jsonl")}
+    hsdp, ddp = swept[RECORD["hybrid_shard"]], swept[RECORD["ddp"]]
+    row = table_row(result.stdout, RECORD["hybrid_shard"])
+    check_hsdp_table_cells(row, hsdp, ddp)
+    peaks = list(hsdp["metrics"]["peak_memory_bytes_per_rank"])
+    peaks[3] += 4 * 2**20
+    with pytest.raises(AssertionError, match="^peak: "):
+        check_hsdp_table_cells(row, {**hsdp, "metrics": {**hsdp["metrics"], "peak_memory_bytes_per_rank": peaks}}, ddp)
 
     # A results file that also holds a later run of another kind (here: the same records marked as
     # a 2-strategy GPU run, as a GPU host writes them) gives a table of that run alone, its peak
