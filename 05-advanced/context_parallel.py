@@ -14,6 +14,11 @@ log-sum-exp l_b of its scores, and two partials merge as l = log(e^l1 + e^l2),
 O = O1 e^(l1 - l) + O2 e^(l2 - l), in any order. Backward goes round the ring again: K/V travel as in
 forward, the gradients dK/dV accumulated for a block travel with it, and one last hop takes them home.
 
+``--arch llama`` runs the same ring on the tiny Llama: Hugging Face's attention is swapped for
+:class:`RingLlamaAttention` (its projections kept), the model is given every chunk's positions so RoPE
+turns each token by its place in the whole sequence, and the grouped-query K/V (fewer heads than the
+queries) travel the ring with their own heads, widened per block.
+
 Causal attention makes the ring lopsided: query chunk i sees key chunks <= i only. With the sequence
 cut into 2cp chunks, a contiguous split leaves the first rank almost idle and the last with most of
 the work; the zig-zag split gives rank r chunks r and 2cp-1-r, an early and a late one, and every rank
@@ -73,7 +78,8 @@ def parse_args():
     return parser.parse_args()
 
 
-def check_context_parallel(seq_len: int, cp: int, impl: str, layouts: list[str], device_type: str) -> None:
+def check_context_parallel(seq_len: int, cp: int, impl: str, layouts: list[str], device_type: str,
+                           arch: str = "gpt") -> None:
     """One error line for what this script cannot run."""
     if seq_len % (2 * cp):
         raise UsageError(f"--seq-len {seq_len} is not divisible by 2 x {cp} ranks (each rank holds two of "
@@ -83,6 +89,9 @@ def check_context_parallel(seq_len: int, cp: int, impl: str, layouts: list[str],
                          "it finds no sharding rule for the CPU flash kernel); use --impl ring here")
     if impl == "torch" and layouts != ["zigzag"]:
         raise UsageError("--impl torch balances the causal load itself (zig-zag): give --layout zigzag")
+    if impl == "torch" and arch == "llama":  # not run on a GPU yet: HF's attention passes its own mask
+        raise UsageError("--impl torch runs the small GPT only (the Llama's attention has not been tried under "
+                         "PyTorch's context_parallel()); use --impl ring for --arch llama")
 
 
 def chunks_of(rank: int, cp: int, layout: str) -> tuple[int, int]:
@@ -135,6 +144,17 @@ def around_the_ring(kv: torch.Tensor, group):
             kv = next_kv
 
 
+def widen(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each of the K/V heads (dim 1) serves ``groups`` query heads in a row.
+    The ring passes K/V with their own (fewer) heads; each block is widened only to compute."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`widen`: a K/V head's gradient is the sum over the query heads it served."""
+    return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(2)
+
+
 def visible_pairs(rank: int, source: int, cp: int, layout: str):
     """(i, j, diagonal) for each of ``rank``'s query chunks i that sees ``source``'s key chunk j."""
     for i, q_chunk in enumerate(chunks_of(rank, cp, layout)):
@@ -146,19 +166,21 @@ def visible_pairs(rank: int, source: int, cp: int, layout: str):
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries (two chunks of the sequence, dim 2) to the whole
     sequence's keys/values, passed around the ring of ``group``. ``layout`` says which chunks each
-    rank holds; ``stats`` counts the chunk pairs this rank computes and times them."""
+    rank holds; ``stats`` counts the chunk pairs this rank computes and times them. K/V may have
+    fewer heads than Q (grouped-query attention, the Llama's): they travel as they are."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, stats):
         n, r, size = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+        groups = q.shape[1] // k.shape[1]
         chunk = lambda t, i: t[..., i * size:(i + 1) * size, :]  # noqa: E731 - chunk i of (B, H, S, D)
         outs, lses = [None, None], [None, None]
         for source, kv in around_the_ring(torch.stack([k, v]), group):
             with stats["timer"].region():
                 for i, j, diagonal in visible_pairs(r, source, n, layout):
-                    scores = scores_of(chunk(q, i), chunk(kv[0], j), diagonal)
+                    scores = scores_of(chunk(q, i), widen(chunk(kv[0], j), groups), diagonal)
                     lse = scores.logsumexp(dim=-1)
-                    block = torch.exp(scores - lse[..., None]) @ chunk(kv[1], j)
+                    block = torch.exp(scores - lse[..., None]) @ widen(chunk(kv[1], j), groups)
                     outs[i], lses[i] = merge(outs[i], lses[i], block, lse)
                     stats["pairs"] += 1
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -170,6 +192,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         n, r, size = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), q.shape[2] // 2
+        groups = q.shape[1] // k.shape[1]
         chunk = lambda t, i: t[..., i * size:(i + 1) * size, :]  # noqa: E731
         delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): softmax's backward needs it
         lse, scale = lse[..., None], q.shape[-1] ** -0.5
@@ -177,12 +200,13 @@ class RingAttention(torch.autograd.Function):
         for source, kv in around_the_ring(torch.stack([k, v]), ctx.group):
             with ctx.stats["timer"].region():
                 for i, j, diagonal in visible_pairs(r, source, n, ctx.layout):
+                    k_j, v_j = widen(chunk(kv[0], j), groups), widen(chunk(kv[1], j), groups)
                     # the forward's softmax, recomputed; then softmax's backward
-                    p = torch.exp(scores_of(chunk(q, i), chunk(kv[0], j), diagonal) - chunk(lse, i))
-                    ds = p * (chunk(dout, i) @ chunk(kv[1], j).transpose(-2, -1) - chunk(delta, i)) * scale
-                    chunk(dq, i).add_(ds @ chunk(kv[0], j))
-                    chunk(dkv[0], j).add_(ds.transpose(-2, -1) @ chunk(q, i))
-                    chunk(dkv[1], j).add_(p.transpose(-2, -1) @ chunk(dout, i))
+                    p = torch.exp(scores_of(chunk(q, i), k_j, diagonal) - chunk(lse, i))
+                    ds = p * (chunk(dout, i) @ v_j.transpose(-2, -1) - chunk(delta, i)) * scale
+                    chunk(dq, i).add_(ds @ k_j)
+                    chunk(dkv[0], j).add_(fold(ds.transpose(-2, -1) @ chunk(q, i), groups))
+                    chunk(dkv[1], j).add_(fold(p.transpose(-2, -1) @ chunk(dout, i), groups))
             if n > 1:  # dK/dV of the block travel with it; after the last step this hop takes them home
                 dkv, requests = pass_along(dkv, ctx.group)
                 for request in requests:
@@ -206,6 +230,33 @@ class RingSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, H, S, D) with the model's cos/sin of each token's own position (B, S, D): the
+    rotation a token gets depends on where it sits in the whole sequence, not in this rank's chunks."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated_half * sin.unsqueeze(1)
+
+
+class RingLlamaAttention(nn.Module):
+    """The Llama's attention (Hugging Face's ``LlamaAttention``: same projections, same parameter
+    names) with the ring in the middle. The decoder layer hands it cos/sin for the positions the model
+    was given, so RoPE rotates each token by its place in the whole sequence."""
+
+    def __init__(self, attn: nn.Module, group, layout: str, stats: dict):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.head_dim, self.group, self.layout, self.stats = attn.head_dim, group, layout, stats
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_) -> tuple[torch.Tensor, None]:
+        batch, seq, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))  # k, v: n_kv_head heads
+        cos, sin = position_embeddings
+        y = RingAttention.apply(rotate(q, cos, sin), rotate(k, cos, sin), v, self.group, self.layout, self.stats)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1)), None  # (output, no attention weights)
+
+
 def kept_activations(harness: Harness, kept: int | None) -> int | None:
     """On the harness's memory-tracked step, the activation bytes alive at the end of forward (what
     backward will need: it grows with the tokens a rank holds), by MemTracker; else ``kept``."""
@@ -220,7 +271,10 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
     seed_everything(args.seed)
     model = build_model(cfg).to(ctx.device)  # the same weights on every rank
     stats = {"pairs": 0, "timer": RegionTimer(ctx.device)}
-    if args.impl == "ring":
+    if args.impl == "ring" and cfg.arch == "llama":
+        for block in model.blocks:
+            block.self_attn = RingLlamaAttention(block.self_attn, mesh.get_group(), layout, stats)
+    elif args.impl == "ring":
         for block in model.blocks:
             block.attn = RingSelfAttention(block.attn, mesh.get_group(), layout, stats)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
@@ -278,7 +332,7 @@ def main():
         cfg = model_config_from_args(args)
         cp = ctx.world_size
         layouts = args.layout or (list(LAYOUTS) if args.impl == "ring" else ["zigzag"])
-        check_context_parallel(cfg.seq_len, cp, args.impl, layouts, ctx.device.type)
+        check_context_parallel(cfg.seq_len, cp, args.impl, layouts, ctx.device.type, cfg.arch)
         mesh = init_device_mesh(ctx.device.type, (cp,), mesh_dim_names=("cp",))
         log.info(f"cp: {cp} ranks | impl {args.impl} | {cfg.seq_len} tokens per sequence, "
                  f"{cfg.seq_len // cp} per rank | global batch {args.global_batch_size}")

@@ -86,8 +86,6 @@ MOE_EXPERTS = 8  # experts per block of the ep cells: they split over 1, 2, 4 an
 # Strategies whose script trains one architecture only: strategy -> (that --arch, why). The matrix
 # records the other architectures' cells as skipped with this reason.
 ONE_ARCH = {
-    Strategy.CP: ("gpt",
-                  "context_parallel.py swaps the small GPT's attention for ring attention (--arch gpt only)"),
     Strategy.EP: ("gpt", "expert_parallel.py builds the small GPT with mixture-of-experts MLPs (--arch gpt only)"),
 }
 

@@ -313,8 +313,10 @@ def _llama_class():
         def blocks(self) -> nn.ModuleList:
             return self.model.layers
 
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # noqa: D102 - see the class
-            return super().forward(input_ids=tokens, use_cache=False).logits
+        def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+            """Logits of ``tokens``; ``positions`` (as TinyGPT's) places them in their sequences when they
+            are not a whole sequence from position 0 (context parallelism's chunks): RoPE's angles."""
+            return super().forward(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
     return LlamaLM
 

@@ -271,27 +271,30 @@ def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) ->
 # and the gradients dK/dV accumulated for a block travel with it, plus one hop home: cp hops.
 # ----------------------------------------------------------------------------------------------
 
-def ring_attention_bytes(batch: int, seq_len: int, hidden: int, n_layer: int, cp: int,
+def ring_attention_bytes(batch: int, seq_len: int, kv_width: int, n_layer: int, cp: int,
                          bytes_per_element: int = 4) -> dict:
     """Point-to-point traffic of the by-hand ring attention per rank per training step.
 
-    Every hop sends one rank's K and V (or dK and dV) as one tensor: 2 x batch x seq_len/cp x hidden
-    elements (all heads). Per layer: cp - 1 hops forward, 2cp - 1 backward: 3cp - 2 sends and as many
+    Every hop sends one rank's K and V (or dK and dV) as one tensor: 2 x batch x seq_len/cp x kv_width
+    elements, ``kv_width`` the key/value heads' width (the GPT's hidden size; under grouped-query
+    attention n_kv_head x head_dim: the Llama's K/V travel with their own heads). Per layer: cp - 1
+    hops forward, 2cp - 1 backward: 3cp - 2 sends and as many
     receives of that size. Zero with one rank (no ring).
     """
     if cp <= 1:
         return {}
     calls = (3 * cp - 2) * n_layer
-    payload = 2 * batch * (seq_len // cp) * hidden * bytes_per_element
+    payload = 2 * batch * (seq_len // cp) * kv_width * bytes_per_element
     return {"send": comm_entry(calls, calls * payload, "send", cp),
             "recv": comm_entry(calls, calls * payload, "recv", cp)}
 
 
-def context_parallel_comm(cfg: GPTConfig, global_batch_size: int, cp: int) -> dict:
+def context_parallel_comm(cfg: GPTConfig | LlamaModelConfig, global_batch_size: int, cp: int) -> dict:
     """Collectives per step of ``05-advanced/context_parallel.py --impl ring`` on every rank: the
     ring (:func:`ring_attention_bytes`; every rank attends for the whole global batch) and one
     all-reduce of every (replicated, fp32) gradient over the cp ranks, as DDP would do in buckets."""
-    comm = ring_attention_bytes(global_batch_size, cfg.seq_len, cfg.n_embd, cfg.n_layer, cp)
+    kv_width = cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
+    comm = ring_attention_bytes(global_batch_size, cfg.seq_len, kv_width, cfg.n_layer, cp)
     psi = sum(numel(shape) for shape in param_shapes(cfg).values())
     comm["all_reduce"] = comm_entry(1, 4 * psi, "all_reduce", cp)
     return comm

@@ -451,22 +451,23 @@ def test_cells_beyond_the_gpus_are_planned_on_cpu_not_skipped():
 
 
 def test_context_and_expert_parallel_cells_run_where_their_scripts_can():
-    """cp and ep run the GPT only: the Llama's cells are recorded as skipped with the reason, at every
-    world size; the GPT's run where the ring cuts the 32 tokens into 2 x cp chunks and the 8 experts
-    split over the ranks (2 and 4; 3 is skipped with its reason), with the matrix's flags: one CP
-    layout (the script's default runs two), the experts named, nothing saved. Bug caught: a Llama cell
-    launched into a script that refuses it (a failed cell instead of a skipped one), or a world size
-    that cannot split the sequence or the experts launched."""
+    """cp runs both architectures (the ring attention swaps either model's attention), ep the GPT only:
+    the Llama's ep cells are recorded as skipped with the reason, at every world size; the cells run
+    where the ring cuts the 32 tokens into 2 x cp chunks and the 8 experts split over the ranks (2
+    and 4; 3 is skipped with its reason), with the matrix's flags: one CP layout (the script's default
+    runs two), the experts named, nothing saved. Bug caught: a Llama cell launched into a script that
+    refuses it (a failed cell instead of a skipped one), or a world size that cannot split the
+    sequence or the experts launched."""
     bench = load_script(BENCH / "distributed_benchmarks.py")
     argv = ["--arch", "gpt", "llama", "--strategies", "cp", "ep", "--world-sizes", "2", "3", "4",
             "--global-batch-size", "24"]
     cells, skipped = bench.plan_cells(bench.parse_args(argv), gpus=0)
     assert {(c.arch, c.strategies, c.world_size) for c in cells} == {
-        ("gpt", (s,), n) for s in ("cp", "ep") for n in (2, 4)}
+        ("gpt", (s,), n) for s in ("cp", "ep") for n in (2, 4)} | {("llama", ("cp",), n) for n in (2, 4)}
     reasons = {(r["strategy"], r["model"]["arch"], r["world_size"]): r["error"] for r in skipped}
-    assert set(reasons) == {(s, "llama", n) for s in ("cp", "ep") for n in (2, 3, 4)} | {("cp", "gpt", 3),
-                                                                                       ("ep", "gpt", 3)}
-    assert reasons[("cp", "llama", 2)] == bench.ONE_ARCH["cp"][1] and "--arch gpt only" in reasons[("ep", "llama", 4)]
+    assert set(reasons) == {("ep", "llama", n) for n in (2, 3, 4)} | {("cp", arch, 3) for arch in ("gpt", "llama")} \
+        | {("ep", "gpt", 3)}
+    assert reasons[("ep", "llama", 4)] == bench.ONE_ARCH["ep"][1] and "--arch gpt only" in reasons[("ep", "llama", 4)]
     assert reasons[("cp", "gpt", 3)] == "a ring of 3 ranks cuts each sequence into 6 chunks; tiny has 32 tokens"
     assert reasons[("ep", "gpt", 3)] == "8 experts per block do not split over 3 ranks"
     args = bench.parse_args(argv)
@@ -474,7 +475,7 @@ def test_context_and_expert_parallel_cells_run_where_their_scripts_can():
         command = bench.cell_command(cell, args, Path("/s"), Path("/r.jsonl"))
         flags = " ".join(command[command.index(cell.script) + 1:])
         want = "--layout zigzag --save none" if cell.strategies == ("cp",) else "--num-experts 8 --top-k 2 --save none"
-        assert flags.startswith(want + " --arch gpt "), flags
+        assert flags.startswith(f"{want} --arch {cell.arch} "), flags
 
 
 def test_plot_keeps_cells_from_different_devices_apart(tmp_path):

@@ -10,7 +10,10 @@ tests/workers/moe_reference.py (a router and a capacity loop written independent
 every rank's slice routed separately, as the ranks do). Observed on 2-core CPU, gloo: CP 1.2e-7, EP
 8e-9. The bugs the tolerance must catch, shown failing here by their own copies of the scripts
 (tests/workers/ch05_mutant.py): CP ranks embedding their chunks as if they started at position 0;
-EP experts' gradients reduced over every rank instead of the ranks holding the same experts.
+EP experts' gradients reduced over every rank instead of the ranks holding the same experts. CP also
+trains the tiny Llama (RoPE at each token's place in the sequence, grouped-query K/V widened per
+block) to one process's weights (1.2e-7), with two broken copies: RoPE at local positions (3.9e-4, 39x
+the tolerance: only angles across chunks are wrong) and a K/V head's gradient from one query head (4e-2).
 
 Layer equivalence (tests/workers/ch05_cp_ep.py, one 4-rank launch): ring attention's output and
 its q/k/v gradients against SDPA on the whole sequence, the MoE layer's output and its input, router
@@ -25,7 +28,9 @@ of forward, at cp = 1, 2, 4, times cp, within 2% of cp = 1's (observed: within 0
 """
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +40,7 @@ from distkit import UsageError, compare, theory
 from distkit.harness import read_records
 from distkit.models import model_config
 from distkit.runtime import seed_everything
-from launch import REPO, WORKERS, assert_one_line_error, load_script, parse_args_result, torchrun
+from launch import REPO, WORKERS, assert_one_line_error, job, load_script, parse_args_result, run_jobs, torchrun
 from workers.moe_reference import loop_moe_model, train_moe_one_process
 
 LAYER_TOLERANCE = 1e-4
@@ -143,6 +148,63 @@ def test_context_parallel_without_positions_fails(tmp_path):
     assert diff > WIDE * TOLERANCE
 
 
+# How far past the tolerance each broken copy lands must be (observed on 2-core CPU, gloo): RoPE at
+# local positions misses by 3.9e-4 only, 39x: q and k of one chunk are rotated alike, so only the
+# angles between tokens of different chunks are wrong.
+LLAMA_MISS = {"llama_without_positions": 10, "gqa_gradient_not_summed": WIDE}
+LLAMA_BUGS = {
+    # RoPE at each rank's local positions 0, 1, ... instead of the tokens' places in the sequence
+    "llama_without_positions": ("model(*(shard_sequence(t, chunks, cp) for t in (inputs, positions)))",
+                                "model(shard_sequence(inputs, chunks, cp))"),
+    # a K/V head's gradient taken from its first query head only, not summed over the heads it serves
+    "gqa_gradient_not_summed": ("grad.unflatten(1, (-1, groups)).sum(2)", "grad.unflatten(1, (-1, groups))[:, :, 0]"),
+}
+
+
+@pytest.fixture(scope="module")
+def cp_llama_runs(tmp_path_factory):
+    """The 4-rank README command on the tiny Llama (both layouts), and each broken copy at 2 ranks
+    (zig-zag): {name: folder}."""
+    def launch_one(name: str, folder: Path):
+        flags = (*CP_QUICK, "--arch", "llama", "--results", folder / "r.jsonl", "--save", folder / "{layout}.pt")
+        if name == "correct":
+            return run_readme("cp_4ranks", folder, extra=flags)
+        nproc, script, args = readme_command(*LOOKUPS["cp_2ranks"][0], without=LOOKUPS["cp_2ranks"][1])
+        return torchrun(WORKERS / "ch05_mutant.py", REPO / script, *LLAMA_BUGS[name], "--", *args, *flags,
+                        "--layout", "zigzag", nproc=nproc, tmp_path=folder)
+
+    jobs = run_jobs({name: functools.partial(launch_one, name) for name in ("correct", *LLAMA_BUGS)},
+                    tmp_path_factory)
+    return {name: job(jobs, name)[0] for name in jobs}
+
+
+def test_context_parallel_trains_the_llama_like_one_process(cp_llama_runs):
+    """The tiny Llama at cp = 4: RoPE rotates each token by its place in the whole sequence (the model
+    is given every chunk's positions), and the grouped-query K/V (4 heads for 8 query heads) travel
+    the ring with their own heads, widened per block and their gradients folded back. Weights and
+    losses of one process; the ring's bytes are half the GPT-wide formula's (K/V 32 wide, not 64).
+    Controls: RoPE at the local positions, and a K/V head's gradient from one query head only."""
+    expected, losses = reference(8, "llama")
+    folder = cp_llama_runs["correct"]
+    records = {r["config"]["layout"]: r for r in read_records(folder / "r.jsonl")}
+    assert set(records) == {"zigzag", "contiguous"}
+    params = sum(t.numel() for t in expected.values())
+    hops, kv = (3 * 4 - 2) * 2, 2 * 8 * (32 // 4) * (64 * 4 // 8) * 4
+    by_hand = {"all_reduce": (1, 4 * params), "send": (hops, hops * kv), "recv": (hops, hops * kv)}
+    cfg = model_config("llama", "tiny")
+    assert {k: (v["calls"], v["bytes"]) for k, v in theory.context_parallel_comm(cfg, 8, 4).items()} == by_hand
+    for layout, record in records.items():
+        assert record["model"]["arch"] == "llama" and record["world_size"] == 4
+        assert max_diff(folder / f"{layout}.pt", expected) < TOLERANCE, layout
+        assert record["losses"] == pytest.approx(losses, abs=1e-5)
+        for comm in record["metrics"]["comm_per_step_per_rank"]:
+            assert {k: (v["calls"], v["bytes"]) for k, v in comm.items()} == by_hand, (layout, comm)
+    for bug in LLAMA_BUGS:
+        diff = max_diff(cp_llama_runs[bug] / "zigzag.pt", expected)
+        print(f"{bug}: max |distributed - single| = {diff:.2e}")
+        assert diff > LLAMA_MISS[bug] * TOLERANCE, bug
+
+
 def test_context_parallel_bytes_equal_the_formula(cp_runs):
     """Per rank per step: 3cp - 2 sends (and receives) per layer of one rank's K and V, 2 x batch 8 x
     32/cp tokens x 64 wide x 4 bytes (cp - 1 forward, cp - 1 backward, and cp of dK/dV), and one
@@ -187,6 +249,8 @@ def test_context_parallel_bad_input_is_one_line():
         cp.check_context_parallel(36, 4, "ring", ["zigzag"], "cpu")
     with pytest.raises(UsageError, match=r"give --layout zigzag"):
         cp.check_context_parallel(32, 2, "torch", ["contiguous"], "cuda")
+    with pytest.raises(UsageError, match=r"use --impl ring for --arch llama"):
+        cp.check_context_parallel(32, 2, "torch", ["zigzag"], "cuda", "llama")
     cp.check_context_parallel(32, 4, "ring", ["zigzag", "contiguous"], "cpu")
     result = parse_args_result(cp, "--layout", "diagonal")
     assert result.returncode == 2

@@ -51,7 +51,7 @@ LESSONS: dict[str, tuple[str, ...]] = {
     "05-advanced/tensor_parallel.py": ("parallelize_module",),
     "05-advanced/hybrid_parallelism.py": ("tensor_parallel_blocks", "fully_shard"),
     "05-advanced/pipeline_parallel.py": ("make_stage_module", "TimedStage"),  # the stages, then the schedule
-    "05-advanced/context_parallel.py": ("context_parallel",),
+    "05-advanced/context_parallel.py": ("RingSelfAttention", "RingLlamaAttention", "context_parallel"),
     "05-advanced/expert_parallel.py": ("shard",),  # each MoE layer keeps its ep group's experts
     "05-advanced/gradient_accumulation.py": ("no_sync",),
     "05-advanced/activation_checkpointing.py": ("apply_ac_and_compile",),
