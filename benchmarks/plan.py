@@ -63,7 +63,8 @@ def parse_args(argv=None):
     job = parser.add_argument_group("job")
     job.add_argument("--global-batch", type=positive_int, default=None,
                      help=f"sequences per optimizer step, at most {planner.MAX_SEQUENCES:,} (default: 1M tokens' "
-                          "worth, rounded up to split over the GPUs)")
+                          "worth, rounded up to split over the GPUs (over --layout's batch ranks) when it has "
+                          "a sequence per GPU)")
     job.add_argument("--global-batch-tokens", type=positive_int, help="tokens per optimizer step instead")
     job.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward (default: 1)")
     job.add_argument("--precision", choices=planner.PRECISIONS, default="bf16",
@@ -167,19 +168,29 @@ def build_model(args):
     return cfg
 
 
-def build_plan(args) -> planner.Plan:
+def build_plan(args, dims=None) -> planner.Plan:
+    """The job; ``dims``: the --layout pinned, whose batch ranks a batch derived from tokens splits over."""
     cfg = build_model(args)
     if args.global_batch and args.global_batch_tokens:
         raise UsageError("give --global-batch (sequences) or --global-batch-tokens, not both")
     tokens = args.global_batch_tokens or (None if args.global_batch else 2 ** 20)
     batch = args.global_batch or max(1, round(tokens / cfg.seq_len))
     planner.check_job(cfg.seq_len, args.gpus, batch, tokens)
-    if not args.global_batch and batch % args.gpus:
-        # a batch derived from tokens is the planner's choice: one that splits over every GPU, said
-        rounded = math.ceil(batch / args.gpus) * args.gpus
+    # A batch derived from tokens is the planner's choice: one that splits over the ranks that take
+    # sequences of their own (every GPU unless a layout is pinned; the GPUs of a TP, PP or CP group
+    # share theirs), said. Only one with a sequence per such rank is rounded up: rounding a smaller
+    # one would plan a step several times the one asked for. The layouts say whether it splits.
+    ranks = dims.batch_ranks if dims else args.gpus
+    if not args.global_batch and batch % ranks and batch > ranks:
+        rounded = math.ceil(batch / ranks) * ranks
+        over = f"{ranks} batch ranks of --layout" if dims else f"{ranks} GPUs"
         print(f"global batch {rounded} sequences: {tokens:,} tokens of {cfg.seq_len} make {batch}, rounded up "
-              f"to split over {args.gpus} GPUs (--global-batch picks another)", file=sys.stderr)
+              f"to split over {over} (--global-batch picks another)", file=sys.stderr)
         batch = rounded
+    elif not args.global_batch and batch < ranks:
+        print(f"global batch {batch} sequences: {tokens:,} tokens of {cfg.seq_len}, fewer than the {ranks} "
+              f"{'batch ranks of --layout' if dims else 'GPUs'}, kept: layouts whose dp_replicate x dp_shard "
+              "splits it run it", file=sys.stderr)
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
                         lora_rank=args.lora_rank, attention=args.attention)
@@ -200,6 +211,24 @@ def build_cluster(args) -> planner.Cluster:
         inter_latency_us=args.inter_latency_us, collectives=collectives)
 
 
+def check_batch_ranks(plan: planner.Plan, cluster: planner.Cluster) -> None:
+    """One line when the batch is smaller than the batch ranks (dp_replicate x dp_shard) of every
+    layout: no layout can run it. A batch smaller than the GPUs alone is no reason: the GPUs of a TP,
+    PP or CP group share their sequences, and the heads, blocks and sequence length bound how many
+    GPUs those groups take."""
+    if plan.global_batch >= cluster.gpus:
+        return
+    fewest = planner.fewest_batch_ranks(plan, cluster)
+    if plan.global_batch < fewest:
+        cfg = plan.model
+        raise UsageError(
+            f"the global batch {plan.global_batch} is fewer than the {fewest} batch ranks (dp_replicate x "
+            f"dp_shard) of every layout on {cluster.gpus} GPUs: TP, PP and CP groups share their sequences, but "
+            f"{cfg.n_head} heads, {cfg.n_layer} blocks and {cfg.seq_len} tokens let them take {cluster.gpus // fewest} "
+            f"GPUs at most; give --global-batch {fewest} or more (or --global-batch-tokens "
+            f"{fewest * cfg.seq_len:,}), or fewer GPUs")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_outputs(None, args, files=["plot"])  # before the plan is printed, not after
@@ -215,14 +244,15 @@ def main(argv=None) -> None:
             raise UsageError(f"{args.validate} holds no training cell with a model to validate")
         print(json.dumps(rows, indent=1) if args.json else planner.validation_table(rows, args.only_misses))
         return
-    plan, cluster = build_plan(args), build_cluster(args)
+    dims = planner.parse_layout(args.layout, args.gpus) if args.layout else None
+    plan, cluster = build_plan(args, dims), build_cluster(args)
     if args.layout:  # one pinned layout, refused in one line before anything is planned
-        dims = planner.parse_layout(args.layout, cluster.gpus)
         problem = planner.check_dims(plan, cluster, dims)
         if problem:
             raise UsageError(f"--layout {args.layout}: {problem}")
         estimates = [planner.with_overhead(planner.estimate_dims(plan, cluster, dims), cluster, planner.ND)]
     else:
+        check_batch_ranks(plan, cluster)
         estimates = planner.estimate_all(plan, cluster, args.strategies)
     rec = planner.recommend(estimates, cluster, allow_offload=args.offload)
     if args.json:

@@ -558,8 +558,8 @@ REFUSED = [
     (["--gpus", "1024"], "--gpus 1024 is beyond the planner's 512 GPUs"),
     (["--global-batch", "100000"], "--global-batch 100,000 is more than the planner's 65,536 sequences per step"),
     (["--global-batch-tokens", "1000000000"], "1,000,000,000 tokens of 2048 make 488,281 sequences per step, more"),
-    (["--gpus", "512", "--seq-len", "8192", "--global-batch-tokens", "1000000"],
-     "1,000,000 tokens of 8192 make 122 sequences per step, fewer than the 512 GPUs"),
+    (["--model", "llama-3.2-1b", "--gpus", "512", "--seq-len", "2048", "--global-batch-tokens", "4096"],
+     "the global batch 2 is fewer than the 4 batch ranks (dp_replicate x dp_shard) of every layout on 512 GPUs"),
 ]
 
 
@@ -582,9 +582,63 @@ def assert_refused_with_a_fix(plan, args: list[str], expected: str) -> None:
 @pytest.mark.parametrize("args,expected", REFUSED)
 def test_inputs_the_planner_cannot_plan_are_refused_in_one_line(args, expected, capsys):
     """A sequence shorter than 32 tokens, more than 512 GPUs, more than 65,536 sequences per step (given,
-    or made from tokens), or a step made from tokens with fewer sequences than GPUs: one line that says
-    what would work, and what it says works. ``--seq-len 10`` used to plan 52,429 micro-batches."""
+    or made from tokens), or a step with fewer sequences than any layout's batch ranks: one line that
+    says what would work, and what it says works. ``--seq-len 10`` used to plan 52,429 micro-batches."""
     assert_refused_with_a_fix(load_script(BENCH / "plan.py"), args, expected)
+
+
+def test_a_batch_smaller_than_the_gpus_runs_where_tp_pp_cp_groups_share_sequences(capsys):
+    """Only the batch ranks (dp_replicate x dp_shard) need sequences of their own: the GPUs of a TP,
+    PP or CP group share theirs. 65,536 tokens of 8,192 make 8 sequences, fewer than 64 GPUs, and
+    Llama 3.1 70B with ``--layout tp=8`` plans them: dp_shard takes the GPUs left, 64 / 8 = 8 batch
+    ranks, 8 / 8 = 1 sequence each, no accumulation. The search plans them too: every layout it
+    finds valid has batch ranks dividing 8, so no data-parallel-only row (64 ranks) runs. Negative
+    control: ``--layout dp_shard=64`` (64 batch ranks for 8 sequences) is refused in one line naming
+    the batch that would run, and that batch runs; before, the 8 sequences were refused for being
+    fewer than the GPUs, whatever the layout."""
+    plan = load_script(BENCH / "plan.py")
+    job = ["--model", "llama-3.1-70b", "--seq-len", "8192", "--global-batch-tokens", "65536", "--gpus", "64"]
+    sequences, gpus, tp = 65536 // 8192, 64, 8
+    plan_main(plan, [*job, "--layout", f"tp={tp}", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    (nd,) = out["strategies"]
+    assert out["plan"]["global_batch"] == sequences == 8 and nd["valid"], nd
+    assert nd["layout"]["dp"] == nd["layout"]["dp_shard"] == gpus // tp == 8 and nd["layout"]["tp"] == tp, nd
+    assert nd["layout"]["micro_batch"] == sequences // (gpus // tp) == 1 and nd["layout"]["accumulation"] == 1, nd
+    plan_main(plan, [*job, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    valid = [s for s in out["strategies"] if s["valid"]]
+    assert valid and out["recommended"] in {s["name"] for s in valid}, out["recommended"]
+    assert all(sequences % s["layout"]["dp"] == 0 for s in valid), [s["layout"] for s in valid]
+    assert not any(s["valid"] for s in out["strategies"] if s["name"] in ("ddp", "zero3", "fsdp_full_shard"))
+    with pytest.raises(UsageError) as refused:
+        plan.main([*job, "--layout", "dp_shard=64"])
+    line = str(refused.value)
+    assert "\n" not in line and "the global batch 8 is fewer than dp_replicate x dp_shard = 64 batch ranks" in line
+    assert "give --global-batch 64 or more" in line, line
+    plan_main(plan, [*job[:-4], "--gpus", "64", "--global-batch", "64", "--layout", "dp_shard=64", "--json"])
+    assert json.loads(capsys.readouterr().out)["strategies"][0]["valid"]
+
+
+def test_a_batch_no_layout_can_run_is_one_error_line():
+    """Llama 3.2 1B on 512 GPUs: TP divides 32 heads and 8 kv-heads and stays in a node (tp <= 8, with
+    CP: tp x cp <= 8), a pipeline has at most 16 stages (16 blocks), so at most 8 x 16 = 128 GPUs
+    share sequences and every layout has at least 512 / 128 = 4 batch ranks. A batch of 2 (given, or
+    4,096 tokens of 2,048) is one ``error:`` line naming 4; 4 sequences plan, on a layout whose batch
+    ranks are 4 (the negative control: the batch the line names is not refused)."""
+    job = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--gpus", "512"]
+    fewest = 512 // (8 * 16)
+    for batch in (["--global-batch", "2"], ["--global-batch-tokens", "4096"]):
+        result = python(BENCH / "plan.py", *job, *batch, check=False, launcher="python")
+        assert result.returncode == 2, result.stdout[-2000:]
+        assert_one_line_error(result, f"the global batch 2 is fewer than the {fewest} batch ranks")
+        assert f"give --global-batch {fewest} or more" in result.stdout, result.stdout[-2000:]
+    cfg = model_config("llama", "llama-3.2-1b", seq_len=2048)
+    assert planner.fewest_batch_ranks(planner.Plan(cfg, global_batch=2), planner.cluster("h100", 512)) == fewest
+    fixed = python(BENCH / "plan.py", *job, "--global-batch", str(fewest), "--json", check=False)
+    out = json.loads(fixed.stdout[fixed.stdout.index("{"):])
+    best = next(s for s in out["strategies"] if s["name"] == out["recommended"])
+    assert best["layout"]["dp"] == fewest, best["layout"]
 
 
 def test_a_refused_input_is_one_line_without_usage_as_a_script():
@@ -939,8 +993,10 @@ def test_nd_layouts_are_enumerated_and_each_is_valid():
     for d, expected in bad.items():
         problem = planner.check_dims(plan, cl, d)
         assert (problem is None) if expected is None else (expected in problem and "\n" not in problem), (d, problem)
+    assert planner.check_dims(replace(plan, global_batch=96), cl, planner.ParallelDims(dp_shard=64, tp=8)) \
+        == "the global batch 96 does not split over dp_replicate x dp_shard = 64 batch ranks"
     assert planner.check_dims(replace(plan, global_batch=48), cl, planner.ParallelDims(dp_shard=64, tp=8)) \
-        == "the global batch 48 does not split over dp_replicate x dp_shard = 64 batch ranks"
+        .startswith("the global batch 48 is fewer than dp_replicate x dp_shard = 64 batch ranks")
 
 
 def test_405b_on_512_gpus_gets_a_3d_or_4d_layout():

@@ -66,7 +66,7 @@ from .choose import (
 )
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
 from .decision import decision_matrix
-from .dims import AXES, SCHEDULES, ParallelDims, check_dims, enumerate_dims, parse_layout
+from .dims import AXES, SCHEDULES, ParallelDims, check_dims, enumerate_dims, fewest_batch_ranks, parse_layout
 from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
 from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
 from .hf_config import read_hf_config, uncounted_note, with_overrides
@@ -107,7 +107,7 @@ from .validation import (
 )
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
-           "estimate_nd", "head_bytes", "parse_layout", "published_table",
+           "estimate_nd", "fewest_batch_ranks", "head_bytes", "parse_layout", "published_table",
            "AC_MODES", "ATTENTION",
            "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",

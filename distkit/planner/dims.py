@@ -11,7 +11,7 @@ spans nodes when the product of its own size and of every axis inside it exceeds
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..errors import UsageError
 from ..models import is_moe
@@ -137,6 +137,11 @@ def check_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> str | None:
         return "ep inside an N-D layout is not modelled; use the ep strategy (--strategies ep)"
     if d.schedule not in SCHEDULES:
         return f"schedule {d.schedule!r} unknown; one of {', '.join(SCHEDULES)}"
+    if plan.global_batch < d.batch_ranks:
+        # only the batch ranks need sequences of their own: a TP, PP or CP group's GPUs share theirs
+        return (f"the global batch {plan.global_batch} is fewer than dp_replicate x dp_shard = {d.batch_ranks} "
+                f"batch ranks (the GPUs of a TP, PP or CP group share their sequences); give --global-batch "
+                f"{d.batch_ranks} or more, or a layout with more tp, pp or cp and fewer batch ranks")
     if plan.global_batch % d.batch_ranks:
         return (f"the global batch {plan.global_batch} does not split over dp_replicate x dp_shard = "
                 f"{d.batch_ranks} batch ranks")
@@ -183,21 +188,36 @@ _COVERED = ({"dp_shard"}, {"dp_replicate"}, {"dp_replicate", "dp_shard"}, {"tp"}
             {"pp", "dp_replicate"}, {"cp"}, {"cp", "dp_replicate"})
 
 
-def enumerate_dims(plan: Plan, cl: Cluster) -> list[ParallelDims]:
-    """Every valid N-D layout the search ranks: powers of two per axis, TP and TP x CP inside a node,
-    sequence parallelism on with TP, each pipeline schedule, leaving out the layouts another
-    strategy row already plans (:data:`_COVERED`)."""
+def _searched(cl: Cluster):
+    """The layouts the search tries: powers of two per axis (dp_shard takes the GPUs left), TP and
+    TP x CP inside a node, sequence parallelism on with TP, each pipeline schedule."""
     n, gpn = cl.gpus, cl.gpus_per_node
-    out = []
     for tp in _powers(min(gpn, n)):
         for cp in _powers(min(gpn, n) // tp):
             for pp in _powers(n // (tp * cp)):
                 for dpr in _powers(n // (tp * cp * pp)):
                     dps = n // (tp * cp * pp * dpr)
                     for schedule in (SCHEDULES if pp > 1 else ("1f1b",)):
-                        d = ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp, schedule=schedule)
-                        used = {a for a in AXES if getattr(d, a) > 1}
-                        if used in _COVERED or not used or check_dims(plan, cl, d):
-                            continue
-                        out.append(d)
+                        yield ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp, schedule=schedule)
+
+
+def enumerate_dims(plan: Plan, cl: Cluster) -> list[ParallelDims]:
+    """Every valid N-D layout the search ranks (:func:`_searched`), leaving out the layouts another
+    strategy row already plans (:data:`_COVERED`)."""
+    out = []
+    for d in _searched(cl):
+        used = {a for a in AXES if getattr(d, a) > 1}
+        if used in _COVERED or not used or check_dims(plan, cl, d):
+            continue
+        out.append(d)
     return out
+
+
+def fewest_batch_ranks(plan: Plan, cl: Cluster) -> int:
+    """The fewest batch ranks (dp_replicate x dp_shard) of any layout the planner builds for
+    ``plan``'s model on ``cl`` (the search's, which include every strategy row's shape): the
+    fewest sequences a step can have there. The other GPUs are TP, PP and CP groups, which share
+    their sequences; how far they reach is set by the heads, the blocks and the sequence length.
+    Each layout is checked with one sequence per batch rank (its smallest batch)."""
+    return min(d.batch_ranks for d in _searched(cl)
+               if check_dims(replace(plan, global_batch=d.batch_ranks, micro_batch=1), cl, d) is None)

@@ -169,16 +169,17 @@ MAX_GPUS = 512
 def limits_text() -> str:
     """The limits of :func:`check_job` in words, for ``--help``."""
     return (f"sequences of at least {MIN_SEQ_LEN} tokens, at most {MAX_SEQUENCES:,} sequences per step, "
-            f"1 to {MAX_GPUS} GPUs, and a step's sequences at least as many as the GPUs when the batch is "
-            "derived from tokens")
+            f"1 to {MAX_GPUS} GPUs, and a step's sequences at least as many as the batch ranks "
+            "(dp_replicate x dp_shard) of some layout: TP, PP and CP groups share their sequences")
 
 
 def check_job(seq_len: int, gpus: int, sequences: int | None = None, tokens: int | None = None) -> None:
     """One-line :class:`UsageError` (saying what would work) when the planner cannot plan the job:
     ``seq_len`` below :data:`MIN_SEQ_LEN`, ``gpus`` above :data:`MAX_GPUS`, or the step's
-    ``sequences`` above :data:`MAX_SEQUENCES`. With ``tokens`` (the batch derived from a token count,
-    not given in sequences) the step must also hold a sequence per GPU: rounding a smaller one up to
-    the GPUs would plan a batch several times the one asked for."""
+    ``sequences`` (``tokens``: derived from a token count, not given in sequences) above
+    :data:`MAX_SEQUENCES`. Fewer sequences than GPUs is no reason here: the GPUs of a TP, PP or CP
+    group share their sequences, so whether any layout runs the batch depends on the model
+    (:func:`~.dims.fewest_batch_ranks`)."""
     if seq_len < MIN_SEQ_LEN:
         raise UsageError(f"--seq-len {seq_len} is below the planner's floor of {MIN_SEQ_LEN} tokens (the shortest "
                          f"sequences its formulas were validated on); give --seq-len {MIN_SEQ_LEN} or more")
@@ -194,10 +195,6 @@ def check_job(seq_len: int, gpus: int, sequences: int | None = None, tokens: int
                              f"give --global-batch-tokens {MAX_SEQUENCES * seq_len:,} or fewer, or a longer --seq-len")
         raise UsageError(f"--global-batch {sequences:,} is more than the planner's {MAX_SEQUENCES:,} sequences per "
                          f"step (32x the largest published batch); give --global-batch {MAX_SEQUENCES:,} or fewer")
-    if tokens and sequences < gpus:
-        fewer = 2 ** int(math.log2(sequences))
-        raise UsageError(f"{made}, fewer than the {gpus} GPUs; give --global-batch {gpus} or more (or "
-                         f"--global-batch-tokens {gpus * seq_len:,}), or --gpus {fewer} or fewer")
 
 
 @dataclass(frozen=True)
