@@ -1,19 +1,18 @@
 """Loss-curve parity: every strategy trains the same model, from the same initial weights, on the same
 global batches of real text, and must follow one process's loss curve.
 
-Each strategy is its chapter's own script, launched with the same model and training flags (the small
-GPT at ``--model-size tiny``, ``--data text``: Python's reference documentation as bytes, AdamW at
+Each strategy is its chapter's own script, launched with the same model and training flags (the tiny
+Llama, ``--arch llama --model-size tiny``, ``--data text``: Python's reference documentation as bytes, AdamW at
 one learning rate, one global batch): only the flags that pick the strategy differ. The runner reads
 the loss every script recorded at every step, and computes the held-out loss of each run's saved
 weights itself, in this process, on the text's held-out split. One negative control runs beside
 them: FSDP with rank 1's shard never updated (its ``optimizer.step()`` skipped), which must leave
 the band.
 
-The small GPT, not the tiny Llama, although every strategy here (context parallelism included) also
-trains the Llama: the committed 1000-step record was made with the GPT, and the Llama's steps are about
-a quarter slower on this CPU, which would take the full run past its 30-minute budget.
+The Llama (Hugging Face's ``LlamaForCausalLM`` from a config: RMSNorm, RoPE, grouped-query attention,
+SwiGLU) is the model readers train; every strategy here trains it, context parallelism's ring included.
 
-    python benchmarks/parity.py                  # 1000 steps x 1024 tokens per strategy (~25 min, 2 cores)
+    python benchmarks/parity.py                  # 1000 steps x 1024 tokens per strategy (~20 min, 2 cores)
     python benchmarks/parity.py --steps 20       # the short version the test suite runs
 
 The tolerance (``TOLERANCE``) and why it is what it is: see ``benchmarks/README.md`` (Loss-curve
@@ -63,6 +62,7 @@ CONTROL = ("fsdp_shard_dropped", "fsdp_full_shard",
            ("optimizer.step()  # each rank updates only its own shard",
             "optimizer.step() if ctx.rank == 0 else None  # rank 1's shard dropped"))
 GLOBAL_BATCH, LR, SEED = 32, 3e-3, 0
+ARCH = "llama"
 HELD_OUT_WINDOWS = 256
 # Largest |loss - one process's loss| allowed at any step (nats); benchmarks/README.md says why.
 TOLERANCE = 0.02
@@ -75,7 +75,7 @@ def launcher() -> list[str]:
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Train the same small GPT on the same text under every strategy and "
+    parser = ArgumentParser(description="Train the same tiny Llama on the same text under every strategy and "
                                         "compare each loss curve with one process's.")
     parser.add_argument("--steps", type=positive_int, default=1000,
                         help=f"optimizer steps per strategy, {GLOBAL_BATCH} x 32 tokens each (default: 1000, "
@@ -99,7 +99,7 @@ def command(name: str, steps: int, scratch: Path, device: str = "cpu") -> list[s
     """The launch of one strategy: its script (or the control's mutant) with the shared flags."""
     base, mutation = (CONTROL[1], CONTROL[2]) if name == CONTROL[0] else (name, None)
     script, flags, ranks = STRATEGIES[base]
-    shared = ["--model-size", "tiny", "--data", "text", "--steps", str(steps), "--global-batch-size",
+    shared = ["--arch", ARCH, "--model-size", "tiny", "--data", "text", "--steps", str(steps), "--global-batch-size",
               str(GLOBAL_BATCH), "--lr", str(LR), "--warmup-steps", "1", "--seed", str(SEED),
               "--results", str(scratch / "r.jsonl"), "--save", str(scratch / "model.pt"), "--device", device]
     if script == FSDP:
@@ -165,7 +165,7 @@ def main(argv=None):
     if args.plot:
         return draw(read_rows(args.results), Path(args.plot))
     check_outputs(None, args, files=["results"])
-    cfg = model_config("gpt", "tiny", vocab_size=256)
+    cfg = model_config(ARCH, "tiny", vocab_size=256)
     info = {**provenance(shlex.join(["python", "benchmarks/parity.py", *(argv or sys.argv[1:])]), device=args.device),
             "data": corpus_info(), "steps": args.steps, "global_batch_size": GLOBAL_BATCH, "lr": LR,
             "tokens_per_step": GLOBAL_BATCH * cfg.seq_len, "tolerance": TOLERANCE, "model": cfg.to_dict()}
@@ -197,6 +197,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def model_name(model: dict) -> str:
+    """What a record's ``model`` field trained, in words (the Llama's has key/value heads)."""
+    return "tiny Llama" if "n_kv_head" in model else "tiny GPT"
+
+
 def readme_figures(out_dir: Path) -> str:
     """benchmarks/README.md's parity plot and table, from the committed run (records/parity.jsonl)."""
     from distkit.records import machine_label
@@ -207,7 +212,8 @@ def readme_figures(out_dir: Path) -> str:
     tokens = r["steps"] * r["tokens_per_step"]
     return (table(rows) + "\n\n![Loss-curve parity: every strategy's train loss against tokens, and its distance "
             "to one process's](figures/parity.png)\n\n"
-            f"<sub>The small GPT (tiny, vocabulary 256) trained {r['steps']} steps x {r['tokens_per_step']} tokens "
+            f"<sub>The {model_name(r['model'])} (vocabulary {r['model']['vocab_size']}) trained "
+            f"{r['steps']} steps x {r['tokens_per_step']} tokens "
             f"({tokens:,} tokens) of {data['name']} from Python {data['python']} ({data['bytes']:,} bytes, sha1 "
             f"{data['sha1']}), AdamW lr {r['lr']:g}; held-out loss over {HELD_OUT_WINDOWS} windows of the last 10%, "
             f"computed from each run's saved weights; band {r['tolerance']} nats. Measured on "

@@ -1,15 +1,18 @@
 """Loss-curve parity, the short version: benchmarks/README.md's ``python benchmarks/parity.py`` with
-``--steps 10`` (the full run is recorded, not run here).
+``--steps 20`` (the full run is recorded, not run here).
 
 * ``test_every_strategy_follows_one_process_and_the_control_leaves_the_band``: DDP, FSDP (full,
   grad-op, hybrid), ZeRO-1/2/3, TP+SP, PP (1F1B), FSDP x TP and CP each recorded a loss at every step
   within ``TOLERANCE`` of one process's, on the same text; the negative control (FSDP with rank 1's
   shard never updated) is outside it, and the run says so and exits 0.
 * ``test_one_process_is_plain_training``: the reference itself is one plain process: its per-step
-  losses are what this test computes by training the small GPT with AdamW on the same text batches
+  losses are what this test computes by training the tiny Llama with AdamW on the same text batches
   in its own loop, and the held-out losses are those of the weights the runs saved (recomputed by
   the runner from the files, in one process). Negative control: the same loop with the batches of
   the synthetic task does not give them.
+* ``test_the_two_rank_data_parallel_rows_are_one_run``: DDP, FSDP full/grad-op and ZeRO-1/2 on 2 ranks
+  record the same losses bit for bit (benchmarks/README.md says why), here and in the committed
+  record; the 4-rank HSDP row differs from them.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from distkit.models import build_model, lm_loss, model_config
 from distkit.text import TextTask
 from launch import REPO, job_env, launcher_argv, load_script, readme_command, run
 
-STEPS = 10
+STEPS = 20
 PARITY = load_script(REPO / "benchmarks" / "parity.py")
 
 
@@ -56,9 +59,25 @@ def test_every_strategy_follows_one_process_and_the_control_leaves_the_band(pari
     assert "the control left the band" in done.stdout
 
 
+# On 2 ranks these do the same arithmetic: averaging two gradients is one addition, whatever is sharded
+ONE_RUN = ("ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "zero1", "zero2")
+
+
+def test_the_two_rank_data_parallel_rows_are_one_run(parity):
+    """benchmarks/README.md says DDP, FSDP full/grad-op and ZeRO-1/2 on 2 ranks record the same loss at
+    every step, bit for bit: in this run and in the committed 1000-step record. Control: the 4-rank
+    HSDP row, which regroups the sum, differs from them."""
+    _, rows = parity
+    committed = {r["strategy"]: r for r in map(json.loads, (REPO / "benchmarks" / "records" / "parity.jsonl")
+                                                 .read_text().splitlines())}
+    for losses_of in (rows, committed):
+        assert len({tuple(losses_of[name]["losses"]) for name in ONE_RUN}) == 1
+        assert losses_of["fsdp_hybrid_shard"]["losses"] != losses_of["ddp"]["losses"]
+
+
 def reference_losses(task) -> list[float]:
-    """The small GPT trained in this process: same seed, same AdamW, the task's global batches."""
-    cfg = model_config("gpt", "tiny", vocab_size=256)
+    """The parity model (the tiny Llama) trained in this process: same seed, same AdamW, the task's global batches."""
+    cfg = model_config(PARITY.ARCH, "tiny", vocab_size=256)
     torch.manual_seed(PARITY.SEED)  # as the scripts do before building the model
     model = build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=PARITY.LR)
@@ -77,7 +96,7 @@ def test_one_process_is_plain_training(parity):
     from distkit.models import TokenTask
 
     _, rows = parity
-    cfg = model_config("gpt", "tiny", vocab_size=256)
+    cfg = model_config(PARITY.ARCH, "tiny", vocab_size=256)
     recorded = rows["one_process"]["losses"]
     assert max(abs(a - b) for a, b in zip(reference_losses(TextTask(cfg, seed=0)), recorded)) <= 1e-5
     synthetic = reference_losses(TokenTask(cfg, seed=0))
