@@ -411,16 +411,17 @@ GPU_TOLERANCE = 1e-4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["ring", "torch"])
-def test_context_parallel_on_one_gpu(impl, tmp_path):
-    """The by-hand ring and PyTorch's context_parallel() (SDPA's CUDA kernels) on NCCL."""
+@pytest.mark.parametrize("impl, arch", [("ring", "gpt"), ("torch", "gpt"), ("ring", "llama")])
+def test_context_parallel_on_one_gpu(impl, arch, tmp_path):
+    """The by-hand ring (on the GPT and the Llama) and PyTorch's context_parallel() (SDPA's CUDA
+    kernels) on NCCL."""
     from launch import job_env, require_gpus
 
     require_gpus(1)
     run_readme("cp_2ranks", tmp_path, nproc=1, env=job_env(tmp_path, gpu=True),
-               extra=(*CP_QUICK, "--impl", impl, "--layout", "zigzag", "--backend", "nccl",
+               extra=(*CP_QUICK, "--impl", impl, "--arch", arch, "--layout", "zigzag", "--backend", "nccl",
                       "--results", tmp_path / "r.jsonl", "--save", tmp_path / "{layout}.pt"))
-    assert max_diff(tmp_path / "zigzag.pt", reference(8)[0]) < GPU_TOLERANCE
+    assert max_diff(tmp_path / "zigzag.pt", reference(8, arch)[0]) < GPU_TOLERANCE
     (record,) = read_records(tmp_path / "r.jsonl")
     assert (record["backend"], record["device"]) == ("nccl", "cuda")
 
