@@ -1191,3 +1191,94 @@ def test_eager_attention_keeps_the_softmax_and_ac_drops_it():
                           "activations": wrong.memory_bytes["activations"] + 32 * 32 * 2048 * 2}
     with pytest.raises(AssertionError):
         check_eager_term(planner.estimate(plan, cl, "fsdp_full_shard"), wrong, 1)
+
+
+# ---------------------------------------------------------------- expert parallelism as an N-D axis
+
+GPT_MOE = with_experts(model_config("gpt", "small"), 8, 2)  # width 128, 4 blocks, 4 heads, s = 64
+EXPERTS_MOE = 4 * 8 * (128 * 512 + 512 + 512 * 128 + 128)  # 4 blocks x 8 experts of 131,712 parameters
+
+
+def test_nd_search_enumerates_ep_where_it_divides_dp_shard_x_cp_and_the_experts():
+    """The small GPT with 8 experts on 16 H100s (a node of 8): ep borrows ranks from dp_shard x cp, so
+    for each other-axes layout the ep the search tries are the divisors of dp_shard x cp that divide
+    8 experts and are multiples of cp, by hand: dp_shard=16 -> 2, 4, 8 (ep=1 is the fsdp row's
+    layout); dp_shard=8, cp=2 -> 1, 2, 4, 8; dp_shard=4, tp=4 -> 2, 4 (ep=1: the fsdp_tp row's);
+    dp_shard=4, cp=4 -> 1, 4, 8 (2 is no multiple of cp, 16 no divisor of 8 experts); dp_shard=2, tp=4,
+    cp=2 -> 1, 2, 4. The dense GPT gets no ep. Negative controls, each refused in one line by
+    plan.py's --layout: ep=16 on dp_shard=8 (divides neither), ep=8 on dp_shard=4 x tp=4, ep=3, ep=2
+    with cp=4, ep on the dense model."""
+    cl = planner.cluster("h100", 16)
+    found: dict = {}
+    for d in planner.dims.enumerate_dims(planner.Plan(GPT_MOE, global_batch=64), cl):
+        if d.pp == 1 and d.dp_replicate == 1:
+            found.setdefault((d.dp_shard, d.tp, d.cp), set()).add(d.ep)
+    assert found[16, 1, 1] == {2, 4, 8} and found[8, 1, 2] == {1, 2, 4, 8} and found[4, 4, 1] == {2, 4}
+    assert found[4, 1, 4] == {1, 4, 8} and found[2, 4, 2] == {1, 2, 4}
+    dense = planner.dims.enumerate_dims(planner.Plan(model_config("gpt", "small"), global_batch=64), cl)
+    assert dense and {d.ep for d in dense} == {1}
+    plan = load_script(BENCH / "plan.py")
+    job = ["--model", "gpt-small", "--seq-len", "64", "--gpus", "16", "--global-batch", "64"]
+    for layout, expected in [
+        ("dp_shard=8,tp=2,ep=16", "ep=16 must divide dp_shard x cp = 8 (the ranks it borrows) and the 8 experts; "
+                                  "ep that do: 2, 4, 8"),
+        ("dp_shard=8,tp=2,ep=3", "ep=3 must divide dp_shard x cp = 8"),
+        ("dp_shard=4,tp=4,ep=8", "ep=8 must divide dp_shard x cp = 4 (the ranks it borrows) and the 8 experts; "
+                                 "ep that do: 2, 4"),
+        ("dp_shard=4,cp=4,ep=2", "and be a multiple of cp=4; ep that do: 4, 8"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            plan.main([*job, "--experts", "8", "--top-k", "2", "--layout", layout])
+    with pytest.raises(UsageError, match=re.escape("ep=2 splits a mixture of experts' experts; this model is dense")):
+        plan.main([*job, "--layout", "dp_shard=16,ep=2"])
+
+
+def test_a_pinned_ep_layout_holds_its_experts_over_ep_and_sends_the_all_to_alls_by_hand(monkeypatch):
+    """``dp_shard=8,tp=2,ep=4`` for the small GPT with 8 experts top-2 on 16 H100s, 64 sequences of 64
+    tokens, bf16 AdamW, micro-batch 1 (8 per batch rank, so 8 micro-batches). By hand:
+
+    * experts: 4 x 8 x 131,712 = 4,214,784 parameters; a GPU holds / tp 2 / ep 4 / (8 / 4) FSDP =
+      263,424, at 2 + 2 + 12 bytes = 4,214,784 bytes of expert state; the dense 344,320 / 2 / 8 = 21,520
+      at 16 bytes: model state 4,559,104 bytes;
+    * FSDP gathers a block's experts of its ep rank only: two blocks in flight hold
+      2 x 2 bytes x 1,053,696 / 2 / 4 experts' parameters, 1,580,544 bytes fewer than with ep=1
+      (all 8 experts gathered: 2 x 2 x 1,053,696 / 2);
+    * all-to-alls: per layer and micro-batch theory's 8 x 8 count bytes + 2 x (128 + 128) x 128 x 2
+      bytes (k T = 2 x 64 rows sent and received, width 128, bf16) = 131,136; 4 layers x 8
+      micro-batches: 4,196,352 bytes in 160 calls, bus bytes x 3/4 over the 4 ep ranks, in a node:
+      160 x alpha x 2 + bus / beta on the critical path.
+
+    Negative controls (each fails the same checks): experts held without the ep divisor (FSDP over
+    dp_shard x cp / ep only); FSDP gathering every expert (ep ignored by the gather)."""
+    cl = planner.cluster("h100", 16)
+    plan = planner.Plan(GPT_MOE, global_batch=64)
+    d = planner.dims.parse_layout("dp_shard=8,tp=2,ep=4", 16)
+    assert (d.dp_shard, d.tp, d.ep, d.world) == (8, 2, 4, 16)
+    expert_state = 16 * EXPERTS_MOE / 2 / 4 / (8 // 4)
+    assert expert_state == 4_214_784
+    assert 16 * planner.nd_ep.held_params(EXPERTS_MOE, EXPERTS_MOE, d) == expert_state
+
+    def check(est, flat):
+        state = sum(est.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        assert state == pytest.approx(expert_state + 16 * 344_320 / 2 / 8) == 4_559_104
+        assert flat.memory_bytes["temporaries"] - est.memory_bytes["temporaries"] == pytest.approx(
+            2 * 2 * (1_053_696 / 2 - 1_053_696 / 2 / 4)) == 1_580_544
+
+    est, flat = planner.nd.estimate_dims(plan, cl, d), planner.nd.estimate_dims(plan, cl, replace(d, ep=1))
+    check(est, flat)
+    comm = planner.nd_ep.all_to_all_comm(plan, d, 1, 8, 4, 2)["all_to_all"]
+    per_layer = 8 * 8 + 2 * (2 * 64 + 2 * 64) * 128 * 2
+    assert per_layer == theory.expert_parallel_bytes(128, 128, 128, 8, bytes_per_element=2) == 131_136
+    assert (comm["calls"], comm["bytes"], comm["bus_bytes"]) == (160, 4 * 8 * per_layer, 4 * 8 * per_layer * 3 / 4)
+    link = cl.gpu.intra
+    assert est.times["ep_s"] == pytest.approx(160 * link.latency * 2 + 4 * 8 * per_layer * 3 / 4 / link.bandwidth)
+    assert "ep_s" not in flat.times
+    nd_ep = planner.nd_ep
+    held, gathered = nd_ep.held_params, nd_ep.gathered_params
+    for name, broken in [("held_params", lambda p, e, d: (p - e) / d.tp / d.shard + e / d.tp / (d.shard // d.ep)),
+                         ("gathered_params", lambda p, e, d: gathered(p, e, replace(d, ep=1)))]:
+        with monkeypatch.context() as patch:
+            patch.setattr(nd_ep, name, broken)
+            with pytest.raises(AssertionError):
+                check(planner.nd.estimate_dims(plan, cl, d), planner.nd.estimate_dims(plan, cl, replace(d, ep=1)))
+    assert nd_ep.held_params is held

@@ -39,6 +39,8 @@ The modules, each importing only those above it:
 * :mod:`.costs`: memory in five parts, time per collective and of compute;
 * :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies (data parallel, TP x
   FSDP, the pipelines), :mod:`.layouts_cp_ep` context and expert parallelism;
+* :mod:`.nd_ep`: expert parallelism as an N-D axis (ep over dp_shard x cp ranks: experts' state,
+  FSDP's gathers, the all-to-alls);
 * :mod:`.dims`: N-D layouts (torchtitan's ``ParallelDims``: named axes, validated once, parsed from
   ``--layout``, enumerated); :mod:`.nd`: the estimate of one, and the search over them;
 * :mod:`.published`: torchtitan's published GPU runs as literal rows, calibration and validation

@@ -1,6 +1,7 @@
 """N-D layouts as torchtitan's ``ParallelDims`` names them: data parallel replicate x data parallel
 shard (FSDP) x tensor parallel (with or without sequence parallelism) x pipeline (a schedule and a
-micro-batch count) x context parallel, validated once against the model, the batch and the GPU
+micro-batch count) x context parallel, and for an MoE model expert parallel (ep ranks borrowed from
+dp_shard x cp, as torchtitan's; :mod:`.nd_ep`), validated once against the model, the batch and the GPU
 count (:func:`check_dims`), parsed from ``--layout dp_shard=32,tp=8`` (:func:`parse_layout`) and
 enumerated for the search (:func:`enumerate_dims`).
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from ..errors import UsageError
 from ..models import is_moe
 from .inputs import Cluster, Plan
+from .nd_ep import ep_choices
 
 AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -65,6 +67,8 @@ class ParallelDims:
         ``stride`` apart, the product of the axes inside it in :data:`MESH_ORDER`."""
         if axis == "shard":
             return self.dp_shard * self.cp * self.tp > cl.gpus_per_node
+        if axis == "ep":  # ep ranks are consecutive in dp_shard x cp, tp apart
+            return self.ep * self.tp > cl.gpus_per_node
         inner = MESH_ORDER[MESH_ORDER.index(axis):]
         return math.prod(getattr(self, a) for a in inner) > cl.gpus_per_node
 
@@ -113,7 +117,9 @@ def check_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> str | None:
     once: the axes' product equals the GPU count; tp divides the heads and the key/value heads; the
     pipeline's stages (pp x chunks) are no more than the blocks (uneven stages are allowed: the
     busiest holds ceil(layers / stages)); the sequence splits into 2 x cp chunks (zig-zag ring); the
-    batch splits over dp_replicate x dp_shard and into micro-batches; ep needs an MoE config."""
+    batch splits over dp_replicate x dp_shard and into micro-batches; ep needs an MoE config and
+    borrows its ranks from dp_shard x cp (:func:`~.nd_ep.ep_choices`: it divides them and the experts,
+    a multiple of cp, torchtitan's rule), so it is not a factor of the GPU count."""
     cfg, n = plan.model, cl.gpus
     heads = (cfg.n_head, getattr(cfg, "n_kv_head", cfg.n_head))
     if any(h % d.tp for h in heads):
@@ -131,10 +137,13 @@ def check_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> str | None:
         fix = (f"; dp_shard={n // others} would" if n % others == 0 else
                f"; the other axes' product {others} must divide {n}")
         return f"layout {d.text()} uses {d.world} GPUs, not the {n} of the job (the axes multiply){fix}"
-    if d.ep > 1:
-        if not is_moe(cfg):
-            return "ep needs an MoE model (--experts)"
-        return "ep inside an N-D layout is not modelled; use the ep strategy (--strategies ep)"
+    if d.ep > 1 and not is_moe(cfg):
+        return f"ep={d.ep} splits a mixture of experts' experts; this model is dense: give --experts N, or ep=1"
+    if d.ep > 1 and d.ep not in ep_choices(cfg, d.shard, d.cp):
+        ok = [e for e in ep_choices(cfg, d.shard, d.cp) if e > 1]
+        multiple = f", and be a multiple of cp={d.cp}" if d.cp > 1 else ""
+        return (f"ep={d.ep} must divide dp_shard x cp = {d.shard} (the ranks it borrows) and the "
+                f"{cfg.num_experts} experts{multiple}; " + _divisors_note("ep that do", ok))
     if d.schedule not in SCHEDULES:
         return f"schedule {d.schedule!r} unknown; one of {', '.join(SCHEDULES)}"
     if plan.global_batch < d.batch_ranks:
@@ -202,14 +211,17 @@ def _searched(cl: Cluster):
 
 
 def enumerate_dims(plan: Plan, cl: Cluster) -> list[ParallelDims]:
-    """Every valid N-D layout the search ranks (:func:`_searched`), leaving out the layouts another
+    """Every valid N-D layout the search ranks (:func:`_searched`), each with every ep of
+    :func:`~.nd_ep.ep_choices` for an MoE model (1 for a dense one), leaving out the layouts another
     strategy row already plans (:data:`_COVERED`)."""
     out = []
-    for d in _searched(cl):
-        used = {a for a in AXES if getattr(d, a) > 1}
-        if used in _COVERED or not used or check_dims(plan, cl, d):
-            continue
-        out.append(d)
+    for base in _searched(cl):
+        for ep in ep_choices(plan.model, base.shard, base.cp):
+            d = replace(base, ep=ep)
+            used = {a for a in AXES if getattr(d, a) > 1}
+            if used in _COVERED or not used or check_dims(plan, cl, d):
+                continue
+            out.append(d)
     return out
 
 

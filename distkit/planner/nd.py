@@ -1,6 +1,6 @@
 """One :class:`Estimate` for an N-D layout (:class:`~.dims.ParallelDims`): FSDP over dp_shard x cp,
 replicas over dp_replicate, Megatron TP (with or without SP) inside, a pipeline of pp stages, a
-context-parallel ring; and the search over every such layout (:func:`estimate_nd`).
+context-parallel ring, MoE experts over ep ranks; and the search over every such layout (:func:`estimate_nd`).
 
 Memory per GPU (bytes; w = 2 in bf16, 4 in fp32; Ψ_stage the busiest stage's parameters):
 
@@ -23,13 +23,17 @@ and again backward, a reduce-scatter of its gradients, per micro-batch without a
 keeps the gathered weights over a pipeline's micro-batches: once per step with one), hidden under
 compute up to its length together with the replicas' all-reduce; the CP ring's K/V hops hidden under
 attention (as :mod:`.layouts_cp_ep`); the pipeline's sends on the critical path; the bubble
-(p - 1) / (v m + p - 1) of compute."""
+(p - 1) / (v m + p - 1) of compute.
+
+Expert parallelism (``ep``, an MoE model's experts over ranks borrowed from dp_shard x cp): what it
+changes in the state, FSDP's gathers and the all-to-alls on the critical path is :mod:`.nd_ep`'s."""
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
 from .. import theory
+from . import nd_ep
 from .costs import _act_dtype_bytes, _flops_per_token, activation_bytes, collective_time, compute_rate, core_share
 from .dims import ParallelDims, _micro_split, check_dims, enumerate_dims
 from .inputs import Cluster, Plan, _block_params
@@ -96,12 +100,13 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int,
     cfg = plan.model
     w = _act_dtype_bytes(plan)
     stage, block = _stage_params(cfg, d)
-    held = stage / d.tp / d.shard
+    blocks = math.ceil(cfg.n_layer / (d.pp * d.chunks)) * d.chunks
+    stage_exp, block_exp = nd_ep.stage_experts(cfg, d, blocks)
+    held = nd_ep.held_params(stage, stage_exp, d)
     k_opt = {("bf16", "adamw"): 12, ("bf16", "sgd"): 8, ("fp32", "adamw"): 8, ("fp32", "sgd"): 4}
     state = {"params": held * w, "grads": held * w, "optimizer": held * k_opt[plan.precision, plan.optimizer]}
     local = replace(plan, model=replace(cfg, seq_len=cfg.seq_len // d.cp))
     in_flight = _in_flight(d, m)
-    blocks = math.ceil(cfg.n_layer / (d.pp * d.chunks)) * d.chunks
     act = activation_bytes(local, blocks, micro, tp=d.tp, sp=d.sp, in_flight=in_flight)
     act -= activation_bytes(local, 0, micro, tp=d.tp, sp=d.sp)  # the head's part: counted in head_bytes
     act *= activation_factor
@@ -110,8 +115,7 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int,
         act += in_flight * 2 * io
     head = head_bytes(local, micro, d.tp, d.loss_parallel)
     temp = head
-    if d.shard > 1:
-        temp += 2 * block / d.tp * w
+    temp += 2 * nd_ep.gathered_params(block, block_exp, d) * w
     if d.pp > 1:
         temp += 2 * io
     if d.pp > 1 and d.shard > 1:
@@ -119,7 +123,7 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int,
         # torch.distributed.pipelining's stage defers FSDP's gradient reduce-scatter to the last one
         # (backward_maybe_with_nosync): the stage stays gathered (w bytes) and its unsharded
         # gradients accumulate in the fp32 reduce dtype (4 bytes) through the step
-        temp += stage / d.tp * (w + 4)
+        temp += nd_ep.gathered_params(stage, stage_exp, d) * (w + 4)
     if d.dp_replicate > 1 and d.shard == 1:
         temp += state["grads"]
     return state, act, temp, head
@@ -140,11 +144,9 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
         t_tp = collective_time(cl, "all_reduce", d.tp, calls, calls * 2 * act * (d.tp - 1) / d.tp, d.spans("tp", cl))
     stage, block = _stage_params(cfg, d)
     shard_bytes = stage / d.tp * w
-    t_fsdp = 0.0
-    if d.shard > 1:
-        rounds = 1 if d.pp > 1 else m
-        bus = 3 * shard_bytes * (d.shard - 1) / d.shard * rounds
-        t_fsdp = collective_time(cl, "all_gather", d.shard, 3 * layers * rounds, bus, d.spans("shard", cl))
+    stage_exp = nd_ep.stage_experts(cfg, d, layers)[0]
+    t_fsdp = nd_ep.fsdp_seconds(cl, d, stage, stage_exp, layers, 1 if d.pp > 1 else m, w)
+    t_ep = nd_ep.all_to_all_seconds(plan, cl, d, micro, m, layers, w)
     t_dpr = 0.0
     if d.dp_replicate > 1:
         grads = shard_bytes / d.shard
@@ -161,11 +163,12 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
         calls = 2 * m * d.chunks
         t_pp = collective_time(cl, "send", 2, calls, calls * act / (d.tp if d.sp else 1), d.spans("pp", cl))
     hidden = (lambda t, under: max(0.0, t - under)) if cl.overlap else (lambda t, under: t)
-    exposed = t_tp + t_pp + hidden(t_fsdp + t_dpr, compute_s) + hidden(t_cp, attention_s)
+    exposed = t_tp + t_pp + t_ep + hidden(t_fsdp + t_dpr, compute_s) + hidden(t_cp, attention_s)
     bubble = theory.pipeline_bubble(d.pp, m, d.chunks) if d.pp > 1 else 0.0
     bubble_s = max(compute_s * core_share(cl) / (1 - bubble), compute_s) - compute_s
-    return {"compute_s": compute_s, "comm_s": t_tp + t_fsdp + t_dpr + t_cp + t_pp, "exposed_s": exposed,
-            "bubble_s": bubble_s, "tp_s": t_tp, "fsdp_s": t_fsdp, "dp_replicate_s": t_dpr, "cp_s": t_cp, "pp_s": t_pp}
+    return {"compute_s": compute_s, "comm_s": t_tp + t_fsdp + t_dpr + t_cp + t_pp + t_ep, "exposed_s": exposed,
+            "bubble_s": bubble_s, "tp_s": t_tp, "fsdp_s": t_fsdp, "dp_replicate_s": t_dpr, "cp_s": t_cp, "pp_s": t_pp,
+            **({"ep_s": t_ep} if d.ep > 1 else {})}
 
 
 def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims, activation_factor: float = 1.0) -> Estimate:
