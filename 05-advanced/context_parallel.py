@@ -230,14 +230,6 @@ class RingSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, H, S, D) with the model's cos/sin of each token's own position (B, S, D): the
-    rotation a token gets depends on where it sits in the whole sequence, not in this rank's chunks."""
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated_half * sin.unsqueeze(1)
-
-
 class RingLlamaAttention(nn.Module):
     """The Llama's attention (Hugging Face's ``LlamaAttention``: same projections, same parameter
     names) with the ring in the middle. The decoder layer hands it cos/sin for the positions the model
@@ -245,15 +237,20 @@ class RingLlamaAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, group, layout: str, stats: dict):
         super().__init__()
+        # Hugging Face's own RoPE (transformers is loaded: the model was built), so the ring rotates q
+        # and k exactly as the attention it replaces would
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.head_dim, self.group, self.layout, self.stats = attn.head_dim, group, layout, stats
+        self.rope = apply_rotary_pos_emb
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_) -> tuple[torch.Tensor, None]:
         batch, seq, _ = hidden_states.shape
         q, k, v = (proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))  # k, v: n_kv_head heads
-        cos, sin = position_embeddings
-        y = RingAttention.apply(rotate(q, cos, sin), rotate(k, cos, sin), v, self.group, self.layout, self.stats)
+        q, k = self.rope(q, k, *position_embeddings)  # cos/sin of each token's place in the whole sequence
+        y = RingAttention.apply(q, k, v, self.group, self.layout, self.stats)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1)), None  # (output, no attention weights)
 
 

@@ -18,6 +18,7 @@ from .theory import (
     chunk_sizes,
     comm_entry,
     expert_parallel_comm,
+    kv_width,
     megatron_tp_bytes,
     moe_param_split,
     numel,
@@ -205,8 +206,7 @@ def _predict_cp(strategy, shapes, cfg, n, batch, knobs):
     cp = int(knobs.get("cp", n))
     if n % cp or batch % (n // cp):
         raise ValueError(f"cp {cp} does not divide {n} ranks, or the batch {batch} the {n // cp} replicas")
-    kv_width = cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
-    comm = ring_attention_bytes(batch // (n // cp), cfg.seq_len, kv_width, cfg.n_layer, cp)
+    comm = ring_attention_bytes(batch // (n // cp), cfg.seq_len, kv_width(cfg), cfg.n_layer, cp)
     psi = sum(numel(shape) for shape in shapes.values())
     comm["all_reduce"] = comm_entry(1, 4 * psi, "all_reduce", n)
     return _same_on_every_rank(n, _adamw_state(psi), comm)

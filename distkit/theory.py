@@ -1,7 +1,7 @@
 """The textbook formulas: what the papers predict for each family of strategies, in the closed forms
 the chapters print next to their measurements (``ddp_bytes``, ``zero_paper_bytes``,
 ``zero_fp32_state_bytes``, ``megatron_tp_bytes_per_layer``, ``pipeline_bubble``,
-``ring_attention_bytes``, ``expert_parallel_bytes``, ``activation_bytes_per_layer``,
+``ring_attention_bytes``, ``kv_width``, ``expert_parallel_bytes``, ``activation_bytes_per_layer``,
 ``training_flops_per_token``, ``mixed_precision_state_per_gpu`` ...), each below its source, and the
 model's parameter shapes they are applied to (:func:`param_shapes`, built on the meta device).
 
@@ -271,15 +271,19 @@ def pipeline_bubble(stages: int, microbatches: int, chunks_per_rank: int = 1) ->
 # and the gradients dK/dV accumulated for a block travel with it, plus one hop home: cp hops.
 # ----------------------------------------------------------------------------------------------
 
+def kv_width(cfg: GPTConfig | LlamaModelConfig) -> int:
+    """The width of one token's keys (or values): all heads' for the GPT, n_kv_head x head_dim under
+    grouped-query attention (the Llama's), what a ring passes on for each token."""
+    return cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
+
+
 def ring_attention_bytes(batch: int, seq_len: int, kv_width: int, n_layer: int, cp: int,
                          bytes_per_element: int = 4) -> dict:
     """Point-to-point traffic of the by-hand ring attention per rank per training step.
 
     Every hop sends one rank's K and V (or dK and dV) as one tensor: 2 x batch x seq_len/cp x kv_width
-    elements, ``kv_width`` the key/value heads' width (the GPT's hidden size; under grouped-query
-    attention n_kv_head x head_dim: the Llama's K/V travel with their own heads). Per layer: cp - 1
-    hops forward, 2cp - 1 backward: 3cp - 2 sends and as many
-    receives of that size. Zero with one rank (no ring).
+    elements (:func:`kv_width`: the K/V travel with their own heads). Per layer: cp - 1 hops forward,
+    2cp - 1 backward: 3cp - 2 sends and as many receives of that size. Zero with one rank (no ring).
     """
     if cp <= 1:
         return {}
@@ -293,8 +297,7 @@ def context_parallel_comm(cfg: GPTConfig | LlamaModelConfig, global_batch_size: 
     """Collectives per step of ``05-advanced/context_parallel.py --impl ring`` on every rank: the
     ring (:func:`ring_attention_bytes`; every rank attends for the whole global batch) and one
     all-reduce of every (replicated, fp32) gradient over the cp ranks, as DDP would do in buckets."""
-    kv_width = cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) // cfg.n_head
-    comm = ring_attention_bytes(global_batch_size, cfg.seq_len, kv_width, cfg.n_layer, cp)
+    comm = ring_attention_bytes(global_batch_size, cfg.seq_len, kv_width(cfg), cfg.n_layer, cp)
     psi = sum(numel(shape) for shape in param_shapes(cfg).values())
     comm["all_reduce"] = comm_entry(1, 4 * psi, "all_reduce", cp)
     return comm

@@ -154,7 +154,7 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
                                 2 * grads * (d.dp_replicate - 1) / d.dp_replicate, d.spans("dp_replicate", cl))
     t_cp = attention_s = 0.0
     if d.cp > 1:
-        kv = 2 * micro * s_local * cfg.n_embd * getattr(cfg, "n_kv_head", cfg.n_head) / cfg.n_head / d.tp * w
+        kv = 2 * micro * s_local * theory.kv_width(cfg) / d.tp * w
         hops = (3 * d.cp - 2) * layers * m
         t_cp = collective_time(cl, "send", 2, hops, hops * kv, d.spans("cp", cl))
         attention_s = plan.tokens_per_step / n * 6 * layers * cfg.n_embd * cfg.seq_len / rate
