@@ -186,3 +186,67 @@ def test_the_session_check_sees_what_a_run_leaves_behind(tmp_path):
     (repo / "stray.jsonl").write_text("{}\n")
     (repo / "edited.txt").write_text("written again by a test\n")
     assert tree_changes(before, repo) == [" M edited.txt", " M records/r.jsonl", "?? stray.jsonl"]
+
+
+# argparse destinations that name something a run reads (files or folders); an explicit --resume latest reads
+# --checkpoint-dir (the default latest of ddp_training.py starts afresh when there is nothing to resume)
+INPUTS = {"resume", "load", "hf_in", "hf_config", "deepspeed_config", "config", "offload_config", "baseline_config",
+          "bandwidth_records", "have", "wheels"}
+
+
+def inputs(namespace: argparse.Namespace, script: str = "", args: list[str] = ()) -> list[str]:
+    """Every path the parsed flags say the run reads: the INPUTS flags' values (``--hf-in`` unless
+    ``--create-hf-in`` makes it), ``--results`` of a script that reads records, and
+    ``--checkpoint-dir`` under an explicit ``--resume latest``."""
+    found = []
+    for dest, value in vars(namespace).items():
+        reads = (dest in INPUTS and not (dest == "hf_in" and getattr(namespace, "create_hf_in", False))) \
+            or (dest == "results" and script in READS_RESULTS)
+        for item in value if isinstance(value, list) else [value]:
+            if reads and isinstance(item, (str, os.PathLike)) and str(item) not in ("", "none", "latest", "auto"):
+                found.append(str(item))
+    if "--resume" in args and namespace.resume == "latest" and getattr(namespace, "checkpoint_dir", None):
+        found.append(str(namespace.checkpoint_dir))
+    return found
+
+
+def unmet_inputs(commands: list[str]) -> list[str]:
+    """Walking ``commands`` in order, as a reader does: each input that is neither in the repository
+    nor written by an earlier command (a file it names, or inside a folder it names; a ``{template}``
+    matches any filling) is reported as ``command: path``."""
+    written: list[str] = []
+    problems = []
+    for command in commands:
+        found = script_and_args(command)
+        if found is None:
+            continue
+        script, args = found
+        namespace = parsed_flags(script, args)
+        for path in inputs(namespace, script.name, args):
+            template = path.split("{")[0]
+            made = any(path == w or template.startswith(w.rstrip(".").rstrip("/") + "/") or w.startswith(template)
+                       for w in written if w)
+            if not (made or (REPO / path).exists() or Path(path).is_absolute() and Path(path).exists()):
+                problems.append(f"{command}: reads {path}, which no earlier command writes")
+        written += [w.removesuffix("/.") for w in outputs(namespace, script.name)]
+    return problems
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_each_readme_command_reads_only_what_is_committed_or_written_before(readme):
+    """A reader runs a README's commands top to bottom: a command that reads a file (records to
+    plot, a checkpoint to resume or load, a config) finds it in the repository or written by a
+    command above it, as the README's order has it."""
+    commands = [c for c in readme_commands(readme) if not any(m in c for m in MAINTAINER)]
+    assert unmet_inputs(commands) == []
+
+
+def test_negative_control_a_command_reading_what_nothing_wrote_is_seen():
+    """The failure a reader met: the strategies table from a results file no command above wrote;
+    the same pair in the right order, and a committed input, pass."""
+    table = "python 02-fsdp/make_strategies_table.py --results runs/my_strategies.jsonl"
+    sweep = "torchrun --nproc_per_node=2 02-fsdp/fsdp_transformer.py --steps 3 --results runs/my_strategies.jsonl"
+    assert unmet_inputs([table]) == [f"{table}: reads runs/my_strategies.jsonl, which no earlier command writes"]
+    assert len(unmet_inputs([table, sweep])) == 1 and unmet_inputs([sweep, table]) == []
+    committed = "python 02-fsdp/make_strategies_table.py --results 02-fsdp/records/fsdp_strategies.jsonl"
+    assert unmet_inputs([committed]) == []
