@@ -35,6 +35,8 @@ from distkit.flags import (
     make_optimizer,
     positive_int,
     save_path,
+    saved_at,
+    saves_after,
 )
 from distkit.harness import Harness, fresh_memory_peak
 from distkit.logs import progress, setup_logging
@@ -74,7 +76,7 @@ def parse_args(argv=None):
                       helps={"steps": "optimizer steps per strategy", "lr": "AdamW learning rate"})
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
-    add_checkpoint_args(parser, save="none")
+    add_checkpoint_args(parser, save="none", save_every=True)
     add_model_args(parser)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
@@ -163,6 +165,15 @@ def predicted_bytes(cfg, strategy, args, world_size):
     return {**states[0], "comm_bytes": comm_bytes, "shard_group_size": shards, "replicas": replicas}
 
 
+def save_full_weights(model, path, ctx):
+    """Gather every shard into full tensors (collective: all ranks call it; a CPU-offloaded shard is
+    first copied to the mesh's device, so NCCL sees GPU tensors), moved to CPU memory on rank 0 only:
+    the file then loads anywhere, and no GPU holds the whole model."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        atomic_save(full, path)
+
+
 def train_one(strategy, args, ctx, task, cfg, log, meshes):
     """Build, wrap and train one configuration; returns the harness record (rank 0) or None."""
     # Each configuration's peak, not the previous one's: the caller dropped the previous model and
@@ -212,14 +223,11 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
             dist.all_reduce(global_loss)  # outside harness.step: not part of the counted traffic
             losses.append((step, global_loss.item() / ctx.world_size))
             log.info(f"{strategy:>13} | step {step:4d} | loss {losses[-1][1]:.4f}")
+        if saves_after(args, step) and save_file(args, strategy):
+            save_full_weights(model, saved_at(save_file(args, strategy), step + 1), ctx)
 
     if save_file(args, strategy):
-        # Gathers every shard into full tensors (collective: all ranks call it; a CPU-offloaded shard
-        # is first copied to the mesh's device, so NCCL sees GPU tensors) and moves each to CPU memory
-        # on rank 0 only: the file then loads anywhere, and no GPU holds the whole model.
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if ctx.is_main:
-            atomic_save(full, save_file(args, strategy))
+        save_full_weights(model, save_file(args, strategy), ctx)
     record = harness.finish(args.results, extra={"predicted": predicted, "losses": losses})
     if args.data == "text":
         # What the model learned, as text: every rank runs the sharded forward (its all-gathers are

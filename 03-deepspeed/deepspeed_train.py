@@ -38,9 +38,10 @@ from distkit.flags import (
     add_checkpoint_args,
     add_training_args,
     non_negative_float,
-    non_negative_int,
     positive_int,
     save_path,
+    saved_at,
+    saves_after,
 )
 from distkit.harness import append_record, describe_model
 from distkit.logs import progress, setup_logging
@@ -70,11 +71,10 @@ def parse_args():
                                "train_batch_size)")
     training.add_argument("--weight-decay", type=non_negative_float, default=0.01,
                           help="AdamW weight decay (default: 0.01, torch's default)")
-    checkpoints = add_checkpoint_args(parser, save="checkpoints/ch03/{strategy}_fp32.pt",
-                                      checkpoint_dir="checkpoints/ch03/{strategy}", resume="none")
-    checkpoints.add_argument("--save-every", type=non_negative_int, default=0,
-                             help="also write a checkpoint to --checkpoint-dir every N steps "
-                                  "(default: only at the end)")
+    add_checkpoint_args(parser, save="checkpoints/ch03/{strategy}_fp32.pt",
+                        checkpoint_dir="checkpoints/ch03/{strategy}", resume="none", save_every=True,
+                        helps={"save_every": "also save every N steps: a checkpoint in --checkpoint-dir and "
+                                             "--save's consolidated weights as FILE.stepN.pt"})
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)  # the deepspeed launcher passes it; LOCAL_RANK is used
     add_model_args(parser)
@@ -191,8 +191,13 @@ def main():
             losses.append(job_loss.item() / ctx.world_size)
             if ctx.is_main and (step + 1) % 50 == 0:
                 log.info(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} (rank 0's micro-batch)")
-            if args.save_every and (step + 1) % args.save_every == 0:
+            if saves_after(args, step):
                 last_tag = save(step + 1)
+                dist.barrier()  # every shard is on disk before rank 0 reads them all
+                if ctx.is_main and fp32_out is not None:
+                    atomic_save({"model": consolidate_fp32(engine, checkpoint_dir, last_tag), "strategy": strategy,
+                                 "steps": step + 1}, saved_at(fp32_out, step + 1))
+                    log.info(f"consolidated fp32 state dict -> {saved_at(fp32_out, step + 1)}")
         # The measurement ends with the training steps: the final checkpoint and the evaluation (the
         # whole eval batch on every rank) are not training steps. The record gets the eval loss and is
         # written once the evaluation has run.

@@ -47,7 +47,15 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_optimizer_arg, add_training_args, make_optimizer, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    save_path,
+    saved_at,
+    saves_after,
+)
 from distkit.harness import Harness, RegionTimer
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
@@ -73,7 +81,7 @@ def parse_args():
     training = add_training_args(parser, global_batch_size=8, helps={
         "global_batch_size": "sequences per optimizer step; every rank sees all of them, 1/cp of each"})
     add_optimizer_arg(training)
-    add_checkpoint_args(parser, save="checkpoints/context_parallel_{layout}.pt")
+    add_checkpoint_args(parser, save="checkpoints/context_parallel_{layout}.pt", save_every=True)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -304,6 +312,8 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
         total = loss.detach().clone()  # the mean over this rank's tokens; every rank has as many
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
+        if saves_after(args, step) and ctx.is_main:
+            save_weights(model, saved_at(save_path(args.save, layout=layout, impl=args.impl), step + 1), cfg)
 
     forwards = args.steps * cfg.n_layer
     work = [None] * ctx.world_size  # chunk pairs per attention forward, attention compute ms per step
@@ -314,11 +324,16 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
         "activations_after_forward_per_rank": [w[2] for w in work]})
     if ctx.is_main:
         path = save_path(args.save, layout=layout, impl=args.impl)
-        if path:
-            atomic_save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                         "config": cfg.to_dict(), "strategy": "cp"}, path)
+        save_weights(model, path, cfg)
         record["saved"] = path
     return record
+
+
+def save_weights(model, path, cfg) -> None:
+    """Rank 0's weights (every rank holds the whole model) to ``path``; no file for None."""
+    if path:
+        atomic_save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                     "config": cfg.to_dict(), "strategy": "cp"}, path)
 
 
 def main():

@@ -41,6 +41,8 @@ from distkit.flags import (
     make_optimizer,
     positive_int,
     save_path,
+    saved_at,
+    saves_after,
 )
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
@@ -69,7 +71,7 @@ def parse_args():
     training = add_training_args(parser, helps={
         "global_batch_size": "sequences per optimizer step over all data-parallel ranks"})
     add_optimizer_arg(training)
-    add_checkpoint_args(parser, save="checkpoints/hybrid_{mode}.pt")
+    add_checkpoint_args(parser, save="checkpoints/hybrid_{mode}.pt", save_every=True)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -97,6 +99,17 @@ def tensor_parallel_blocks(model, tp_mesh) -> None:
     block_plan, _ = tp_plan(model.cfg.arch, sequence_parallel=False)
     for block in model.blocks:
         parallelize_module(block, tp_mesh, block_plan)
+
+
+def save_weights(model, path, cfg, strategy, ctx) -> None:
+    """The full weights to ``path`` on rank 0; every rank takes part in the gather (no file for None)."""
+    # Gathering a 2-D (FSDP x TP) shard takes two all-gathers; torch warns about that on every
+    # rank, which is expected here, so keep the output readable.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+             for name, t in model.state_dict().items()}
+    if ctx.is_main and path:
+        atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
 
 
 def main():
@@ -159,17 +172,14 @@ def main():
             global_loss = loss.detach().clone()  # mean over the data-parallel ranks, for the log
             torch.distributed.all_reduce(global_loss, group=mesh["dp"].get_group() if args.mode == "2d" else None)
             losses.append(global_loss.item() / dp_size)
+            if saves_after(args, step):
+                save_weights(model, saved_at(save_path(args.save, mode=args.mode, strategy=strategy), step + 1),
+                             cfg, strategy, ctx)
 
-        # Gathering a 2-D (FSDP x TP) shard takes two all-gathers; torch warns about that on every
-        # rank, which is expected here, so keep the output readable.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-                 for name, t in model.state_dict().items()}
         record = harness.finish(args.results, extra={"losses": losses})
+        path = save_path(args.save, mode=args.mode, strategy=strategy)
+        save_weights(model, path, cfg, strategy, ctx)
         if ctx.is_main:
-            path = save_path(args.save, mode=args.mode, strategy=strategy)
-            if path:
-                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             log.info("collectives per step on rank 0 (harness):")
             for name, stat in record["metrics"]["comm_per_step"].items():

@@ -42,6 +42,8 @@ from distkit.flags import (
     make_optimizer,
     positive_int,
     save_path,
+    saved_at,
+    saves_after,
 )
 from distkit.harness import Harness, RegionTimer, fresh_memory_peak
 from distkit.logs import progress, setup_logging
@@ -71,7 +73,7 @@ def parse_args():
         "global_batch_size": "sequences per optimizer step, split into micro-batches",
         "results": "one harness record per run appended here"})
     add_optimizer_arg(training)
-    add_checkpoint_args(parser, save="checkpoints/pipeline_{schedule}_m{microbatches}.pt")
+    add_checkpoint_args(parser, save="checkpoints/pipeline_{schedule}_m{microbatches}.pt", save_every=True)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -237,6 +239,11 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
         loss = torch.stack(micro_losses).mean().detach() if holds_last else torch.zeros((), device=ctx.device)
         dist.broadcast(loss, src=last_rank)
         losses.append(loss.item())
+        if saves_after(args, step):
+            path = save_path(args.save, strategy=strategy, schedule=schedule_name, microbatches=microbatches)
+            state = gathered_state(stages, pp)
+            if ctx.is_main and path:
+                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, saved_at(path, step + 1))
 
     # Each rank's measured idle fraction; the schedule's theory for equal stages.
     # The mean seconds per step inside schedule.step() and inside compute chunks are kept too: their
@@ -252,12 +259,17 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
               "theory": theory.pipeline_bubble(pp, microbatches, per_rank),  # (p-1) / (v m + p-1)
               "schedule_s_per_rank": [g[1] for g in gathered], "compute_s_per_rank": [g[2] for g in gathered]}
 
+    state = gathered_state(stages, pp)
+    record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
+    return record, state
+
+
+def gathered_state(stages, pp: int) -> dict:
+    """The whole model's weights on every rank: each rank's stages, gathered (collective)."""
     pieces = [None] * pp
     dist.all_gather_object(pieces, {k: v.detach().cpu() for stage in stages
                                     for k, v in stage.submod.state_dict().items()})
-    state = {k: v for piece in pieces for k, v in piece.items()}
-    record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
-    return record, state
+    return {k: v for piece in pieces for k, v in piece.items()}
 
 
 def main():

@@ -36,7 +36,15 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
 from distkit.checkpoint import atomic_save
-from distkit.flags import add_checkpoint_args, add_optimizer_arg, add_training_args, make_optimizer, save_path
+from distkit.flags import (
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    save_path,
+    saved_at,
+    saves_after,
+)
 from distkit.harness import Harness
 from distkit.logs import progress, setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args
@@ -56,7 +64,7 @@ def parse_args():
     add_optimizer_arg(training)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also split norms, residuals and embeddings along the sequence (SP)")
-    add_checkpoint_args(parser, save="checkpoints/tensor_parallel_{strategy}.pt")
+    add_checkpoint_args(parser, save="checkpoints/tensor_parallel_{strategy}.pt", save_every=True)
     add_runtime_args(parser)
     return parser.parse_args()
 
@@ -112,6 +120,13 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
+def save_weights(model, path, cfg, strategy, ctx) -> None:
+    """The full weights to ``path`` on rank 0 (every rank takes part in the gather); no file for None."""
+    state = gathered_state_dict(model)
+    if ctx.is_main and path:
+        atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
+
+
 def main():
     args = parse_args()
     with distributed(args) as ctx:
@@ -157,13 +172,13 @@ def main():
                     reduce_partial_grads(model)
                 optimizer.step()
             losses.append(loss.item())
+            if saves_after(args, step):
+                save_weights(model, saved_at(save_path(args.save, strategy=strategy), step + 1), cfg, strategy, ctx)
 
-        state = gathered_state_dict(model)
         record = harness.finish(args.results, extra={"losses": losses})
+        path = save_path(args.save, strategy=strategy)
+        save_weights(model, path, cfg, strategy, ctx)
         if ctx.is_main:
-            path = save_path(args.save, strategy=strategy)
-            if path:
-                atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             measured = record["metrics"]["comm_per_step"]
             # Megatron's formula (distkit.theory): 4 collectives per block of batch x seq x n_embd fp32

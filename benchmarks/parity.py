@@ -4,8 +4,9 @@ global batches of real text, and must follow one process's loss curve.
 Each strategy is its chapter's own script, launched with the same model and training flags (the tiny
 Llama, ``--arch llama --model-size tiny``, ``--data text``: Python's reference documentation as bytes, AdamW at
 one learning rate, one global batch): only the flags that pick the strategy differ. The runner reads
-the loss every script recorded at every step, and computes the held-out loss of each run's saved
-weights itself, in this process, on the text's held-out split. One negative control runs beside
+the loss every script recorded at every step, and computes the held-out loss itself, in this process,
+on the text's held-out split, from the weights each run saved every ``--held-out-every`` steps
+(``--save-every``) and at the end. One negative control runs beside
 them: FSDP with rank 1's shard never updated (its ``optimizer.step()`` skipped), which must leave
 the band.
 
@@ -33,7 +34,7 @@ import torch
 
 from distkit import ArgumentParser, UsageError, run_main
 from distkit.checkpoint import safe_load
-from distkit.flags import positive_int
+from distkit.flags import positive_int, saved_at
 from distkit.logs import progress
 from distkit.models import build_model, lm_loss, model_config
 from distkit.paths import check_outputs
@@ -83,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--strategies", nargs="+", choices=[*STRATEGIES, CONTROL[0]], metavar="NAME",
                         default=[*STRATEGIES, CONTROL[0]],
                         help=f"which to run: {', '.join([*STRATEGIES, CONTROL[0]])} (default: all)")
+    parser.add_argument("--held-out-every", type=positive_int, default=100, metavar="N",
+                        help="each run saves its weights every N steps; the held-out loss is computed from "
+                             "each save and the final weights (default: 100)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where every run trains (default: cpu, fp32 on gloo; cuda needs 4 GPUs)")
     parser.add_argument("--results", default="runs/parity.jsonl", metavar="FILE",
@@ -95,13 +99,14 @@ def parse_args(argv=None):
     return args
 
 
-def command(name: str, steps: int, scratch: Path, device: str = "cpu") -> list[str]:
+def command(name: str, steps: int, scratch: Path, device: str = "cpu", every: int = 100) -> list[str]:
     """The launch of one strategy: its script (or the control's mutant) with the shared flags."""
     base, mutation = (CONTROL[1], CONTROL[2]) if name == CONTROL[0] else (name, None)
     script, flags, ranks = STRATEGIES[base]
     shared = ["--arch", ARCH, "--model-size", "tiny", "--data", "text", "--steps", str(steps), "--global-batch-size",
               str(GLOBAL_BATCH), "--lr", str(LR), "--warmup-steps", "1", "--seed", str(SEED),
-              "--results", str(scratch / "r.jsonl"), "--save", str(scratch / "model.pt"), "--device", device]
+              "--results", str(scratch / "r.jsonl"), "--save", str(scratch / "model.pt"), "--save-every", str(every),
+              "--device", device]
     if script == FSDP:
         shared += ["--log-every", "1"]
     if script.startswith(CH05):
@@ -131,10 +136,15 @@ def held_out_loss(path: Path, cfg) -> float:
         return lm_loss(model(inputs), targets).item()
 
 
-def run_one(name: str, steps: int, cfg, device: str) -> dict:
+def held_out_steps(steps: int, every: int) -> list[int]:
+    """The steps after which the held-out loss is computed: every ``every`` steps, and the last."""
+    return [*range(every, steps, every), steps]
+
+
+def run_one(name: str, steps: int, cfg, device: str, every: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
         scratch = Path(tmp)
-        argv = command(name, steps, scratch, device)
+        argv = command(name, steps, scratch, device, every)
         env = dict(os.environ, DISTKIT_NO_PROGRESS="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         started = time.perf_counter()
         done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
@@ -143,20 +153,25 @@ def run_one(name: str, steps: int, cfg, device: str) -> dict:
             raise UsageError(f"{name} failed: " + " | ".join(tail))
         (record,) = [json.loads(line) for line in (scratch / "r.jsonl").read_text().splitlines()]
         launch = shlex.join(argv).replace(str(scratch), "{scratch}").replace(str(REPO) + "/", "")
+        held_out = [[k, held_out_loss(saved_at(str(scratch / "model.pt"), k) if k < steps else scratch / "model.pt",
+                                      cfg)] for k in held_out_steps(steps, every)]
         return {"strategy": name, "launch": launch,
                 "world_size": record["world_size"], "losses": step_losses(record),
-                "held_out_loss": held_out_loss(scratch / "model.pt", cfg),
+                "held_out": held_out, "held_out_loss": held_out[-1][1],
                 "wall_s": round(time.perf_counter() - started, 1)}
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Each row's largest |loss - one process's loss| over the steps, and whether it is within TOLERANCE."""
-    reference = next(r for r in rows if r["strategy"] == "one_process")["losses"]
+    """Each row's largest |loss - one process's loss| over the steps, the same for the held-out loss at
+    each save, and whether both are within TOLERANCE."""
+    one = next(r for r in rows if r["strategy"] == "one_process")
     for row in rows:
-        gaps = [abs(a - b) for a, b in zip(row["losses"], reference)]
-        assert len(row["losses"]) == len(reference), row["strategy"]
+        gaps = [abs(a - b) for a, b in zip(row["losses"], one["losses"])]
+        assert len(row["losses"]) == len(one["losses"]), row["strategy"]
+        assert [k for k, _ in row["held_out"]] == [k for k, _ in one["held_out"]], row["strategy"]
         row["max_gap"] = max(gaps)
-        row["within_tolerance"] = row["max_gap"] <= TOLERANCE
+        row["held_out_gap"] = max(abs(a[1] - b[1]) for a, b in zip(row["held_out"], one["held_out"]))
+        row["within_tolerance"] = max(row["max_gap"], row["held_out_gap"]) <= TOLERANCE
     return rows
 
 
@@ -168,10 +183,12 @@ def main(argv=None):
     cfg = model_config(ARCH, "tiny", vocab_size=256)
     info = {**provenance(shlex.join(["python", "benchmarks/parity.py", *(argv or sys.argv[1:])]), device=args.device),
             "data": corpus_info(), "steps": args.steps, "global_batch_size": GLOBAL_BATCH, "lr": LR,
-            "tokens_per_step": GLOBAL_BATCH * cfg.seq_len, "tolerance": TOLERANCE, "model": cfg.to_dict()}
+            "tokens_per_step": GLOBAL_BATCH * cfg.seq_len, "tolerance": TOLERANCE, "model": cfg.to_dict(),
+            "held_out_every": args.held_out_every}
     print(f"{len(args.strategies)} runs of {args.steps} steps x {GLOBAL_BATCH * cfg.seq_len} tokens of "
           f"{info['data']['name']} (Python {info['data']['python']}, {info['data']['bytes']:,} bytes)")
-    rows = [run_one(name, args.steps, cfg, args.device) for name in progress(args.strategies, 0, desc="parity")]
+    rows = [run_one(name, args.steps, cfg, args.device, args.held_out_every)
+            for name in progress(args.strategies, 0, desc="parity")]
     rows = compare(rows)
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     with open(args.results, "w") as f:
@@ -189,11 +206,12 @@ def read_rows(path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| strategy | ranks | final train loss | held-out loss | max gap to one process | within band |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| strategy | ranks | final train loss | final held-out loss | max gap to one process: train "
+             "(every step) | held-out (every save) | within band |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['world_size']} | {r['losses'][-1]:.4f} | {r['held_out_loss']:.4f} | "
-                     f"{r['max_gap']:.2e} | {'yes' if r['within_tolerance'] else '**no**'} |")
+                     f"{r['max_gap']:.2e} | {r['held_out_gap']:.2e} | {'yes' if r['within_tolerance'] else '**no**'} |")
     return "\n".join(lines)
 
 
@@ -216,7 +234,8 @@ def readme_figures(out_dir: Path) -> str:
             f"{r['steps']} steps x {r['tokens_per_step']} tokens "
             f"({tokens:,} tokens) of {data['name']} from Python {data['python']} ({data['bytes']:,} bytes, sha1 "
             f"{data['sha1']}), AdamW lr {r['lr']:g}; held-out loss over {HELD_OUT_WINDOWS} windows of the last 10%, "
-            f"computed from each run's saved weights; band {r['tolerance']} nats. Measured on "
+            f"computed from the weights each run saved every {r['held_out_every']} steps (the dots); band "
+            f"{r['tolerance']} nats. Measured on "
             f"{machine_label(r['machine'], 'gloo')}, torch {r['torch']}, {r['date']} "
             "([records/parity.jsonl](records/parity.jsonl)).</sub>\n")
 
@@ -226,11 +245,14 @@ def readme_summary(out_dir: Path) -> str:
     rows = read_rows(Path(__file__).resolve().parent / "records" / "parity.jsonl")
     r = rows[0]
     worst = max((x for x in rows if x["strategy"] not in ("one_process", CONTROL[0])), key=lambda x: x["max_gap"])
+    held = max((x for x in rows if x["strategy"] not in ("one_process", CONTROL[0])), key=lambda x: x["held_out_gap"])
     control = next(x for x in rows if x["strategy"] == CONTROL[0])
     return ("![Loss-curve parity of every strategy](benchmarks/figures/parity.png)\n\n"
             f"<sub>{len(rows) - 2} strategies and one process, {r['steps'] * r['tokens_per_step']:,} tokens of real "
             f"text each: the largest gap to one process's loss at any step is {worst['max_gap']:.1e} nats "
-            f"({worst['strategy']}); the negative control's is {control['max_gap']:.2f}. Band {r['tolerance']} nats; "
+            f"({worst['strategy']}), and to its held-out loss every {r['held_out_every']} steps "
+            f"{held['held_out_gap']:.1e} ({held['strategy']}); the negative control's are {control['max_gap']:.2f} and "
+            f"{control['held_out_gap']:.2f}. Band {r['tolerance']} nats; "
             "table, method and record in [benchmarks/README.md](benchmarks/README.md#loss-curve-parity-the-same-"
             "model-under-every-strategy).</sub>\n")
 
@@ -244,17 +266,23 @@ def draw(rows: list[dict], out_dir: Path) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = rows[0]["tokens_per_step"]
-    reference = next(r for r in rows if r["strategy"] == "one_process")["losses"]
+    one = next(r for r in rows if r["strategy"] == "one_process")
+    reference = one["losses"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for r in rows:
         x = [(i + 1) * tokens for i in range(len(r["losses"]))]
         style = {"linestyle": "--", "color": "black"} if r["strategy"] == CONTROL[0] else {}
-        top.plot(x, r["losses"], label=r["strategy"], linewidth=1, **style)
+        line, = top.plot(x, r["losses"], label=r["strategy"], linewidth=1, **style)
+        top.plot([k * tokens for k, _ in r["held_out"]], [v for _, v in r["held_out"]], "o", markersize=3,
+                 color=line.get_color())
         if r["strategy"] != "one_process":
             bottom.plot(x, [max(abs(a - b), 1e-9) for a, b in zip(r["losses"], reference)], linewidth=1, **style)
+            bottom.plot([k * tokens for k, _ in r["held_out"]],
+                        [max(abs(a[1] - b[1]), 1e-9) for a, b in zip(r["held_out"], one["held_out"])], "o",
+                        markersize=3, color=line.get_color())
     bottom.axhline(rows[0]["tolerance"], color="red", linewidth=1, label="tolerance")
-    top.set_ylabel("train loss (nats)")
-    bottom.set(yscale="log", xlabel="tokens", ylabel="|loss - one process|")
+    top.set_ylabel("train loss; dots: held-out (nats)")
+    bottom.set(yscale="log", xlabel="tokens", ylabel="|loss - one process| (dots: held-out)")
     top.legend(fontsize=7, ncol=3)
     bottom.legend(fontsize=7)
     machine = rows[0]["machine"]

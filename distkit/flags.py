@@ -156,7 +156,7 @@ def make_optimizer(name: str, params, lr: float):
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,
                         checkpoint_dir: str | None | object = _UNSET,
-                        resume: str | None | object = _UNSET,
+                        resume: str | None | object = _UNSET, save_every: bool = False,
                         helps: dict[str, str] | None = None) -> argparse._ArgumentGroup:
     """Checkpoint flags with one meaning each, in every script that has them:
 
@@ -167,6 +167,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | o
       are written and looked for.
     * ``--resume WHAT``: what to start from: ``none``, ``latest`` (the newest complete checkpoint in
       ``--checkpoint-dir``) or the path of one checkpoint.
+    * ``--save-every N`` (``save_every=True``): also save every N steps during training: ``--save``'s
+      weights as ``FILE.stepN.pt`` (:func:`saved_at`) and, where the script has them, a checkpoint in
+      ``--checkpoint-dir``. The script calls :func:`saves_after` after each step.
 
     Pass a default to add a flag (``None`` is a valid default), leave it out to not add the flag.
     ``helps`` sharpens a flag's help text for this script, as in :func:`add_training_args`.
@@ -183,6 +186,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | o
         group.add_argument("--resume", default=resume, metavar="WHAT",
                            help="start from: none, latest (the newest complete checkpoint in "
                                 f"--checkpoint-dir) or PATH of one checkpoint (default: {resume})")
+    if save_every:
+        group.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
+                           help="also save every N steps: --save's weights as FILE.stepN.pt (default: 0, "
+                                "only at the end)")
     _sharpen_help(group, helps)
     return group
 
@@ -217,6 +224,23 @@ def save_path(value: str | None, **fields: Any) -> str | None:
     except (KeyError, IndexError, ValueError) as exc:
             raise UsageError(f"--save {value!r}: unknown placeholder {exc} "
                          f"(known: {', '.join('{' + k + '}' for k in fields) or 'none'})") from None
+
+
+def saves_after(args, step: int) -> bool:
+    """Whether the weights are saved after optimizer step ``step`` (0-based) as well as at the end:
+    every ``--save-every`` steps, the last step left to the final save."""
+    every = getattr(args, "save_every", 0)
+    return bool(every) and (step + 1) % every == 0 and step + 1 < args.steps
+
+
+def saved_at(path: str | None, steps_done: int) -> str | None:
+    """Where ``--save-every`` puts the weights after ``steps_done`` steps: ``model.pt`` ->
+    ``model.step250.pt`` (None stays None: nothing is saved)."""
+    if path is None:
+        return None
+    dot = path.rfind(".")
+    stem, suffix = (path[:dot], path[dot:]) if dot > path.rfind("/") else (path, "")
+    return f"{stem}.step{steps_done}{suffix}"
 
 
 def check_global_batch(global_batch_size: int, world_size: int) -> None:

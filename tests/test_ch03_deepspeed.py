@@ -192,6 +192,11 @@ def test_consolidated_weights_match_single_process_and_generate(trained):
     first = safe_load(straight)
     diff = max_diff(first["model"], reference_weights(steps=6, batch=16))
     assert diff < WEIGHT_TOL, f"ZeRO-3 training vs single process: {diff:.2e}"
+    # --save-every 3 also consolidated the step-3 checkpoint: one process's weights after 3 steps,
+    # not the final ones (control: the final file is 3 steps further from them)
+    at_3 = safe_load(straight.with_name("straight_fp32.step3.pt"))
+    assert at_3["steps"] == 3 and max_diff(at_3["model"], reference_weights(steps=3, batch=16)) < WEIGHT_TOL
+    assert max_diff(first["model"], reference_weights(steps=3, batch=16)) > 100 * WEIGHT_TOL
 
     cfg = gpt_config("tiny")
     model = TinyGPT(cfg)

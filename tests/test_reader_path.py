@@ -30,7 +30,8 @@ import pytest
 
 from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_commands, tree_changes, tree_state
 
-READMES = sorted(REPO.glob("*/README.md")) + [REPO / "README.md"]
+# the repository's READMEs (not a tool's, such as .pytest_cache/README.md, which comes and goes with a run)
+READMES = sorted(p for p in REPO.glob("*/README.md") if not p.parent.name.startswith(".")) + [REPO / "README.md"]
 # argparse destinations that name something a run writes
 FILES = {"results", "record", "save", "log_file", "plot", "bandwidth_records", "export"}
 FOLDERS = {"checkpoint_dir", "log_dir", "out_dir", "plots_dir", "out", "dest", "hf_out", "hf_in", "data_dir",
