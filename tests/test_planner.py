@@ -1072,8 +1072,8 @@ def check_published_bounds(rows: list[dict]) -> None:
     """The errors ``plan.py --published`` reports, recomputed here from each row's prediction and
     published figure, within the bounds the README states (the goals, 15% / 30% on tokens/s and 10%
     / 20% on memory, are not met: these are the measured ones, rounded up): tokens/s on the
-    calibration rows median <= 5% and worst <= 50%, on the validation rows median <= 45% and worst
-    <= 55%; memory median <= 20%, worst <= 35%."""
+    calibration rows median <= 5% and worst <= 50%, on the validation rows median <= 20% and worst
+    <= 45%; memory median <= 20%, worst <= 35%."""
     def err(pred, meas):
         return abs(pred / meas - 1)
     cal = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "calibration")
@@ -1081,7 +1081,7 @@ def check_published_bounds(rows: list[dict]) -> None:
     mem = sorted(err(r["memory_pred"], r["memory_gib"]) for r in rows if r["memory_gib"] is not None)
     median = statistics.median
     assert median(cal) <= 0.05 and cal[-1] <= 0.50, (median(cal), cal[-1])
-    assert median(val) <= 0.45 and val[-1] <= 0.55, (median(val), val[-1])
+    assert median(val) <= 0.20 and val[-1] <= 0.45, (median(val), val[-1])
     assert median(mem) <= 0.20 and mem[-1] <= 0.35, (median(mem), mem[-1])
 
 
@@ -1107,6 +1107,30 @@ def test_published_rows_are_apart_and_predicted_within_the_stated_bounds(publish
         pc.published_table(rows)
     with pytest.raises(AssertionError):
         check_published_bounds(pc.compare(2 * eff))
+
+
+def test_the_a100_reaches_a_larger_fraction_of_its_peak_by_mosaics_measured_factor(published, monkeypatch):
+    """The A100's ``compute_factor`` is the median A100 / H100 MFU ratio of MosaicML's matched runs,
+    recomputed here from the pairs; a compute-bound A100 row's compute time is the H100 fraction's
+    divided by it. Negative control: the A100 at the H100's fraction (factor 1, as before) misses the
+    validation bounds (median 41%)."""
+    import dataclasses
+
+    from distkit.planner import inputs
+
+    pc, rows = published
+    ratios = sorted(a100 / h100 for h100, a100 in inputs.MOSAIC_MFU_PAIRS.values())
+    assert len(ratios) == 30 and inputs.A100_VS_H100 == round((ratios[14] + ratios[15]) / 2, 3) == 1.458
+    assert inputs.GPUS["a100-80gb"].compute_factor == inputs.GPUS["a100-40gb"].compute_factor == 1.458
+    assert inputs.GPUS["h100"].compute_factor == 1.0
+    a100 = inputs.cluster("a100-80gb", 64, efficiency=0.3)
+    from types import SimpleNamespace
+
+    bf16 = SimpleNamespace(precision="bf16")  # the rate reads the plan's precision only
+    assert planner.compute_rate(a100, bf16) == pytest.approx(0.3 * 1.458 * 312e12, rel=1e-12)
+    monkeypatch.setitem(inputs.GPUS, "a100-80gb", dataclasses.replace(inputs.GPUS["a100-80gb"], compute_factor=1.0))
+    with pytest.raises(AssertionError):
+        check_published_bounds(pc.compare(rows[0]["efficiency"]))
 
 
 def check_technique_memory(pred_gib: float, eager: planner.Estimate, kept: float) -> None:

@@ -162,10 +162,10 @@ def core_share(cluster: Cluster) -> float:
 
 
 def compute_rate(cluster: Cluster, plan: Plan) -> float:
-    """Achieved FLOP/s of one GPU (one rank): efficiency x peak of the precision, at the rank's
-    :func:`core_share` on CPU."""
+    """Achieved FLOP/s of one GPU (one rank): efficiency x the GPU type's ``compute_factor`` (1 on an
+    H100, where the efficiency is fitted) x peak of the precision, at the rank's :func:`core_share` on CPU."""
     peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
-    return cluster.efficiency * peak * core_share(cluster)
+    return cluster.efficiency * cluster.gpu.compute_factor * peak * core_share(cluster)
 
 
 def _flops_per_token(plan: Plan, lora: bool = False) -> float:

@@ -4,6 +4,7 @@ inputs (a model resized to a parameter count, a cluster with overridden figures)
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,7 +34,9 @@ class GPU:
     cores; ``fp32``: plain FP32, which is what PyTorch matmuls use unless TF32 is allowed);
     ``hbm_bandwidth``: bytes/s of device memory (the optimizer step is bound by it);
     ``intra``/``inter``: default links inside a node and between nodes (per GPU);
-    ``host_link``: bytes/s to CPU memory (offload); ``source``: where the numbers come from."""
+    ``host_link``: bytes/s to CPU memory (offload); ``source``: where the numbers come from;
+    ``compute_factor``: how much larger a fraction of its own peak this GPU reaches than an H100 on
+    the same training job (the planner's efficiency is fitted on H100 runs; :data:`A100_VS_H100`)."""
 
     name: str
     memory_bytes: float
@@ -44,6 +47,7 @@ class GPU:
     host_link: float
     gpus_per_node: int = 8
     source: str = ""
+    compute_factor: float = 1.0
 
 
 # Datasheet figures (NVIDIA product briefs; dense, i.e. without the 2:4-sparsity doubling), the
@@ -51,6 +55,26 @@ class GPU:
 # NVLink / PCIe link inside a node, and of one 400 (H100, H200) / 200 (A100) / 100 Gb/s (L4, for the
 # whole node) network port per GPU between nodes. Override any of them from the CLI.
 _NV4 = Link(0.8 * 450e9, 10e-6)   # NVLink 4: 900 GB/s both directions
+
+# An A100 reaches a larger fraction of its bf16 peak than an H100 on the same job (likely because it has
+# more memory bandwidth per FLOP/s: a step's non-matmul work costs it relatively less). Measured by
+# MosaicML on the same software, models and settings on both: llm-foundry's
+# scripts/train/benchmarking/README.md, tables "H100 80GB BF16" and "A100 80GB", every (model,
+# sequence length) run on 8 GPUs in both with FULL_SHARD, models 1B to 30B: (H100 MFU %, A100 MFU %).
+# The factor is the median ratio, A100_VS_H100 = 1.458 (30 pairs, range 1.32 to 1.75). No planner
+# validation row was used: they are torchtitan's.
+MOSAIC_MFU_PAIRS = {
+    "30b s8192": (29.92, 39.38), "30b s4096": (35.86, 51.37), "30b s2048": (38.11, 55.3), "30b s1024": (38.76, 55.82),
+    "13b s32768": (31.68, 51.69), "13b s16384": (35.55, 54.07), "13b s4096": (41.6, 57.62),
+    "13b s2048": (39.79, 59.57), "13b s1024": (44.27, 59.48), "7b s65536": (28.59, 46.97),
+    "7b s32768": (30.94, 49.46), "7b s8192": (37.14, 54.47), "7b s4096": (40.42, 54.84), "7b s2048": (46.44, 64.23),
+    "7b s1024": (42.83, 58.01), "3b s65536": (26.81, 46.05), "3b s32768": (28.84, 47.18),
+    "3b s16384": (36.34, 57.13), "3b s8192": (40.31, 59.34), "3b s4096": (42.31, 60.53), "3b s1024": (46.2, 62.73),
+    "3b s512": (46.32, 63.71), "1b s65536": (26.34, 46.18), "1b s32768": (33.54, 55.52),
+    "1b s16384": (35.22, 56.6), "1b s8192": (37.73, 56.69), "1b s4096": (40.26, 59.0), "1b s2048": (41.82, 59.86),
+    "1b s1024": (41.95, 60.15), "1b s512": (43.21, 60.68),
+}
+A100_VS_H100 = round(statistics.median(a100 / h100 for h100, a100 in MOSAIC_MFU_PAIRS.values()), 3)
 
 
 _NV3 = Link(0.8 * 300e9, 10e-6)   # NVLink 3: 600 GB/s both directions
@@ -62,9 +86,11 @@ GPUS: dict[str, GPU] = {
     "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
                 Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
     "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,
-                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
+                     A100_VS_H100),
     "a100-40gb": GPU("A100 SXM 40GB", 39.4 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.56e12, _NV3,
-                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32"),
+                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
+                     A100_VS_H100),
     "l4": GPU("L4 24GB", 22.5 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 0.3e12, Link(0.8 * 32e9, 15e-6),
               Link(0.8 * 12.5e9 / 4, 30e-6), 0.8 * 32e9, 4,
               "datasheet: L4, 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 fp32; PCIe Gen4, no NVLink"),

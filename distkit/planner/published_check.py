@@ -8,7 +8,8 @@ What is fitted and what is measured, each from its source:
 
 * ``efficiency`` (:func:`calibrate`): the fraction of the datasheet bf16 peak (989 TFLOP/s H100 SXM,
   312 A100: :data:`~.inputs.GPUS`) that the median calibration row needs; the A100 rows use the
-  H100's fraction (no A100 row is fitted on);
+  H100's fraction times the A100's ``compute_factor`` (:data:`~.inputs.A100_VS_H100`, from MosaicML's
+  runs on both GPUs; no A100 row is fitted on);
 * ``torch.compile`` and Float8 as measured factors (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`):
   the ratios of Table 1's rows (the same 8B job with and without each);
 * communication, overlap, the bubble and the CP ring: :mod:`.nd`'s terms with the link speeds of
