@@ -21,6 +21,7 @@ from distkit import ArgumentParser, UsageError, planner, run_main
 from distkit.flags import positive_float, positive_int
 from distkit.models import MODEL_PRESETS, dense_config, is_moe, model_config, with_experts
 from distkit.paths import check_outputs
+from distkit.planner.published_check import COMPILE_SPEEDUP, FLOAT8_SPEEDUP
 
 MODELS = {f"{arch}-{size}" if not size.startswith(arch) else size: (arch, size)
           for arch, presets in MODEL_PRESETS.items() for size in presets}
@@ -77,6 +78,13 @@ def parse_args(argv=None):
                           "its softmax probabilities (Korthikanti's 5as/h term at dropout 0) (default: flash)")
     job.add_argument("--offload", action="store_true",
                      help="allow CPU offload of the optimizer state (ZeRO-3 offload) to be recommended")
+    job.add_argument("--compile", action="store_true",
+                     help=f"the job compiles its blocks with torch.compile: compute x{COMPILE_SPEEDUP:.3f}, and its "
+                          "saved activations outside full AC by the factor fitted on the same runs (torchtitan's "
+                          "H100 Table 1; --published prints both)")
+    job.add_argument("--float8", action="store_true",
+                     help=f"the job runs Float8 linear layers: compute x{FLOAT8_SPEEDUP:.3f} and its saved "
+                          "activations by the factor fitted there (measured on top of compile)")
     job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
     hw = parser.add_argument_group("cluster")
     hw.add_argument("--gpus", type=positive_int, default=8,
@@ -193,7 +201,8 @@ def build_plan(args, dims=None) -> planner.Plan:
               "splits it run it", file=sys.stderr)
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
-                        lora_rank=args.lora_rank, attention=args.attention)
+                        lora_rank=args.lora_rank, attention=args.attention, compile=args.compile,
+                        float8=args.float8)
 
 
 def build_cluster(args) -> planner.Cluster:

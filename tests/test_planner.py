@@ -1124,9 +1124,7 @@ def test_the_a100_reaches_a_larger_fraction_of_its_peak_by_mosaics_measured_fact
     assert inputs.GPUS["a100-80gb"].compute_factor == inputs.GPUS["a100-40gb"].compute_factor == 1.458
     assert inputs.GPUS["h100"].compute_factor == 1.0
     a100 = inputs.cluster("a100-80gb", 64, efficiency=0.3)
-    from types import SimpleNamespace
-
-    bf16 = SimpleNamespace(precision="bf16")  # the rate reads the plan's precision only
+    bf16 = planner.Plan(LLAMA_8B, global_batch=64)
     assert planner.compute_rate(a100, bf16) == pytest.approx(0.3 * 1.458 * 312e12, rel=1e-12)
     monkeypatch.setitem(inputs.GPUS, "a100-80gb", dataclasses.replace(inputs.GPUS["a100-80gb"], compute_factor=1.0))
     with pytest.raises(AssertionError):
@@ -1306,3 +1304,41 @@ def test_a_pinned_ep_layout_holds_its_experts_over_ep_and_sends_the_all_to_alls_
             with pytest.raises(AssertionError):
                 check(planner.nd.estimate_dims(plan, cl, d), planner.nd.estimate_dims(plan, cl, replace(d, ep=1)))
     assert nd_ep.held_params is held
+
+
+def test_compile_and_float8_flags_scale_the_compute_and_the_saved_activations(capsys):
+    """``plan.py --compile --float8``: the compute rate times Table 1's measured ratios, recomputed here
+    from its tokens/s (5,762 eager, 6,667 compiled, 8,532 with Float8 too), and the blocks' saved
+    activations times the memory factors fitted on the same rows (none under full AC, where a block
+    keeps only its input); the header names both. Negative controls: an eager plan keeps rate and
+    activations; Float8 on an fp32 job is one error line."""
+    from distkit.planner import costs
+    from distkit.planner.published_check import memory_factors
+
+    cl = planner.cluster("h100", 8, efficiency=0.3)
+    eager = planner.Plan(LLAMA_8B, global_batch=16, ac="selective")
+    both = planner.Plan(LLAMA_8B, global_batch=16, ac="selective", compile=True, float8=True)
+    assert planner.compute_rate(cl, both) / planner.compute_rate(cl, eager) == pytest.approx(8532 / 5762, rel=1e-12)
+    assert planner.compute_rate(cl, eager) == pytest.approx(0.3 * 989e12, rel=1e-12)
+    f = memory_factors()
+    kept = costs.activation_bytes(both, 32, 1) / costs.activation_bytes(eager, 32, 1)
+    assert kept == pytest.approx(f["compile"] * f["float8"], rel=1e-12) and 0.85 < kept < 0.95
+    full = [planner.Plan(LLAMA_8B, global_batch=16, ac="full", compile=c, float8=c) for c in (False, True)]
+    assert costs.activation_bytes(full[1], 32, 1) == costs.activation_bytes(full[0], 32, 1)
+    plan = load_script(BENCH / "plan.py")
+    argv = ["--model", "llama-3.1-8b", "--seq-len", "8192", "--global-batch", "16", "--gpus", "8",
+            "--strategies", "fsdp_full_shard"]
+    for flags in ([], ["--compile", "--float8"]):
+        plan_main(plan, [*argv, *flags, "--json"])
+        out = json.loads(capsys.readouterr().out)
+        (row,) = out["strategies"]
+        assert (out["plan"]["compile"], out["plan"]["float8"]) == ((True, True) if flags else (False, False))
+        if not flags:
+            eager_row = row
+    activations = row["memory_bytes"]["activations"], eager_row["memory_bytes"]["activations"]
+    assert activations[0] == pytest.approx(activations[1] * kept, rel=1e-9)
+    plan_main(plan, [*argv, "--compile", "--float8"])
+    header = capsys.readouterr().out.splitlines()[:2]
+    assert "torch.compile, Float8" in header[0] and f"x {8532 / 5762:.3g} compile+Float8" in header[1], header
+    with pytest.raises(UsageError, match="--float8 runs the linear layers of a bf16 job"):
+        plan.main([*argv, "--float8", "--precision", "fp32"])

@@ -234,7 +234,9 @@ class Plan:
     CPU-offload configurations may be chosen, ``lora_rank`` and ``lora_targets`` the adapters of
     the LoRA row, ``microbatches`` for the pipeline (None: as many micro-batches of
     ``micro_batch`` as one replica's share of the batch holds), ``attention`` the kernel the
-    activations assume (:data:`ATTENTION`; flash by default)."""
+    activations assume (:data:`ATTENTION`; flash by default), ``compile`` / ``float8`` whether the
+    job runs torch.compile'd blocks / Float8 linear layers (measured factors on the compute rate and
+    the blocks' saved activations: :func:`~.costs.technique_speedup`, :func:`~.costs.activation_bytes`)."""
 
     model: Any
     global_batch: int
@@ -247,6 +249,8 @@ class Plan:
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     microbatches: int | None = None
     attention: str = "flash"
+    compile: bool = False
+    float8: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
@@ -256,6 +260,9 @@ class Plan:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.global_batch < 1 or self.micro_batch < 1:
             raise UsageError(f"global batch and micro-batch must be >= 1, got {self.global_batch}, {self.micro_batch}")
+        if self.float8 and self.precision != "bf16":
+            raise UsageError("--float8 runs the linear layers of a bf16 job in Float8 (as its measured factors "
+                             f"were); drop --precision {self.precision}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -28,8 +28,22 @@ def describe(plan: Plan, cl: Cluster) -> str:
             f"seq {cfg.seq_len}, "
             f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
             f"{plan.precision}, {plan.optimizer}, AC {plan.ac}"
-            + (" (eager attention)" if plan.attention == "eager" else "") + f" | {cl.gpus} x {cl.gpu.name} "
+            + (" (eager attention)" if plan.attention == "eager" else "")
+            + "".join(f", {t}" for t, on in (("torch.compile", plan.compile), ("Float8", plan.float8)) if on)
+            + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
+
+
+def _factors_text(cl, plan) -> str:
+    """The measured factors on top of the efficiency, where any is not 1 (the GPU type's, compile's,
+    Float8's)."""
+    from .costs import technique_speedup
+
+    parts = [f"x {cl.gpu.compute_factor:.3g} for the {cl.gpu.name}"] if cl.gpu.compute_factor != 1 else []
+    if plan.compile or plan.float8:
+        on = "+".join(t for t, flag in (("compile", plan.compile), ("Float8", plan.float8)) if flag)
+        parts.append(f"x {technique_speedup(plan):.3g} {on}")
+    return "".join(f" {p}" for p in parts)
 
 
 def _layout_text(layout: dict) -> str:
@@ -62,7 +76,7 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
     rate = compute_rate(cl, plan)
     lines = [describe(plan, cl),
              capacity + f"compute {rate / 1e12:,.3g} TFLOP/s per GPU ({cl.efficiency:.0%} of the peak"
-             + (", calibrated" if cl.cores else "") + ")",
+             + (", calibrated" if cl.cores else "") + _factors_text(cl, plan) + ")",
              "",
              f"{'strategy':<20} {'layout':<30} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'temp':>7} "
              f"{'peak':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
@@ -123,7 +137,8 @@ def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recomme
     return _clean({
         "plan": {"model": {"arch": cfg.arch, **cfg.to_dict()}, "global_batch": plan.global_batch,
                  "micro_batch": plan.micro_batch, "precision": plan.precision, "optimizer": plan.optimizer,
-                 "activation_checkpointing": plan.ac, "offload": plan.offload},
+                 "activation_checkpointing": plan.ac, "offload": plan.offload,
+                 "compile": plan.compile, "float8": plan.float8},
         "cluster": {"gpu": cl.gpu.name, "gpus": cl.gpus, "gpus_per_node": cl.gpus_per_node,
                     "memory_bytes": cl.gpu.memory_bytes, "usable_bytes": cl.capacity_bytes,
                     "efficiency": cl.efficiency, "source": cl.gpu.source},
