@@ -1342,3 +1342,13 @@ def test_compile_and_float8_flags_scale_the_compute_and_the_saved_activations(ca
     assert "torch.compile, Float8" in header[0] and f"x {8532 / 5762:.3g} compile+Float8" in header[1], header
     with pytest.raises(UsageError, match="--float8 runs the linear layers of a bf16 job"):
         plan.main([*argv, "--float8", "--precision", "fp32"])
+
+
+def test_the_gpu_table_has_the_pcie_h100_by_its_datasheet():
+    """``--gpu h100-pcie``: the PCIe card's dense bf16 peak is half its sparse 1,513 TFLOP/s, its HBM2e
+    2.0 TB/s, and 8 of them all-reduce over PCIe (its NVLink bridge joins pairs only); a CUDA device
+    named "NVIDIA H100 PCIe" is planned as it. Control: the SXM's name maps to the SXM."""
+    pcie, sxm = planner.GPUS["h100-pcie"], planner.GPUS["h100"]
+    assert pcie.peak_flops["bf16"] == 1513e12 / 2 // 1e12 * 1e12 and pcie.hbm_bandwidth == 2.0e12
+    assert pcie.intra.bandwidth < sxm.intra.bandwidth / 5 and pcie.compute_factor == 1.0
+    assert planner.gpu_type("NVIDIA H100 PCIe") == "h100-pcie" and planner.gpu_type("NVIDIA H100 80GB HBM3") == "h100"

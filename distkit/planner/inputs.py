@@ -83,6 +83,11 @@ _NV3 = Link(0.8 * 300e9, 10e-6)   # NVLink 3: 600 GB/s both directions
 GPUS: dict[str, GPU] = {
     "h100": GPU("H100 SXM 80GB", 79.2 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, _NV4,
                 Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H100 SXM5, 989 TFLOP/s bf16 dense, 67 fp32"),
+    # PCIe card: its NVLink bridge joins pairs only, so 8 of them all-reduce over PCIe Gen5 (64 GB/s a
+    # direction); one 400 Gb/s port per GPU between nodes assumed, as for the SXM
+    "h100-pcie": GPU("H100 PCIe 80GB", 79.2 * GiB, {"bf16": 756e12, "fp32": 51e12}, 2.0e12, Link(0.8 * 64e9, 15e-6),
+                     Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8,
+                     "datasheet: H100 PCIe, 756 TFLOP/s bf16 dense (1,513 with sparsity), 51 fp32, HBM2e 2.0 TB/s"),
     "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
                 Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
     "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,
@@ -98,7 +103,7 @@ GPUS: dict[str, GPU] = {
 
 
 # the planner's GPU type of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100")
-GPU_NAME_PARTS = {"H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
+GPU_NAME_PARTS = {"H100 PCIe": "h100-pcie", "H100": "h100", "H200": "h200", "A100": "a100-80gb", "L4": "l4"}
 
 
 def gpu_type(device_name: str) -> str | None:
