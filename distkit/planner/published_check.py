@@ -27,7 +27,7 @@ import statistics
 from dataclasses import replace
 
 from .dims import ParallelDims
-from .inputs import GiB, Plan, cluster
+from .inputs import A100_VS_H100, GiB, Plan, cluster
 from .nd import estimate_dims
 from .published import CALIBRATION, H100_FILE, MODELS, VALIDATION, Row
 
@@ -159,7 +159,8 @@ def published_table(rows: list[dict] | None = None) -> str:
     """Markdown: one line per row (calibration first), then the summary against :data:`GOALS`."""
     rows = compare() if rows is None else rows
     lines = [f"efficiency fitted on the {sum(r['role'] == 'calibration' for r in rows)} calibration rows: "
-             f"{rows[0]['efficiency']:.4f} of the bf16 peak; compile x{COMPILE_SPEEDUP:.3f}, Float8 "
+             f"{rows[0]['efficiency']:.4f} of the bf16 peak (x{A100_VS_H100} on an A100: MosaicML's A100/H100 "
+             f"MFU ratio); compile x{COMPILE_SPEEDUP:.3f}, Float8 "
              f"x{FLOAT8_SPEEDUP:.3f} (Table 1's ratios); their memory: x{memory_factors()['compile']:.3f}, "
              f"x{memory_factors()['float8']:.4f} of the blocks' activations outside full AC (Table 1's)", "",
              "| role | source | run | tok/s/GPU meas | pred | err | memory GiB meas | pred | err |",
