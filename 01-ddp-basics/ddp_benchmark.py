@@ -33,7 +33,7 @@ from distkit import (
     run_main,
     seed_everything,
 )
-from distkit.flags import add_training_args, positive_float, positive_int
+from distkit.flags import add_training_args, positive_float, positive_int, require_steps
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
@@ -83,9 +83,7 @@ def parse_args(argv=None):
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    if args.steps <= args.warmup_steps + 1:
-        parser.error(f"--steps {args.steps} must be > --warmup-steps + 1 = {args.warmup_steps + 1} "
-                     "(the harness needs timed steps)")
+    require_steps(parser, args, timed=True, why="the scaling table's step times")
     return args
 
 

@@ -33,7 +33,7 @@ from distkit.deepspeed import (
     zero_harness,
     zero_stage,
 )
-from distkit.flags import add_training_args
+from distkit.flags import add_training_args, require_steps
 from distkit.harness import peak_memory_bytes
 from distkit.logs import setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
@@ -56,7 +56,9 @@ def parse_args():
                       helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
     add_model_args(parser)
     add_runtime_args(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    require_steps(parser, args, timed=True, why="the step time offload costs")
+    return args
 
 
 def placement(engine, client_optimizer) -> dict[str, tuple[str, int]]:

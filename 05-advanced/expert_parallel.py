@@ -54,6 +54,7 @@ from distkit.flags import (
     non_negative_float,
     positive_float,
     positive_int,
+    require_steps,
     save_path,
 )
 from distkit.harness import Harness
@@ -85,7 +86,9 @@ def parse_args():
     add_optimizer_arg(training)
     add_checkpoint_args(parser, save="checkpoints/expert_parallel.pt")
     add_runtime_args(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    require_steps(parser, args, timed=False, why="the tokens each rank routes to each expert")
+    return args
 
 
 def check_moe(num_experts: int, top_k: int, ep: int, world_size: int) -> None:

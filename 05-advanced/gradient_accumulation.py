@@ -35,6 +35,7 @@ from distkit.flags import (
     add_training_args,
     make_optimizer,
     positive_int,
+    require_steps,
     save_path,
 )
 from distkit.harness import Harness
@@ -60,7 +61,9 @@ def parse_args():
                              "each backward; both: train once each and compare (default: both)")
     add_checkpoint_args(parser, save="checkpoints/gradient_accumulation_{sync}.pt")
     add_runtime_args(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    require_steps(parser, args, timed=False, why="the bytes each optimizer step all-reduces")
+    return args
 
 
 def train(args, ctx, cfg, use_no_sync: bool):

@@ -226,6 +226,18 @@ def save_path(value: str | None, **fields: Any) -> str | None:
                          f"(known: {', '.join('{' + k + '}' for k in fields) or 'none'})") from None
 
 
+def require_steps(parser: argparse.ArgumentParser, args, *, timed: bool, why: str) -> None:
+    """One error line when ``--steps`` does not reach what the script reports: the harness's
+    instrumented step, which counts bytes and memory, follows the ``--warmup-steps`` (at least
+    warm-up + 1 steps), and its timed steps follow that one (``timed``: at least warm-up + 2).
+    ``why`` names what the script would report without them."""
+    need = args.warmup_steps + (2 if timed else 1)
+    if args.steps < need:
+        kind = "a timed step" if timed else "the instrumented step"
+        parser.error(f"--steps {args.steps} is too few for {why}: it needs {kind}, at least --warmup-steps "
+                     f"{args.warmup_steps} + {need - args.warmup_steps} = {need} steps")
+
+
 def saves_after(args, step: int) -> bool:
     """Whether the weights are saved after optimizer step ``step`` (0-based) as well as at the end:
     every ``--save-every`` steps, the last step left to the final save."""

@@ -112,3 +112,23 @@ def test_out_of_range_numbers_are_one_line(flag, value, expected):
     result = parse_args_result(load_script(SCRIPT), flag, value, "--offline")
     assert result.returncode == 2
     assert_one_line_error(result, expected)
+
+
+@pytest.mark.parametrize("script, steps, need, what", [
+    ("03-deepspeed/zero_offload.py", 3, 4, "a timed step"),
+    ("05-advanced/gradient_accumulation.py", 2, 3, "the instrumented step"),
+    ("05-advanced/expert_parallel.py", 1, 3, "the instrumented step"),
+])
+def test_too_few_steps_for_what_a_script_reports_are_one_line(script, steps, need, what):
+    """A script whose report needs the harness's instrumented step (bytes, routed tokens) or a timed
+    step after it (a step time) refuses fewer ``--steps`` in one line before it starts, where it
+    ended in a traceback from its own report (a step time of None, a missing collective, an empty
+    list). Control: the fewest steps it names pass the parser."""
+    from launch import load_script, parse_args_result
+
+    module = load_script(REPO / script)
+    result = parse_args_result(module, "--steps", steps)
+    assert result.returncode == 2
+    assert_one_line_error(result, f"--steps {steps} is too few for")
+    assert f"it needs {what}, at least --warmup-steps 2 + {need - 2} = {need} steps" in result.stdout
+    assert parse_args_result(module, "--steps", need).returncode == 0

@@ -245,7 +245,8 @@ def test_flag_and_config_ranges_are_checked(monkeypatch, capsys, tmp_path):
         (scratch.parse_args, ["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a number >= 0, got -1"),
         (scratch.parse_args, ["--bucket-mb", "1"], "unrecognized arguments: --bucket-mb 1"),  # the old name
         (bench.parse_args, ["--world-sizes", "1", "0"], "argument --world-sizes: must be a positive integer, got 0"),
-        (bench.parse_args, ["--steps", "3"], "--steps 3 must be > --warmup-steps + 1 = 3"),
+        (bench.parse_args, ["--steps", "3"], "--steps 3 is too few for the scaling table's step times: it needs a "
+                                             "timed step, at least --warmup-steps 2 + 2 = 4 steps"),
         (validate.parse_args, ["--numel", "0"], "argument --numel: must be a positive integer, got 0"),
     ]:
         assert expected in parse_error(monkeypatch, capsys, parse, argv)
