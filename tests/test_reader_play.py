@@ -1,6 +1,6 @@
 """The reader, played: every README's commands, in the order a reader meets them, in one fresh clone.
 
-``pytest -m reader`` (not in the default suite: 16 minutes on 2 cores, most of it the benchmarks
+``pytest -m reader`` (not in the default suite: 16 minutes on 2 cores, the longest command the benchmarks
 README's CPU matrix). One clone of this working tree (``launch.fresh_clone``); the chapters' READMEs
 in order, then ``benchmarks/`` and the
 top README; in each, every bash command as written, with the README's ``export`` lines in its
