@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, seed_everything, theory
-from distkit.checkpoint import atomic_save
+from distkit.checkpoint import save_full_model
 from distkit.flags import (
     add_checkpoint_args,
     add_optimizer_arg,
@@ -313,7 +313,8 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
         if saves_after(args, step) and ctx.is_main:
-            save_weights(model, saved_at(save_path(args.save, layout=layout, impl=args.impl), step + 1), cfg)
+            path = saved_at(save_path(args.save, layout=layout, impl=args.impl), step + 1)
+            save_full_model(model, path, cfg, "cp", ctx)  # rank 0 alone: every rank holds the whole model
 
     forwards = args.steps * cfg.n_layer
     work = [None] * ctx.world_size  # chunk pairs per attention forward, attention compute ms per step
@@ -324,16 +325,9 @@ def train(args, ctx, cfg, mesh, layout: str) -> dict:
         "activations_after_forward_per_rank": [w[2] for w in work]})
     if ctx.is_main:
         path = save_path(args.save, layout=layout, impl=args.impl)
-        save_weights(model, path, cfg)
+        save_full_model(model, path, cfg, "cp", ctx)
         record["saved"] = path
     return record
-
-
-def save_weights(model, path, cfg) -> None:
-    """Rank 0's weights (every rank holds the whole model) to ``path``; no file for None."""
-    if path:
-        atomic_save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                     "config": cfg.to_dict(), "strategy": "cp"}, path)
 
 
 def main():

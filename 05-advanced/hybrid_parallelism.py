@@ -24,16 +24,13 @@ module names in ``distkit/tp_plans.py``; FSDP2 wraps each ``model.layers.N``, th
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main
-from distkit.checkpoint import atomic_save
+from distkit.checkpoint import save_full_model
 from distkit.flags import (
     add_checkpoint_args,
     add_optimizer_arg,
@@ -101,17 +98,6 @@ def tensor_parallel_blocks(model, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, block_plan)
 
 
-def save_weights(model, path, cfg, strategy, ctx) -> None:
-    """The full weights to ``path`` on rank 0; every rank takes part in the gather (no file for None)."""
-    # Gathering a 2-D (FSDP x TP) shard takes two all-gathers; torch warns about that on every
-    # rank, which is expected here, so keep the output readable.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-             for name, t in model.state_dict().items()}
-    if ctx.is_main and path:
-        atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
-
-
 def main():
     args = parse_args()
     with distributed(args) as ctx:
@@ -173,12 +159,12 @@ def main():
             torch.distributed.all_reduce(global_loss, group=mesh["dp"].get_group() if args.mode == "2d" else None)
             losses.append(global_loss.item() / dp_size)
             if saves_after(args, step):
-                save_weights(model, saved_at(save_path(args.save, mode=args.mode, strategy=strategy), step + 1),
+                save_full_model(model, saved_at(save_path(args.save, mode=args.mode, strategy=strategy), step + 1),
                              cfg, strategy, ctx)
 
         record = harness.finish(args.results, extra={"losses": losses})
         path = save_path(args.save, mode=args.mode, strategy=strategy)
-        save_weights(model, path, cfg, strategy, ctx)
+        save_full_model(model, path, cfg, strategy, ctx)
         if ctx.is_main:
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             log.info("collectives per step on rank 0 (harness):")

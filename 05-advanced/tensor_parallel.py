@@ -28,14 +28,13 @@ key/value heads to divide by the TP degree too.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, run_main, theory
-from distkit.checkpoint import atomic_save
+from distkit.checkpoint import save_full_model
 from distkit.flags import (
     add_checkpoint_args,
     add_optimizer_arg,
@@ -114,19 +113,6 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool) -> None:
         parallelize_module(model, tp_mesh, model_plan)
 
 
-def gathered_state_dict(model) -> dict[str, torch.Tensor]:
-    """The unsharded weights (every rank must call it: full_tensor() all-gathers DTensor shards)."""
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-            for name, t in model.state_dict().items()}
-
-
-def save_weights(model, path, cfg, strategy, ctx) -> None:
-    """The full weights to ``path`` on rank 0 (every rank takes part in the gather); no file for None."""
-    state = gathered_state_dict(model)
-    if ctx.is_main and path:
-        atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
-
-
 def main():
     args = parse_args()
     with distributed(args) as ctx:
@@ -173,11 +159,11 @@ def main():
                 optimizer.step()
             losses.append(loss.item())
             if saves_after(args, step):
-                save_weights(model, saved_at(save_path(args.save, strategy=strategy), step + 1), cfg, strategy, ctx)
+                save_full_model(model, saved_at(save_path(args.save, strategy=strategy), step + 1), cfg, strategy, ctx)
 
         record = harness.finish(args.results, extra={"losses": losses})
         path = save_path(args.save, strategy=strategy)
-        save_weights(model, path, cfg, strategy, ctx)
+        save_full_model(model, path, cfg, strategy, ctx)
         if ctx.is_main:
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
             measured = record["metrics"]["comm_per_step"]

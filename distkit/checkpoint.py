@@ -51,6 +51,30 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's unsharded weights on CPU. Collective when the model holds DTensors (tensor or 2-D
+    parallel): every rank must call it, as ``full_tensor()`` all-gathers each shard; plain tensors are
+    copied as they are."""
+    import logging
+
+    from torch.distributed.tensor import DTensor
+
+    # Gathering a 2-D (FSDP x TP) shard takes two all-gathers; torch warns about that on every rank,
+    # which is expected here, so keep the output readable.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+
+
+def save_full_model(model: torch.nn.Module, path: str | None, cfg, strategy: str, ctx) -> None:
+    """``{"model": full weights, "config", "strategy"}`` to ``path`` on rank 0 (nothing for None), as
+    the chapter-05 scripts' ``--save`` writes it. Every rank must call it when the model holds
+    DTensors (:func:`full_state_dict` gathers them)."""
+    state = full_state_dict(model)
+    if ctx.is_main and path:
+        atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, path)
+
+
 def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
     """``json.dump`` through :func:`atomic_write` (trainer state, metadata beside a checkpoint)."""
     return atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))

@@ -85,7 +85,12 @@ def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, s
         # SP) are saved by DTensor ops inside the model: activations at the peak
         tokens = cfg.seq_len * micro_batch
         head = tokens * (4 * cfg.vocab_size / (tp if sp else 1) + 2 * cfg.n_embd * _act_dtype_bytes(plan))
-    return layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4 * technique_memory_factor(plan) + head
+    blocks = layers * per_layer * in_flight * _act_dtype_bytes(plan) / 4
+    if plan.compile or plan.float8:  # what they keep of the blocks' saved activations, fitted on Table 1
+        from .published_check import memory_factor  # imported here: that module plans with this one
+
+        blocks *= memory_factor(plan)
+    return blocks + head
 
 
 def eager_attention_bytes(cfg, micro_batch: int, tp: int = 1) -> float:
@@ -163,32 +168,16 @@ def core_share(cluster: Cluster) -> float:
 
 def compute_rate(cluster: Cluster, plan: Plan) -> float:
     """Achieved FLOP/s of one GPU (one rank): efficiency x the GPU type's ``compute_factor`` (1 on an
-    H100, where the efficiency is fitted) x peak of the precision, at the rank's :func:`core_share` on CPU."""
+    H100, where the efficiency is fitted) x peak of the precision, at the rank's :func:`core_share` on CPU;
+    torch.compile and Float8 multiply it by their measured speed-ups
+    (:func:`~.published_check.technique_speedup`)."""
     peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
-    return cluster.efficiency * cluster.gpu.compute_factor * technique_speedup(plan) * peak * core_share(cluster)
+    rate = cluster.efficiency * cluster.gpu.compute_factor * peak * core_share(cluster)
+    if plan.compile or plan.float8:
+        from .published_check import technique_speedup  # imported here: that module plans with this one
 
-
-def technique_speedup(plan: Plan) -> float:
-    """What torch.compile and Float8 multiply the compute rate by: the ratios measured on the same
-    job with and without each (:data:`~.published_check.COMPILE_SPEEDUP`, ``FLOAT8_SPEEDUP``, torchtitan's
-    H100 Table 1); 1 for an eager bf16 plan."""
-    if not (plan.compile or plan.float8):
-        return 1.0
-    from .published_check import COMPILE_SPEEDUP, FLOAT8_SPEEDUP  # imported here: that module plans with this one
-
-    return (COMPILE_SPEEDUP if plan.compile else 1.0) * (FLOAT8_SPEEDUP if plan.float8 else 1.0)
-
-
-def technique_memory_factor(plan: Plan) -> float:
-    """What torch.compile and Float8 keep of the blocks' saved activations (fitted on the same Table 1
-    rows: :func:`~.published_check.memory_factors`); 1 for an eager plan and under full AC, where a
-    block keeps only its input."""
-    if plan.ac == "full" or not (plan.compile or plan.float8):
-        return 1.0
-    from .published_check import memory_factors
-
-    f = memory_factors()
-    return (f["compile"] if plan.compile else 1.0) * (f["float8"] if plan.float8 else 1.0)
+        rate *= technique_speedup(plan)
+    return rate
 
 
 def _flops_per_token(plan: Plan, lora: bool = False) -> float:

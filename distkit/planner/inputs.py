@@ -241,7 +241,8 @@ class Plan:
     ``micro_batch`` as one replica's share of the batch holds), ``attention`` the kernel the
     activations assume (:data:`ATTENTION`; flash by default), ``compile`` / ``float8`` whether the
     job runs torch.compile'd blocks / Float8 linear layers (measured factors on the compute rate and
-    the blocks' saved activations: :func:`~.costs.technique_speedup`, :func:`~.costs.activation_bytes`)."""
+    the blocks' saved activations: :func:`~.published_check.technique_speedup`,
+    :func:`~.published_check.memory_factor`)."""
 
     model: Any
     global_batch: int

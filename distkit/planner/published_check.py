@@ -79,13 +79,21 @@ def memory_factors() -> dict[str, float]:
     return dict(_MEMORY_FACTORS)
 
 
-def memory_factor(row: Row) -> float:
-    """The factor on the blocks' saved activations of ``row``'s techniques (:func:`memory_factors`);
-    1 for eager runs and under full AC (the comment above :func:`memory_factors` says why)."""
-    if row.ac == "full" or not (row.compile or row.float8):
+def memory_factor(job: Row | Plan) -> float:
+    """The factor on the blocks' saved activations of ``job``'s techniques (:func:`memory_factors`);
+    1 for eager runs and under full AC (the comment above :func:`memory_factors` says why). ``job``:
+    a published row, or a plan (``plan.py --compile/--float8``, through :func:`~.costs.activation_bytes`)."""
+    if job.ac == "full" or not (job.compile or job.float8):
         return 1.0
     f = memory_factors()
-    return (f["compile"] if row.compile else 1.0) * (f["float8"] if row.float8 else 1.0)
+    return (f["compile"] if job.compile else 1.0) * (f["float8"] if job.float8 else 1.0)
+
+
+def technique_speedup(job: Row | Plan) -> float:
+    """What ``job``'s torch.compile and Float8 multiply the speed by (:data:`COMPILE_SPEEDUP`,
+    :data:`FLOAT8_SPEEDUP`); 1 for an eager job. A plan's compute rate (:func:`~.costs.compute_rate`),
+    a published row's tokens/s (:func:`predict`)."""
+    return (COMPILE_SPEEDUP if job.compile else 1.0) * (FLOAT8_SPEEDUP if job.float8 else 1.0)
 
 
 def predict(row: Row, efficiency: float) -> tuple[float, float]:
@@ -96,8 +104,7 @@ def predict(row: Row, efficiency: float) -> tuple[float, float]:
     est = estimate_dims(plan, cluster(row.gpu, row.gpus, efficiency=efficiency), dims, memory_factor(row))
     if not est.valid:
         raise ValueError(f"{row.label}: {est.note}")
-    speedup = (COMPILE_SPEEDUP if row.compile else 1.0) * (FLOAT8_SPEEDUP if row.float8 else 1.0)
-    return est.tokens_per_s_per_gpu * speedup, est.memory_bytes["peak"] / GiB
+    return est.tokens_per_s_per_gpu * technique_speedup(row), est.memory_bytes["peak"] / GiB
 
 
 _FITTED: dict = {}

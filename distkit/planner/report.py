@@ -37,7 +37,7 @@ def describe(plan: Plan, cl: Cluster) -> str:
 def _factors_text(cl, plan) -> str:
     """The measured factors on top of the efficiency, where any is not 1 (the GPU type's, compile's,
     Float8's)."""
-    from .costs import technique_speedup
+    from .published_check import technique_speedup
 
     parts = [f"x {cl.gpu.compute_factor:.3g} for the {cl.gpu.name}"] if cl.gpu.compute_factor != 1 else []
     if plan.compile or plan.float8:

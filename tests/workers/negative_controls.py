@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import ArgumentParser, add_runtime_args, distributed, run_main
+from distkit.checkpoint import full_state_dict
 from distkit.models import TinyGPT, TokenTask, build_model, lm_loss, model_config, rank_slice
 from reference import train_one_process  # tests/workers/reference.py, beside this worker
 
@@ -183,7 +184,7 @@ def case_tp(ctx, variant, sequence_parallel=False):
         if variant == "dropped_shard":
             drop_rank1_shard(ctx, model)
         optimizer.step()
-    return tp.gathered_state_dict(model)
+    return full_state_dict(model)
 
 
 def case_hybrid(ctx, variant, mode):
@@ -211,7 +212,7 @@ def case_hybrid(ctx, variant, mode):
         if variant == "dropped_shard":
             drop_rank1_shard(ctx, model)
         optimizer.step()
-    return tp.gathered_state_dict(model)
+    return full_state_dict(model)
 
 
 def case_pp(ctx, variant, microbatches=4):
