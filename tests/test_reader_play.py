@@ -44,10 +44,12 @@ FAILS_BY_DESIGN = ("debug_lab.py",)
 
 def exports(readme: Path) -> dict[str, str]:
     """The ``export NAME=value`` lines of a README's bash blocks."""
-    found = {}
+    found, in_bash = {}, False
     for raw in readme.read_text().splitlines():
         line = raw.split(" #")[0].strip()
-        if line.startswith("export ") and "=" in line:
+        if line.startswith("```"):
+            in_bash = line == "```bash"
+        elif in_bash and line.startswith("export ") and "=" in line:
             name, value = line[len("export "):].split("=", 1)
             found[name] = value
     return found
@@ -139,3 +141,5 @@ def test_a_command_ending_in_a_traceback_is_seen(tmp_path):
     assert ended_well(done(2, "error: --steps 2 is too few\n"), clone) is None
     assert ended_well(done(1, f"Traceback (most recent call last):\n{frame}\nTypeError: x\n"), clone)
     assert ended_well(done(1, "Killed\n"), clone)
+    # the play runs chapter 01's restarts with the variable its README exports (without it they hang)
+    assert exports(REPO / "01-ddp-basics" / "README.md")["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
