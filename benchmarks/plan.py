@@ -101,7 +101,9 @@ def parse_args(argv=None):
     hw.add_argument("--intra-bw-gbps", type=positive_float, help="override: bus GB/s inside a node")
     hw.add_argument("--intra-latency-us", type=positive_float,
                     help="override: latency per collective step inside a node")
-    hw.add_argument("--inter-bw-gbps", type=positive_float, help="override: bus GB/s per GPU between nodes")
+    hw.add_argument("--inter-bw-gbps", type=positive_float,
+                    help="override: GB/s of one GPU's network port between nodes (a ring across nodes "
+                         "uses all of a node's ports in its group)")
     hw.add_argument("--inter-latency-us", type=positive_float, help="override: latency per step between nodes")
     hw.add_argument("--bandwidth-records", metavar="FILE",
                     help="alpha-beta per collective from 04-nccl-operations/bandwidth_test.py records of your machine")

@@ -325,9 +325,10 @@ def test_expert_parallel_needs_an_moe_and_splits_its_experts():
 
 
 TIED = ["--model", "llama-3.2-1b", "--gpus", "4", "--gpu-memory-gib", "24", "--seq-len", "2048"]
-# the strategy rows only: the N-D search finds a layout within 12% of the pipeline here (a tie)
+# the strategy rows only, on a slow network (a 40 Gb/s port per GPU): the N-D search finds a layout
+# within 12% of the pipeline here (a tie)
 CLEAR = ["--model", "llama-3.1-70b", "--gpus", "64", "--seq-len", "2048", "--activation-checkpointing", "full",
-         "--strategies", *PLANNED]
+         "--inter-bw-gbps", "5", "--strategies", *PLANNED]
 
 
 def check_tie(plan, argv: list[str], capsys) -> dict:
@@ -384,8 +385,10 @@ def test_a_tie_within_the_error_picks_the_simpler(capsys):
 
 
 def test_a_clear_win_says_no_tie(capsys):
-    """A 70B Llama on 64 H100s, 2k sequences, full AC, among the strategy rows: the 1F1B pipeline is
-    predicted 2.7x faster than anything else that fits, far outside the error: it is recommended and
+    """A 70B Llama on 64 H100s whose nodes are joined by a slow network (5 GB/s per GPU), 2k
+    sequences, full AC, among the strategy rows: the 1F1B pipeline, which sends only activations
+    between nodes, is predicted 2.4x faster than anything else that fits (FSDP gathers every
+    layer's weights across them), far outside the error: it is recommended and
     no tie is said. Negative control: an error bound of 300% (a broken bound) calls it a tie and picks
     FSDP, and the check fails."""
     plan = load_script(BENCH / "plan.py")
@@ -999,18 +1002,18 @@ def test_nd_layouts_are_enumerated_and_each_is_valid():
         .startswith("the global batch 48 is fewer than dp_replicate x dp_shard = 64 batch ranks")
 
 
-def test_405b_on_512_gpus_gets_a_3d_or_4d_layout():
-    """Llama 3.1 405B, 2048 sequences of 8192, selective AC, 512 H100s: no strategy row fits and is
-    within 20% (the tie bound) of the best N-D layout, so the recommendation is that layout, with
-    three axes or more. Negative control: with full AC, ZeRO-3 fits at a step within the tie bound,
-    and the simpler family wins the tie: the 3-D pick is the model's, not forced."""
+def test_405b_on_512_gpus_gets_the_fastest_nd_layout_that_fits():
+    """Llama 3.1 405B, 2048 sequences of 8192, selective AC, 512 H100s: no strategy row fits, so the
+    recommendation is the fastest N-D layout that does: FSDP over 64 x CP 8, the ring inside each node,
+    by the model (its FSDP gathers, over all 8 ports of each node, hide under compute). Negative
+    control: with full AC, ZeRO-3 fits at a step within the tie bound, and the simpler family wins
+    the tie: the N-D pick is the model's, not forced."""
     plan, cl = planner.Plan(LLAMA_405B, global_batch=2048, ac="selective"), planner.cluster("h100", 512)
     estimates = planner.estimate_all(plan, cl)
     best = planner.recommend(estimates, cl).best
-    assert best.name == "nd" and nd_axes(best.layout) >= 3, best.layout
-    for e in estimates:
-        if e is not best and e.valid and e.fits and not e.lora and not e.offload:
-            assert e.step_time_s > 1.2 * best.step_time_s, e.name
+    assert best.name == "nd" and best.fits and nd_axes(best.layout) >= 2, best.layout
+    assert (best.layout["dp_shard"], best.layout["cp"]) == (64, 8)
+    assert not any(e.valid and e.fits for e in estimates if e is not best and not e.lora and not e.offload)
     full = replace(plan, ac="full")
     assert planner.recommend(planner.estimate_all(full, cl), cl).best.name != "nd"
 
@@ -1070,10 +1073,10 @@ def published():
 
 def check_published_bounds(rows: list[dict]) -> None:
     """The errors ``plan.py --published`` reports, recomputed here from each row's prediction and
-    published figure, within the bounds the README states (the goals, 15% / 30% on tokens/s and 10%
-    / 20% on memory, are not met: these are the measured ones, rounded up): tokens/s on the
-    calibration rows median <= 5% and worst <= 50%, on the validation rows median <= 20% and worst
-    <= 45%; memory median <= 20%, worst <= 35%."""
+    published figure, within the bounds the README states: tokens/s on the validation rows within
+    the goal, median <= 15% and worst <= 30%; on the calibration rows median <= 5% and worst <= 50%;
+    memory median <= 20%, worst <= 35% (its goal, 10% / 20%, is not met: these are the measured
+    errors, rounded up)."""
     def err(pred, meas):
         return abs(pred / meas - 1)
     cal = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "calibration")
@@ -1081,7 +1084,7 @@ def check_published_bounds(rows: list[dict]) -> None:
     mem = sorted(err(r["memory_pred"], r["memory_gib"]) for r in rows if r["memory_gib"] is not None)
     median = statistics.median
     assert median(cal) <= 0.05 and cal[-1] <= 0.50, (median(cal), cal[-1])
-    assert median(val) <= 0.20 and val[-1] <= 0.45, (median(val), val[-1])
+    assert median(val) <= 0.15 and val[-1] <= 0.30, (median(val), val[-1])
     assert median(mem) <= 0.20 and mem[-1] <= 0.35, (median(mem), mem[-1])
 
 
@@ -1129,6 +1132,39 @@ def test_the_a100_reaches_a_larger_fraction_of_its_peak_by_mosaics_measured_fact
     monkeypatch.setitem(inputs.GPUS, "a100-80gb", dataclasses.replace(inputs.GPUS["a100-80gb"], compute_factor=1.0))
     with pytest.raises(AssertionError):
         check_published_bounds(pc.compare(rows[0]["efficiency"]))
+
+
+def test_a_ring_across_nodes_runs_on_every_port_of_a_node_in_its_group(published, monkeypatch):
+    """Across nodes NCCL runs a ring channel through each GPU's own network port, so a group with k
+    GPUs in each node moves its bus bytes at k ports' speed, at most the link inside the node: NVIDIA
+    measures 192 GB/s all-reduce bus bandwidth between DGX-A100s of 8 x 200 Gb/s ports (NVIDIA/nccl
+    issue 812), 8 x the 24 GB/s the planner takes for one HDR port. One GPU per node, a send or an
+    all-to-all: one port. Which GPUs of an axis share a node follows the mesh order (tp innermost).
+    Negative control: every collective across nodes on one port (the model before) misses the
+    validation bounds: Llama 2 70B at local batch 1 is then bound by FSDP's gathers, 32% slow."""
+    from distkit.planner import costs, inputs
+
+    a100, h100 = inputs.cluster("a100-80gb", 64), inputs.cluster("h100", 64)
+    assert planner.collective_time(a100, "all_reduce", 64, 0, 192e9, 8) == pytest.approx(1.0)
+    assert planner.collective_time(a100, "all_gather", 8, 0, 24e9, 1) == pytest.approx(1.0)  # a GPU per node
+    assert planner.collective_time(a100, "send", 2, 0, 24e9, 1) == pytest.approx(1.0)
+    assert planner.collective_time(a100, "all_to_all", 64, 0, 24e9, 8) == pytest.approx(1.0)
+    assert planner.collective_time(a100, "all_gather", 8, 0, 240e9, 8) == pytest.approx(1.0)  # NVLink 3, in a node
+    assert planner.collective_time(h100, "all_gather", 64, 0, 360e9, 8) == pytest.approx(1.0)  # 8 x 46 > NVLink
+    dims = planner.ParallelDims
+    assert dims(dp_shard=64).in_node("shard", h100) == 8
+    assert dims(dp_shard=8, tp=8).in_node("shard", h100) == 1 and dims(dp_shard=8, tp=8).in_node("tp", h100) == 8
+    assert dims(dp_shard=16, cp=2, tp=2).in_node("shard", h100) == 4
+    assert dims(dp_replicate=2, dp_shard=32).in_node("dp_replicate", h100) == 1
+    assert dims(dp_shard=8, tp=8, pp=8).in_node("pp", planner.cluster("h100", 512)) == 1
+    pc, rows = published
+    check_published_bounds(rows)
+    monkeypatch.setattr(costs, "RING_COLLECTIVES", ())
+    one_port = pc.compare(rows[0]["efficiency"])
+    worst = min(one_port, key=lambda r: r["tps_pred"] / r["tps"] if r["role"] == "validation" else 1)
+    assert worst["label"].startswith("llama-2-70b") and worst["tps_pred"] / worst["tps"] < 0.7, worst
+    with pytest.raises(AssertionError):
+        check_published_bounds(one_port)
 
 
 def check_technique_memory(pred_gib: float, eager: planner.Estimate, kept: float) -> None:

@@ -120,13 +120,30 @@ def head_working_set(plan: Plan, micro_batch: int) -> float:
 # Time: alpha-beta communication, compute, overlap
 # ----------------------------------------------------------------------------------------------
 
+# The collectives NCCL runs as rings (or trees) over every GPU of the group: across nodes, each of a
+# node's GPUs in the group drives its own network port (one port per GPU, rail-aligned), so the
+# bus bandwidth is the ports of a node together, at most the link inside it. NVIDIA's measurement:
+# "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure 192GB/s AllReduce
+# BusBW" (NVIDIA/nccl issue 812, 2023). A send, a receive or an all-to-all's part that leaves the
+# node goes through the sending GPU's own port.
+RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def per_node(group: int, stride: int, gpus_per_node: int) -> int:
+    """How many GPUs of one ``group`` (its ranks ``stride`` apart) share a node: the whole group when
+    it fits in one, else ``gpus_per_node // stride`` (at least 1)."""
+    return min(group, max(1, gpus_per_node // stride))
+
+
 def collective_time(cluster: Cluster, collective: str, group: int, calls: float, bus_bytes: float,
-                    spans_nodes: bool) -> float:
+                    in_node: int) -> float:
     """Seconds for ``calls`` calls of ``collective`` moving ``bus_bytes`` bus bytes in all over a
-    ``group`` of ranks: ``calls x alpha + bus_bytes / beta``. Measured fits (``cluster.collectives``,
-    the nearest group size) when the cluster has them; else the link (intra-node, or inter-node when
-    the group spans nodes) with alpha = latency x ceil(log2 group) (a tree's depth: NCCL's small
-    messages) and beta = the link's bus bandwidth."""
+    ``group`` of ranks, ``in_node`` of which share each node (:func:`per_node`; ``group`` when the
+    group fits in a node): ``calls x alpha + bus_bytes / beta``. Measured fits
+    (``cluster.collectives``, the nearest group size) when the cluster has them; else the link with
+    alpha = latency x ceil(log2 group) (a tree's depth: NCCL's small messages) and beta = the link's
+    bus bandwidth: inside a node its link; across nodes, for the :data:`RING_COLLECTIVES`, ``in_node``
+    network ports together (at most the link inside the node), else one port."""
     if group <= 1 or (calls == 0 and bus_bytes == 0):
         return 0.0
     if cluster.collectives:
@@ -139,24 +156,29 @@ def collective_time(cluster: Cluster, collective: str, group: int, calls: float,
         fits = {g: v for (c, g), v in cluster.collectives.items() if c == name} or \
                {g: v for (c, g), v in cluster.collectives.items() if c == "all_reduce"}
         alpha, beta = fits[min(fits, key=lambda g: (abs(g - group), -g))]
-    else:
-        link = cluster.gpu.inter if spans_nodes else cluster.gpu.intra
+    elif in_node >= group:
+        link = cluster.gpu.intra
         alpha, beta = link.latency * math.ceil(math.log2(group)), link.bandwidth
+    else:
+        link = cluster.gpu.inter
+        ports = in_node if collective in RING_COLLECTIVES else 1
+        alpha = link.latency * math.ceil(math.log2(group))
+        beta = min(ports * link.bandwidth, cluster.gpu.intra.bandwidth)
     return calls * alpha + bus_bytes / beta
 
 
-def _comm_seconds(cluster: Cluster, comm: dict, group: int, spans_nodes: bool, scale: float = 1.0,
+def _comm_seconds(cluster: Cluster, comm: dict, group: int, in_node: int, scale: float = 1.0,
                   calls_scale: float = 1.0, only: Iterable[str] | None = None) -> float:
     """Alpha-beta seconds of a theory ``comm`` dict ({collective: {calls, bytes, bus_bytes}}) over one
-    group; ``scale`` multiplies the bytes (precision), ``calls_scale`` the calls (micro-batches).
-    Calls theory leaves open (None: DDP's buckets, DeepSpeed's flat buffers) count as one per 25 MiB
-    bucket."""
+    group (``in_node`` of its GPUs per node); ``scale`` multiplies the bytes (precision),
+    ``calls_scale`` the calls (micro-batches). Calls theory leaves open (None: DDP's buckets,
+    DeepSpeed's flat buffers) count as one per 25 MiB bucket."""
     total = 0.0
     for name, stat in comm.items():
         if name == "barrier" or (only is not None and name not in only):
             continue
         calls = stat["calls"] if stat["calls"] is not None else max(1, math.ceil(stat["bytes"] / (25 * 2 ** 20)))
-        total += collective_time(cluster, name, group, calls * calls_scale, stat["bus_bytes"] * scale, spans_nodes)
+        total += collective_time(cluster, name, group, calls * calls_scale, stat["bus_bytes"] * scale, in_node)
     return total
 
 

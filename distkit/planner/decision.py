@@ -102,6 +102,8 @@ def _why(planned: dict) -> str:
         family = simplicity(pick.name)[1]
         if family == simplicity(best.name)[1]:
             said += f"; both are {family}, and {pick.name} is that family's fastest by the model"
+        elif best.step_time_s < pick.step_time_s:  # its reason already says that the pick is simpler
+            said += f"; {pick.name} ({family}) fits at {pick.memory_bytes['peak'] / GiB:.1f} GiB"
         else:
             said += (f"; {pick.name} ({family}) fits too, at {pick.memory_bytes['peak'] / GiB:.1f} GiB, and is "
                      f"simpler, within the {rec.tie['bound']:.0%} error")

@@ -72,6 +72,18 @@ class ParallelDims:
         inner = MESH_ORDER[MESH_ORDER.index(axis):]
         return math.prod(getattr(self, a) for a in inner) > cl.gpus_per_node
 
+    def in_node(self, axis: str, cl: Cluster) -> int:
+        """How many GPUs of one ``axis`` group share a node (:func:`~.costs.per_node`): its size when
+        it fits in one, else the node's GPUs over its ``stride`` (as in :meth:`spans`)."""
+        if axis == "shard":
+            group, stride = self.dp_shard * self.cp, self.tp
+        elif axis == "ep":
+            group, stride = self.ep, self.tp
+        else:
+            group = getattr(self, axis)
+            stride = math.prod(getattr(self, a) for a in MESH_ORDER[MESH_ORDER.index(axis) + 1:])
+        return min(group, max(1, cl.gpus_per_node // stride))
+
     def axes(self) -> dict:
         """The axes above 1 (dp_shard always), with sp and the schedule where they apply."""
         out = {a: getattr(self, a) for a in AXES if getattr(self, a) > 1 or a == "dp_shard"}

@@ -51,10 +51,15 @@ class GPU:
 
 
 # Datasheet figures (NVIDIA product briefs; dense, i.e. without the 2:4-sparsity doubling), the
-# memory as torch.cuda reports it, and ASSUMED achievable link speeds: 80% of one direction of the
-# NVLink / PCIe link inside a node, and of one 400 (H100, H200) / 200 (A100) / 100 Gb/s (L4, for the
-# whole node) network port per GPU between nodes. Override any of them from the CLI.
+# memory as torch.cuda reports it, and achievable link speeds. Inside a node: ASSUMED 80% of one
+# direction of the NVLink / PCIe link. Between nodes, one network port per GPU, at what NVIDIA's NCCL
+# maintainers measure per port in a ring all-reduce across nodes: 400 Gb/s NDR "46-48GB/s per NIC"
+# (NVIDIA/nccl-tests issue 290) for the H100 and H200, 200 Gb/s HDR 24 GB/s ("192GB/s AllReduce
+# BusBW" from a DGX-A100's 8 ports, NVIDIA/nccl issue 812) for the A100; the L4's one 100 Gb/s port
+# for the whole node is ASSUMED at 80%. Override any of them from the CLI.
 _NV4 = Link(0.8 * 450e9, 10e-6)   # NVLink 4: 900 GB/s both directions
+_NDR = Link(46e9, 20e-6)          # one 400 Gb/s InfiniBand NDR port (nccl-tests issue 290)
+_HDR = Link(24e9, 20e-6)          # one 200 Gb/s InfiniBand HDR port (nccl issue 812)
 
 # An A100 reaches a larger fraction of its bf16 peak than an H100 on the same job (likely because it has
 # more memory bandwidth per FLOP/s: a step's non-matmul work costs it relatively less). Measured by
@@ -82,19 +87,19 @@ _NV3 = Link(0.8 * 300e9, 10e-6)   # NVLink 3: 600 GB/s both directions
 
 GPUS: dict[str, GPU] = {
     "h100": GPU("H100 SXM 80GB", 79.2 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, _NV4,
-                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H100 SXM5, 989 TFLOP/s bf16 dense, 67 fp32"),
+                _NDR, 0.8 * 64e9, 8, "datasheet: H100 SXM5, 989 TFLOP/s bf16 dense, 67 fp32"),
     # PCIe card: its NVLink bridge joins pairs only, so 8 of them all-reduce over PCIe Gen5 (64 GB/s a
     # direction); one 400 Gb/s port per GPU between nodes assumed, as for the SXM
     "h100-pcie": GPU("H100 PCIe 80GB", 79.2 * GiB, {"bf16": 756e12, "fp32": 51e12}, 2.0e12, Link(0.8 * 64e9, 15e-6),
-                     Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8,
+                     _NDR, 0.8 * 64e9, 8,
                      "datasheet: H100 PCIe, 756 TFLOP/s bf16 dense (1,513 with sparsity), 51 fp32, HBM2e 2.0 TB/s"),
     "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
-                Link(0.8 * 50e9, 20e-6), 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
+                _NDR, 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
     "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,
-                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
+                     _HDR, 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
                      A100_VS_H100),
     "a100-40gb": GPU("A100 SXM 40GB", 39.4 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.56e12, _NV3,
-                     Link(0.8 * 25e9, 20e-6), 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
+                     _HDR, 0.8 * 32e9, 8, "datasheet: A100 SXM4, 312 TFLOP/s bf16 dense, 19.5 fp32",
                      A100_VS_H100),
     "l4": GPU("L4 24GB", 22.5 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 0.3e12, Link(0.8 * 32e9, 15e-6),
               Link(0.8 * 12.5e9 / 4, 30e-6), 0.8 * 32e9, 4,

@@ -17,6 +17,7 @@ from .costs import (
     compute_rate,
     core_share,
     head_working_set,
+    per_node,
     state_bytes,
 )
 from .inputs import Cluster, Plan, _block_params
@@ -133,7 +134,8 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     # fp32 gathers/reductions of theory; bf16 gathers move half, gradient reductions in bf16 too
     scale = 0.5 if plan.precision == "bf16" else 1.0
     shard_group = knobs.get("shard", n)
-    spans = n > cluster.gpus_per_node
+    gpn = cluster.gpus_per_node
+    in_node = per_node(n, 1, gpn)
     comm = pred["comm"]
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan, lora) / compute_rate(cluster, plan)
     backward_s = compute_s * 2 / 3
@@ -147,7 +149,7 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         # DDP's buckets: a flat copy of every gradient (torch's default gradient_as_bucket_view=False);
         # the from-scratch version all-reduces each gradient in place
         temp = head + (state["grads"] if name == Strategy.DDP else 0)
-        t_grad = _comm_seconds(cluster, comm, n, spans, scale)
+        t_grad = _comm_seconds(cluster, comm, n, in_node, scale)
         exposed = max(0.0, t_grad - backward_s) if cluster.overlap else t_grad
         comm_s = t_grad
     elif name in (Strategy.ZERO1, Strategy.ZERO2):
@@ -155,8 +157,8 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         # partition-sized buffers (2Ψ/n, measured by MemTracker at 2 and 4 ranks on both models),
         # at most a bucket of reduce_bucket_size = 5e8 elements
         temp = head + min(2 * psi / n if name == Strategy.ZERO1 else psi / n, 5e8) * grad_w
-        t_grad = _comm_seconds(cluster, comm, n, spans, scale, only=("all_reduce", "reduce_scatter"))
-        t_gather = _comm_seconds(cluster, comm, n, spans, scale, only=("all_gather",))
+        t_grad = _comm_seconds(cluster, comm, n, in_node, scale, only=("all_reduce", "reduce_scatter"))
+        t_gather = _comm_seconds(cluster, comm, n, in_node, scale, only=("all_gather",))
         if name == Strategy.ZERO2:
             t_grad *= accum
         exposed = (max(0.0, t_grad - backward_s) if cluster.overlap else t_grad) + t_gather
@@ -174,12 +176,13 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
             temp = head + psi * w
         else:
             temp = head + (unit + root) * w + gathers * unit * w
-        t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
-                                only=("all_gather", "reduce_scatter"))
+        shard_in_node = per_node(shard_group, 1, gpn)
+        t_shard = _comm_seconds(cluster, comm, shard_group, shard_in_node, scale, only=("all_gather", "reduce_scatter"))
         if lora:  # frozen base: gathers only (reduce-scatters carry the adapters' few gradients)
-            t_shard = _comm_seconds(cluster, comm, shard_group, shard_group > cluster.gpus_per_node, scale,
-                                    only=("all_gather",))
-        t_rep = _comm_seconds(cluster, comm, n // shard_group, True, 1.0, only=("all_reduce",))
+            t_shard = _comm_seconds(cluster, comm, shard_group, shard_in_node, scale, only=("all_gather",))
+        # the replicas of a shard are shard_group ranks apart
+        t_rep = _comm_seconds(cluster, comm, n // shard_group, per_node(n // shard_group, shard_group, gpn), 1.0,
+                              only=("all_reduce",))
         t_total = (t_shard + t_rep) * accum
         first = t_shard * accum / max(2 * cfg.n_layer + 1, 1)  # the first gather is never hidden
         exposed = (max(first, t_total - compute_s) if cluster.overlap else t_total)
@@ -214,9 +217,11 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     tp_comm = pred["comm"] if dp == 1 else theory.megatron_tp_bytes(cfg, plan.global_batch // dp, tp)
-    t_tp = _comm_seconds(cluster, tp_comm, tp, tp > cluster.gpus_per_node, scale, calls_scale=accum)
+    t_tp = _comm_seconds(cluster, tp_comm, tp, per_node(tp, 1, cluster.gpus_per_node), scale, calls_scale=accum)
     fsdp_comm = {k: v for k, v in pred["comm"].items() if k != "all_reduce"} if dp > 1 else {}
-    t_fsdp = _comm_seconds(cluster, fsdp_comm, dp, n > cluster.gpus_per_node, scale, calls_scale=accum) * accum
+    # the data-parallel ranks of one TP shard are tp apart
+    t_fsdp = _comm_seconds(cluster, fsdp_comm, dp, per_node(dp, tp, cluster.gpus_per_node), scale,
+                           calls_scale=accum) * accum
     if dp == 1:  # pure TP: the replicated parameters' gradients are not reduced (theory: none)
         t_fsdp = 0.0
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
@@ -280,10 +285,11 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
         # + each in-flight micro-batch's stage input and output, held by the schedule until its backward
         act = (activation_bytes(plan, cfg.n_layer / pp, micro, in_flight=in_flight)
                + in_flight * 2 * micro * cfg.seq_len * cfg.n_embd * w)
-        t_p2p = _comm_seconds(cluster, pred["comm_per_rank"][rank], 2, pp > cluster.gpus_per_node, scale)
+        t_p2p = _comm_seconds(cluster, pred["comm_per_rank"][rank], 2, 1 if pp > cluster.gpus_per_node else 2, scale)
         grads = theory.ddp_bytes(state["params"] / (2 if plan.precision == "bf16" else 4), dp,
                                  2 if plan.precision == "bf16" else 4)
-        t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp, n > cluster.gpus_per_node)
+        t_dp = _comm_seconds(cluster, {"all_reduce": {"calls": None, **grads}}, dp,
+                             per_node(dp, pp, cluster.gpus_per_node))  # the replicas of a stage: pp apart
         exposed = t_p2p + (max(0.0, t_dp - compute_s * 2 / 3) if cluster.overlap else t_dp)
         # the last stage's head working set, the send/receive buffers of a micro-batch's activation
         # and its gradient, and with data parallelism DDP's gradient buckets

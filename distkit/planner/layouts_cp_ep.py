@@ -14,6 +14,7 @@ from .costs import (
     activation_bytes,
     compute_rate,
     head_working_set,
+    per_node,
     state_bytes,
 )
 from .inputs import Cluster, Plan
@@ -63,9 +64,10 @@ def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
     w = _act_dtype_bytes(plan)
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
     attention_s = plan.tokens_per_step / n * 6 * cfg.n_layer * cfg.n_embd * cfg.seq_len / compute_rate(cluster, plan)
-    t_ring = _comm_seconds(cluster, pred["comm"], 2, cp > cluster.gpus_per_node, scale, calls_scale=accum,
+    t_ring = _comm_seconds(cluster, pred["comm"], 2, 1 if cp > cluster.gpus_per_node else 2, scale, calls_scale=accum,
                            only=("send",))
-    t_grad = _comm_seconds(cluster, pred["comm"], n, n > cluster.gpus_per_node, scale, only=("all_reduce",))
+    t_grad = _comm_seconds(cluster, pred["comm"], n, per_node(n, 1, cluster.gpus_per_node), scale,
+                           only=("all_reduce",))
     if cluster.overlap:
         exposed = max(0.0, t_ring - attention_s) + max(0.0, t_grad - compute_s * 2 / 3)
     else:
@@ -116,15 +118,15 @@ def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None
     scale = 0.5 if plan.precision == "bf16" else 1.0
     w = _act_dtype_bytes(plan)
     compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / compute_rate(cluster, plan)
-    t_a2a = _comm_seconds(cluster, comm, ep, ep > cluster.gpus_per_node, scale, calls_scale=accum,
+    t_a2a = _comm_seconds(cluster, comm, ep, per_node(ep, 1, cluster.gpus_per_node), scale, calls_scale=accum,
                           only=("all_to_all",))
     dense, per_expert = theory.moe_param_split(theory.param_shapes(cfg), cfg.num_experts)
     held_experts = sum(per_expert[:cfg.num_experts // ep])
     grad_w = 2 if plan.precision == "bf16" else 4
     t_dense = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(dense, n, grad_w)}}, n,
-                            n > cluster.gpus_per_node)
+                            per_node(n, 1, cluster.gpus_per_node))
     t_experts = _comm_seconds(cluster, {"all_reduce": {"calls": None, **theory.ddp_bytes(held_experts, dp, grad_w)}},
-                              dp, True) if dp > 1 else 0.0
+                              dp, per_node(dp, ep, cluster.gpus_per_node)) if dp > 1 else 0.0
     t_grad = t_dense + t_experts
     exposed = t_a2a + (max(0.0, t_grad - compute_s * 2 / 3) if cluster.overlap else t_grad)
     if routing:  # the rows this rank routed, layer by layer (a record: one micro-batch)

@@ -141,7 +141,7 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
     t_tp = 0.0
     if d.tp > 1:
         calls = (6 if plan.ac == "full" else 4) * layers * m
-        t_tp = collective_time(cl, "all_reduce", d.tp, calls, calls * 2 * act * (d.tp - 1) / d.tp, d.spans("tp", cl))
+        t_tp = collective_time(cl, "all_reduce", d.tp, calls, calls * 2 * act * (d.tp - 1) / d.tp, d.in_node("tp", cl))
     stage, block = _stage_params(cfg, d)
     shard_bytes = stage / d.tp * w
     stage_exp = nd_ep.stage_experts(cfg, d, layers)[0]
@@ -151,17 +151,18 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
     if d.dp_replicate > 1:
         grads = shard_bytes / d.shard
         t_dpr = collective_time(cl, "all_reduce", d.dp_replicate, max(1, math.ceil(grads / (25 * 2 ** 20))),
-                                2 * grads * (d.dp_replicate - 1) / d.dp_replicate, d.spans("dp_replicate", cl))
+                                2 * grads * (d.dp_replicate - 1) / d.dp_replicate, d.in_node("dp_replicate", cl))
     t_cp = attention_s = 0.0
     if d.cp > 1:
         kv = 2 * micro * s_local * theory.kv_width(cfg) / d.tp * w
         hops = (3 * d.cp - 2) * layers * m
-        t_cp = collective_time(cl, "send", 2, hops, hops * kv, d.spans("cp", cl))
+        t_cp = collective_time(cl, "send", 2, hops, hops * kv, 1 if d.spans("cp", cl) else 2)
         attention_s = plan.tokens_per_step / n * 6 * layers * cfg.n_embd * cfg.seq_len / rate
     t_pp = 0.0
     if d.pp > 1:
         calls = 2 * m * d.chunks
-        t_pp = collective_time(cl, "send", 2, calls, calls * act / (d.tp if d.sp else 1), d.spans("pp", cl))
+        t_pp = collective_time(cl, "send", 2, calls, calls * act / (d.tp if d.sp else 1),
+                               1 if d.spans("pp", cl) else 2)
     hidden = (lambda t, under: max(0.0, t - under)) if cl.overlap else (lambda t, under: t)
     exposed = t_tp + t_pp + t_ep + hidden(t_fsdp + t_dpr, compute_s) + hidden(t_cp, attention_s)
     bubble = theory.pipeline_bubble(d.pp, m, d.chunks) if d.pp > 1 else 0.0

@@ -87,7 +87,7 @@ def all_to_all_seconds(plan, cl, d, micro: int, m: int, layers: int, w: int) -> 
     """Alpha-beta seconds of :func:`all_to_all_comm` over the ep group (its ranks are tp apart: it
     crosses a node when ep x tp exceeds one)."""
     comm = all_to_all_comm(plan, d, micro, m, layers, w)
-    return _comm_seconds(cl, comm, d.ep, d.spans("ep", cl)) if comm else 0.0
+    return _comm_seconds(cl, comm, d.ep, d.in_node("ep", cl)) if comm else 0.0
 
 
 def fsdp_seconds(cl, d, params: float, experts: float, layers: int, rounds: int, w: int) -> float:
@@ -97,7 +97,7 @@ def fsdp_seconds(cl, d, params: float, experts: float, layers: int, rounds: int,
     for group, held in fsdp_groups(params, experts, d):
         if group > 1:
             bus = 3 * held * w * (group - 1) / group * rounds
-            total += collective_time(cl, "all_gather", group, 3 * layers * rounds, bus, d.spans("shard", cl))
+            total += collective_time(cl, "all_gather", group, 3 * layers * rounds, bus, d.in_node("shard", cl))
     return total
 
 
