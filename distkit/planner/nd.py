@@ -91,12 +91,10 @@ def _in_flight(d: ParallelDims, m: int) -> float:
     return {"gpipe": m, "1f1b": min(p, m), "interleaved_1f1b": min(m, p * (1 + (p - 1) / (v * p)))}[d.schedule]
 
 
-def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int,
-            activation_factor: float = 1.0) -> tuple[dict, float, float, float]:
+def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> tuple[dict, float, float, float]:
     """(model state by part, activations, temporaries, the head's share of them) of the GPU that
     decides the fit: the first stage's activations and the last stage's head, counted together (on
-    one stage when pp = 1; a safe bound otherwise). ``activation_factor`` scales the blocks'
-    saved activations (not the head's, nor a pipeline stage's inputs and outputs)."""
+    one stage when pp = 1; a safe bound otherwise)."""
     cfg = plan.model
     w = _act_dtype_bytes(plan)
     stage, block = _stage_params(cfg, d)
@@ -109,7 +107,6 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int,
     in_flight = _in_flight(d, m)
     act = activation_bytes(local, blocks, micro, tp=d.tp, sp=d.sp, in_flight=in_flight)
     act -= activation_bytes(local, 0, micro, tp=d.tp, sp=d.sp)  # the head's part: counted in head_bytes
-    act *= activation_factor
     io = micro * local.model.seq_len * cfg.n_embd * w / (d.tp if d.sp else 1)
     if d.pp > 1:
         act += in_flight * 2 * io
@@ -172,11 +169,9 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
             **({"ep_s": t_ep} if d.ep > 1 else {})}
 
 
-def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims, activation_factor: float = 1.0) -> Estimate:
+def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> Estimate:
     """The :class:`Estimate` of one layout (named :data:`ND`); invalid, with :func:`check_dims`'s one
-    line as its note, when the layout cannot run this job. ``activation_factor`` multiplies the
-    blocks' saved activations (:func:`_memory`): what a measured technique such as torch.compile
-    keeps of them (:func:`~.published_check.memory_factor`); 1 plans eager bf16."""
+    line as its note, when the layout cannot run this job."""
     layout = {"dp": d.batch_ranks, **d.axes()}
     problem = check_dims(plan, cl, d)
     if problem:
@@ -184,7 +179,7 @@ def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims, activation_factor: f
     micro, m = _micro_split(plan, d)[:2]
     layout.update(micro_batch=micro, **({"microbatches": m} if d.pp > 1 else {"accumulation": m}))
     layout["dims"] = d.text()
-    state, act, temp, head = _memory(plan, cl, d, micro, m, activation_factor)
+    state, act, temp, head = _memory(plan, cl, d, micro, m)
     t = _times(plan, cl, d, micro, m)
     est = _finish(ND, layout, plan, cl, state, act, temp, t["compute_s"], t["comm_s"], t["exposed_s"], t["bubble_s"],
                   head=head, accumulating=m > 1)

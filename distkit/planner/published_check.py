@@ -11,9 +11,10 @@ What is fitted and what is measured, each from its source:
   H100's fraction times the A100's ``compute_factor`` (:data:`~.inputs.A100_VS_H100`, from MosaicML's
   runs on both GPUs; no A100 row is fitted on);
 * ``torch.compile`` and Float8 as measured factors (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`):
-  the ratios of Table 1's rows (the same 8B job with and without each);
+  the ratios of Table 1's rows (the same 8B job with and without each), on the compute rate, as
+  ``plan.py --compile --float8`` plans any job (Table 1's job is compute-bound);
 * communication, overlap, the bubble and the CP ring: :mod:`.nd`'s terms with the link speeds of
-  :data:`~.inputs.GPUS` (stated assumptions there), nothing fitted;
+  :data:`~.inputs.GPUS` (their sources there), nothing fitted;
 * memory: the eager bf16 model with nothing fitted; ``torch.compile`` and Float8 as measured
   factors on the blocks' saved activations (:func:`memory_factors`), fitted on Table 1's memory
   column (the same three rows as the speed-ups), so every other row with a published memory checks
@@ -41,11 +42,13 @@ GOALS = {"tps": (0.15, 0.30), "memory": (0.10, 0.20)}
 
 def row_plan(row: Row) -> tuple[Plan, ParallelDims]:
     """The job and layout of a row: its model at its sequence length, ``local_batch`` sequences per
-    batch rank (one micro-batch; a pipeline's micro-batches of 1 sequence), bf16 AdamW, its AC."""
+    batch rank (one micro-batch; a pipeline's micro-batches of 1 sequence), bf16 AdamW, its AC, its
+    torch.compile and Float8 (as ``plan.py --compile --float8`` plans them)."""
     cfg = replace(MODELS[row.model], seq_len=row.seq_len)
     dims = ParallelDims(**row.dims, schedule=row.schedule)
     micro = 1 if dims.pp > 1 else row.local_batch
-    plan = Plan(cfg, global_batch=row.local_batch * dims.batch_ranks, micro_batch=micro, ac=row.ac)
+    plan = Plan(cfg, global_batch=row.local_batch * dims.batch_ranks, micro_batch=micro, ac=row.ac,
+                compile=row.compile, float8=row.float8)
     return plan, dims
 
 
@@ -97,14 +100,15 @@ def technique_speedup(job: Row | Plan) -> float:
 
 
 def predict(row: Row, efficiency: float) -> tuple[float, float]:
-    """(tokens/s per GPU, peak GiB per GPU) the planner predicts for ``row`` at ``efficiency``; its
-    techniques scale the tokens/s (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`) and the blocks'
-    saved activations (:func:`memory_factor`)."""
+    """(tokens/s per GPU, peak GiB per GPU) the planner predicts for ``row`` at ``efficiency``, as it
+    plans any job: its techniques scale the compute rate (:func:`technique_speedup`, through
+    :func:`~.costs.compute_rate`: communication and the bubble stay as they are) and the blocks' saved
+    activations (:func:`memory_factor`, through :func:`~.costs.activation_bytes`)."""
     plan, dims = row_plan(row)
-    est = estimate_dims(plan, cluster(row.gpu, row.gpus, efficiency=efficiency), dims, memory_factor(row))
+    est = estimate_dims(plan, cluster(row.gpu, row.gpus, efficiency=efficiency), dims)
     if not est.valid:
         raise ValueError(f"{row.label}: {est.note}")
-    return est.tokens_per_s_per_gpu * technique_speedup(row), est.memory_bytes["peak"] / GiB
+    return est.tokens_per_s_per_gpu, est.memory_bytes["peak"] / GiB
 
 
 _FITTED: dict = {}
