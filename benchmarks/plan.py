@@ -91,7 +91,8 @@ def parse_args(argv=None):
                     help=f"GPUs in the job, 1 to {planner.MAX_GPUS} (default: 8)")
     hw.add_argument("--gpus-per-node", type=positive_int, help="(default: the GPU type's usual node, 8; L4: 4)")
     hw.add_argument("--gpu", choices=[*planner.GPUS, "cpu"], default="h100",
-                    help="GPU type from the table in distkit/planner.py, or cpu (needs --calibrate) (default: h100)")
+                    help="GPU type from the table in distkit/planner/inputs.py, or cpu (needs --calibrate) "
+                         "(default: h100)")
     hw.add_argument("--gpu-memory-gib", type=positive_float, help="override: memory per GPU")
     hw.add_argument("--peak-tflops", type=positive_float, help="override: peak dense TFLOP/s in --precision")
     hw.add_argument("--efficiency", type=positive_float,

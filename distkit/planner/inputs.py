@@ -93,6 +93,13 @@ GPUS: dict[str, GPU] = {
     "h100-pcie": GPU("H100 PCIe 80GB", 79.2 * GiB, {"bf16": 756e12, "fp32": 51e12}, 2.0e12, Link(0.8 * 64e9, 15e-6),
                      _NDR, 0.8 * 64e9, 8,
                      "datasheet: H100 PCIe, 756 TFLOP/s bf16 dense (1,513 with sparsity), 51 fp32, HBM2e 2.0 TB/s"),
+    # torchtitan's calibration GPUs (its December 2024 H100 file, hardware section and footnote 2):
+    # 96 GB HBM2e at 2.4 TB/s, the default 500 W limit, "the actual peak TFLOPs number is between SXM
+    # and NVL, and we don't know its exact value": ASSUMED the middle of NVL's 835 (1,671 with sparsity)
+    # and SXM's 989 dense bf16 TFLOP/s; the memory as the 80 GB card's 79.2 GiB scales
+    "h100-500w": GPU("H100 96GB HBM2e 500 W", 95.0 * GiB, {"bf16": 912e12, "fp32": 63.5e12}, 2.4e12, _NV4,
+                     _NDR, 0.8 * 64e9, 8,
+                     "torchtitan's Grand Teton H100: peak between NVL (835) and SXM (989) TFLOP/s, assumed 912"),
     "h200": GPU("H200 SXM 141GB", 140.4 * GiB, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, _NV4,
                 _NDR, 0.8 * 64e9, 8, "datasheet: H200 SXM, 989 TFLOP/s bf16 dense, 67 fp32"),
     "a100-80gb": GPU("A100 SXM 80GB", 79.2 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.04e12, _NV3,

@@ -1,7 +1,8 @@
 """Published GPU training runs, as literal rows, each citing the file and table it comes from: the
 rows the planner's time model is calibrated on (:data:`CALIBRATION`, torchtitan's H100 benchmark of
 December 2024) and the rows it is only checked against (:data:`VALIDATION`, torchtitan's A100 numbers
-in docs/performance.md). Nothing here is computed: a number that is not in its source is not here.
+in docs/performance.md and Trainy's H200 runs of June 2025 in its benchmarks folder). Nothing here is
+computed: a number that is not in its source is not here.
 
 What the sources do not state is a stated assumption of this module, named per row in ``assumed``:
 the sequence length where a table gives none (torchtitan's Llama 3 configs train on 8,192 tokens,
@@ -15,6 +16,7 @@ from ..models import LlamaModelConfig, model_config
 
 H100_FILE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 A100_FILE = "pytorch/torchtitan docs/performance.md"
+H200_FILE = "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md"
 
 # Llama 2's published shapes (Touvron et al. 2023, and the Hugging Face configs torchtitan loads):
 # 13B 40 x 5120, 40 heads, MLP 13824; 70B 80 x 8192, 64 heads with 8 kv-heads, MLP 28672; vocab 32k.
@@ -65,38 +67,44 @@ _A = f"{A100_FILE}, Llama 3 table"
 _A2 = f"{A100_FILE}, Llama 2 table"
 _SEL = "torchtitan's selective layer/op AC as the planner's selective AC"
 _SEQ2 = "seq_len 4096 (Llama 2's, as the doc says)"
+_H200 = f"{H200_FILE}, Results"
+_TOML = ("seq_len 8192, selective op AC, FSDP over every GPU: torchtitan's llama3_8b.toml, which the file's "
+         "command runs (read at another commit than the run's)")
+_FP8_FSDP = ("Float8 all-gathers in FSDP and the Float8 weights recomputed in backward (the command's flags) "
+             "not modelled")
 
 # H100 (96 GB HBM2e, 500 W: the file's hardware section), 8 per host, 400 Gb/s per GPU between hosts.
+_H = "h100-500w"
 CALIBRATION = (
-    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", False, False, 5762, 82.4,
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", False, False, 5762, 82.4,
         assumed=(_SEQ,)),
-    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", True, False, 6667, 77.0,
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", True, False, 6667, 77.0,
         assumed=(_SEQ,)),
-    Row(_T1, "llama-3.1-8b", "h100", 8, {"dp_shard": 8}, 2, 8192, "selective", True, True, 8532, 76.8,
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", True, True, 8532, 76.8,
         assumed=(_SEQ,)),
-    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 8, "cp": 1}, 1, 32768, "full", True, True, 3890, 83.9),
-    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 4, "cp": 2}, 1, 65536, "full", True, True, 2540, 84.2),
-    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 2, "cp": 4}, 1, 131072, "full", True, True, 1071, 84.0),
-    Row(_T2, "llama-3.1-8b", "h100", 8, {"dp_shard": 1, "cp": 8}, 1, 262144, "full", True, True, 548, 84.5),
-    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", False, False, 5605, 67.0,
+    Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 8, "cp": 1}, 1, 32768, "full", True, True, 3890, 83.9),
+    Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 4, "cp": 2}, 1, 65536, "full", True, True, 2540, 84.2),
+    Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 2, "cp": 4}, 1, 131072, "full", True, True, 1071, 84.0),
+    Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 1, "cp": 8}, 1, 262144, "full", True, True, 548, 84.5),
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", False, False, 5605, 67.0,
         assumed=(_SEQ,)),
-    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", True, False, 6514, 62.0,
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", True, False, 6514, 62.0,
         assumed=(_SEQ,)),
-    Row(_T3, "llama-3.1-8b", "h100", 128, {"dp_shard": 128}, 2, 8192, "selective", True, True, 8380, 61.8,
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", True, True, 8380, 61.8,
         assumed=(_SEQ,)),
-    Row(_T4, "llama-3.1-70b", "h100", 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 829, 71.9,
+    Row(_T4, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 829, 71.9,
         assumed=(_SEQ,)),
-    Row(_T5, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 100,
+    Row(_T5, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 100,
         82.5, assumed=(_SEQ, _MICRO)),
-    Row(_T5, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 128,
+    Row(_T5, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 128,
         72.7, schedule="interleaved_1f1b", assumed=(_SEQ, _MICRO)),
-    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}, 8, 32768, "full", True, True,
+    Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}, 8, 32768, "full", True, True,
         76, 75.3, assumed=(_MICRO,)),
-    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 4, "tp": 8, "pp": 8, "cp": 2}, 8, 65536, "full", True, True,
+    Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 4, "tp": 8, "pp": 8, "cp": 2}, 8, 65536, "full", True, True,
         47, 75.9, assumed=(_MICRO,)),
-    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 2, "tp": 8, "pp": 8, "cp": 4}, 8, 131072, "full", True,
+    Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 2, "tp": 8, "pp": 8, "cp": 4}, 8, 131072, "full", True,
         True, 31, 77.1, assumed=(_MICRO,)),
-    Row(_T6, "llama-3.1-405b", "h100", 512, {"dp_shard": 1, "tp": 8, "pp": 8, "cp": 8}, 8, 262144, "full", True,
+    Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 1, "tp": 8, "pp": 8, "cp": 8}, 8, 262144, "full", True,
         True, 16, 84.9, assumed=(_MICRO,)),
 )
 
@@ -115,4 +123,10 @@ VALIDATION = (
     Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 4096, "selective", False, False, 355,
         assumed=(_SEQ2, _SEL)),
     Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "full", False, False, 353, assumed=(_SEQ2,)),
+    # H200 141GB, 8 per host, 400 Gb/s per GPU between hosts; torch 2.8 (nightly of May 2025), torchtitan
+    # of June 2025: the TPS/GPU and memory at the 100th step, on 4 and 8 hosts
+    Row(_H200, "llama-3.1-8b", "h200", 32, {"dp_shard": 32}, 2, 8192, "selective", True, True, 10938, 47.96,
+        assumed=(_TOML, _FP8_FSDP)),
+    Row(_H200, "llama-3.1-8b", "h200", 64, {"dp_shard": 64}, 2, 8192, "selective", True, True, 10753, 46.97,
+        assumed=(_TOML, _FP8_FSDP)),
 )
