@@ -72,7 +72,8 @@ def parse_args(argv=None):
                      help="bf16 mixed precision (fp32 master weights) or fp32 (default: bf16)")
     job.add_argument("--optimizer", choices=planner.OPTIMIZERS, default="adamw", help="(default: adamw)")
     job.add_argument("--activation-checkpointing", choices=planner.AC_MODES, default="none",
-                     help="what each block keeps for backward (default: none)")
+                     help="what each block keeps for backward: selective keeps every matmul's output, "
+                          "titan-op (torchtitan's selective op) every other one (default: none)")
     job.add_argument("--attention", choices=planner.ATTENTION, default="flash",
                      help="the attention kernel the activations assume: flash keeps no s x s matrix; eager keeps "
                           "its softmax probabilities (Korthikanti's 5as/h term at dropout 0) (default: flash)")

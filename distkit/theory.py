@@ -430,15 +430,22 @@ def activation_bytes_per_layer(cfg, micro_batch: int, ac: str) -> int:
     residual sum h, the block output h, SwiGLU's gate, SiLU, up and product 4*I (I the MLP width), the
     log-sum-exp a: none = 4sb*(8h + 2hg/a + 4I + a + 2). Selective keeps the input, the q/k/v/o
     projections' and the MLP's three matmul outputs, and O: 4sb*(5h + 2hg/a + 2I + a).
+
+    ``titan-op`` is torchtitan's selective op AC: the same save list, but only every other matmul
+    of a block is saved ("Saves output of all compute ops, except every second mm", its
+    apply_ac): q, v, the MLP's gate and down projections kept, k, the output projection and the up
+    projection recomputed. The Llama keeps 4sb*(4h + hg/a + I + a) (input, q, v, O and its
+    log-sum-exp, gate, down), the GPT 4sb*(9h + a) (input, qkv, O, the MLP's first matmul).
     """
     if is_moe(cfg):  # balanced routing: k rows per token each way
         return moe_activation_bytes_per_layer(cfg, micro_batch, ac)
     s, b, h, a = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_head
     if isinstance(cfg, LlamaModelConfig):
         kv, mlp = 2 * h * cfg.n_kv_head // a, cfg.intermediate_size
-        per_token = {"none": 8 * h + kv + 4 * mlp + a + 2, "full": h, "selective": 5 * h + kv + 2 * mlp + a}
+        per_token = {"none": 8 * h + kv + 4 * mlp + a + 2, "full": h, "selective": 5 * h + kv + 2 * mlp + a,
+                     "titan-op": 4 * h + kv // 2 + mlp + a}
     else:
-        per_token = {"none": 16 * h + a + 4, "full": h, "selective": 11 * h + a}
+        per_token = {"none": 16 * h + a + 4, "full": h, "selective": 11 * h + a, "titan-op": 9 * h + a}
     return 4 * s * b * per_token[ac]
 
 

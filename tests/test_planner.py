@@ -1074,18 +1074,18 @@ def published():
 def check_published_bounds(rows: list[dict]) -> None:
     """The errors ``plan.py --published`` reports, recomputed here from each row's prediction and
     published figure, within the bounds the README states: tokens/s on the validation rows within
-    the goal, median <= 15% and worst <= 30%; on the calibration rows median <= 5% and worst <= 50%;
-    memory median <= 20%, worst <= 55% (its goal, 10% / 20%, is not met: these are the measured
-    errors, rounded up; the worst are the H200 rows, +50%)."""
+    the goal, median <= 15% and worst <= 30%; on the calibration rows median <= 5% and worst <= 60%
+    (the CP rows at 131k-262k tokens); memory median <= 20%, worst <= 35% (its goal, 10% / 20%, is
+    not met: these are the measured errors, rounded up)."""
     def err(pred, meas):
         return abs(pred / meas - 1)
     cal = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "calibration")
     val = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "validation")
     mem = sorted(err(r["memory_pred"], r["memory_gib"]) for r in rows if r["memory_gib"] is not None)
     median = statistics.median
-    assert median(cal) <= 0.05 and cal[-1] <= 0.50, (median(cal), cal[-1])
+    assert median(cal) <= 0.05 and cal[-1] <= 0.60, (median(cal), cal[-1])
     assert median(val) <= 0.15 and val[-1] <= 0.30, (median(val), val[-1])
-    assert median(mem) <= 0.20 and mem[-1] <= 0.55, (median(mem), mem[-1])
+    assert median(mem) <= 0.20 and mem[-1] <= 0.35, (median(mem), mem[-1])
 
 
 def test_published_rows_are_apart_and_predicted_within_the_stated_bounds(published):
@@ -1118,7 +1118,7 @@ def test_the_a100_reaches_a_larger_fraction_of_its_peak_by_mosaics_measured_fact
     """The A100's ``compute_factor`` is the median A100 / H100 MFU ratio of MosaicML's matched runs,
     recomputed here from the pairs; a compute-bound A100 row's compute time is the H100 fraction's
     divided by it. Negative control: the A100 at the H100's fraction (factor 1, as before) misses the
-    validation bounds (median 32%)."""
+    validation bounds (median 35%)."""
     import dataclasses
 
     from distkit.planner import inputs
@@ -1173,9 +1173,9 @@ def test_the_calibration_gpus_are_torchtitans_500_w_h100s(published, monkeypatch
     """The calibration rows ran on H100s of 96 GB HBM2e at 2.4 TB/s, limited to 500 W, whose bf16
     peak "is between SXM and NVL" (the file's hardware section and footnote): ``h100-500w`` takes the
     middle of NVL's 835 and SXM's 989 dense TFLOP/s, and the efficiency fitted on those rows is a
-    fraction of that peak; every other GPU gets the same fraction of its own. Negative control: the
-    calibration GPUs taken as SXMs at 989 (a peak the source says they do not reach) miss the
-    validation bounds (median 15.2%)."""
+    fraction of that peak; every other GPU gets the same fraction of its own. The README's
+    sensitivity: taken as SXMs at 989 (a peak the source says they do not reach), every validation
+    row is predicted about 8% slower (989 / 912) and the median error doubles (6.8% to 14.1%)."""
     import dataclasses
 
     from distkit.planner import inputs
@@ -1189,18 +1189,55 @@ def test_the_calibration_gpus_are_torchtitans_500_w_h100s(published, monkeypatch
                                                                                         "bf16": 989e12}))
     monkeypatch.setattr(pc, "_FITTED", {})
     as_sxm = pc.compare(pc.calibrate())
+    for middle, sxm in zip(rows, as_sxm):
+        if middle["role"] == "validation":
+            assert 0.90 < sxm["tps_pred"] / middle["tps_pred"] < 0.94, middle["label"]
     val = [abs(r["tps_pred"] / r["tps"] - 1) for r in as_sxm if r["role"] == "validation"]
-    assert statistics.median(val) > 0.15
+    assert statistics.median(val) > 2 * pc.summary(rows)["tps_validation"][0]
+
+
+def test_torchtitans_selective_op_ac_keeps_every_other_matmul(published, monkeypatch):
+    """torchtitan's selective op AC ("Saves output of all compute ops, except every second mm"): a
+    Llama block keeps its input, q, v, attention's output and log-sum-exp, the MLP's gate and down
+    projections, 4sb (4h + hg/a + I + a) bytes in fp32 floats, and recomputes k, the output and the
+    up projection in backward: 2 (h hg/a + h^2 + h I) FLOPs per token per block more. The published
+    rows that ran it are planned with it. Negative control: the same rows planned with this
+    repository's selective AC (every matmul kept) miss the memory bound (the H200 rows 50% high)."""
+    import dataclasses
+
+    h, kv, inter, a, s, b = 4096, 4096 * 8 // 32, 14336, 32, LLAMA_8B.seq_len, 2
+    assert theory.activation_bytes_per_layer(LLAMA_8B, b, "titan-op") == 4 * s * b * (4 * h + kv + inter + a)
+    gpt = model_config("gpt", "small")
+    assert theory.activation_bytes_per_layer(gpt, 1, "titan-op") == 4 * gpt.seq_len * (9 * gpt.n_embd + gpt.n_head)
+    from distkit.planner import costs
+    extra = costs._flops_per_token(planner.Plan(LLAMA_8B, 8, ac="titan-op")) - \
+        costs._flops_per_token(planner.Plan(LLAMA_8B, 8, ac="none"))
+    assert extra == 2 * 32 * h * (kv + h + inter)
+    with pytest.raises(UsageError, match="titan-op is torchtitan's policy for dense models"):
+        planner.Plan(with_experts(LLAMA_8B, 8, 2), 8, ac="titan-op")
+    from distkit.planner.published import CALIBRATION, VALIDATION
+    assert {r.ac for r in CALIBRATION + VALIDATION} == {"none", "full", "titan-op"}
+    pc, rows = published
+    check_published_bounds(rows)
+
+    def as_selective(table):
+        return tuple(dataclasses.replace(r, ac="selective") if r.ac == "titan-op" else r for r in table)
+    monkeypatch.setattr(pc, "CALIBRATION", as_selective(CALIBRATION))
+    monkeypatch.setattr(pc, "VALIDATION", as_selective(VALIDATION))
+    monkeypatch.setattr(pc, "_MEMORY_FACTORS", {})
+    selective = pc.compare(pc.calibrate(pc.CALIBRATION))
+    assert max(r["memory_err"] for r in selective if r["label"].startswith("llama-3.1-8b 32xh200")) > 0.45
     with pytest.raises(AssertionError):
-        check_published_bounds(as_sxm)
+        check_published_bounds(selective)
 
 
 def check_technique_memory(pred_gib: float, eager: planner.Estimate, kept: float) -> None:
     """A compile/Float8 row's predicted peak, by hand: the eager layout's parameters, optimizer state
     and temporaries (no gradients at the top of backward: one micro-batch) plus ``kept`` of the
-    blocks' saved activations, Llama 3.1 8B selective AC at s = 8192, b = 2 in bf16:
-    32 blocks x 2 s b (5h + 2hg/a + 2I + a) bytes = 32 x 2 x 16,384 x 51,232 (50.03 GiB)."""
-    act = 32 * 2 * 16384 * (5 * 4096 + 2 * 4096 * 8 // 32 + 2 * 14336 + 32)
+    blocks' saved activations, Llama 3.1 8B under torchtitan's selective op AC (titan-op) at
+    s = 8192, b = 2 in bf16: 32 blocks x 2 s b (4h + hg/a + I + a) bytes = 32 x 2 x 16,384 x 31,776
+    (31.03 GiB)."""
+    act = 32 * 2 * 16384 * (4 * 4096 + 4096 * 8 // 32 + 14336 + 32)
     assert eager.memory_bytes["activations"] == act
     m = eager.memory_bytes
     assert pred_gib * planner.GiB == pytest.approx(m["params"] + m["optimizer"] + kept * act + m["temporaries"],
@@ -1227,7 +1264,7 @@ def test_compile_and_float8_lower_the_predicted_memory_by_table_1s_factors(publi
     c = 1 - 5.4 * gib / act
     f = 1 - 0.2 * gib / (c * act)
     assert pc.memory_factors() == pytest.approx({"compile": c, "float8": f}, rel=1e-12)
-    assert 0.89 < c < 0.90 and 0.995 < f < 0.996
+    assert 0.82 < c < 0.83 and 0.99 < f < 0.995
     eff = rows[0]["efficiency"]
     both = pc.predict(t1[True, True], eff)[1]
     check_technique_memory(both, eager, c * f)
@@ -1386,7 +1423,7 @@ def test_compile_and_float8_flags_scale_the_compute_and_the_saved_activations(ca
     assert planner.compute_rate(cl, eager) == pytest.approx(0.3 * 989e12, rel=1e-12)
     f = memory_factors()
     kept = costs.activation_bytes(both, 32, 1) / costs.activation_bytes(eager, 32, 1)
-    assert kept == pytest.approx(f["compile"] * f["float8"], rel=1e-12) and 0.85 < kept < 0.95
+    assert kept == pytest.approx(f["compile"] * f["float8"], rel=1e-12) and 0.80 < kept < 0.85
     full = [planner.Plan(LLAMA_8B, global_batch=16, ac="full", compile=c, float8=c) for c in (False, True)]
     assert costs.activation_bytes(full[1], 32, 1) == costs.activation_bytes(full[0], 32, 1)
     plan = load_script(BENCH / "plan.py")

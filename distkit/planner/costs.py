@@ -47,7 +47,7 @@ def _replicated_per_token(cfg, ac: str, sp: bool = False) -> int:
     h = cfg.n_embd
     if ac == "full":
         return 0 if sp else h
-    if sp or ac == "selective":
+    if sp or ac in ("selective", "titan-op"):
         return 2 * h if ac == "none" else h
     return 6 * h + 2 if isinstance(cfg, LlamaModelConfig) else 4 * h + 4
 
@@ -67,7 +67,9 @@ def activation_bytes(plan: Plan, layers: float, micro_batch: int, tp: int = 1, s
     * none: the Llama 4sb (8h + 2hg/a + 4I + a + 2), the GPT 4sb (16h + a + 4);
     * full (every block recomputed): the block input, 4sbh;
     * selective (op-level: the matmul outputs and attention's output saved, norms and activations
-      recomputed): the Llama 4sb (5h + 2hg/a + 2I + a), the GPT 4sb (11h + a).
+      recomputed): the Llama 4sb (5h + 2hg/a + 2I + a), the GPT 4sb (11h + a);
+    * titan-op (torchtitan's selective op: every other matmul's output saved): the Llama
+      4sb (4h + hg/a + I + a), the GPT 4sb (9h + a).
 
     The attention kernel (``plan.attention``): flash (the default; SDPA's fused kernel) keeps no s x s
     matrix, only a log-sum-exp per row and head. Eager attention keeps its softmax probabilities for
@@ -204,8 +206,10 @@ def compute_rate(cluster: Cluster, plan: Plan) -> float:
 
 def _flops_per_token(plan: Plan, lora: bool = False) -> float:
     """theory's ``6N + 12Lsd`` (model FLOPs), plus the forward that full AC recomputes (2N + 4Lsd:
-    hardware FLOPs that the step takes time for), and for LoRA minus the frozen weights' gradient
-    matmuls (2N: backward computes input gradients only)."""
+    hardware FLOPs that the step takes time for) or the matmuls that ``titan-op`` recomputes (every
+    other one of a block: the Llama's k, output and up projections, the GPT's two output
+    projections), and for LoRA minus the frozen weights' gradient matmuls (2N: backward computes
+    input gradients only)."""
     cfg = plan.model
     full = theory.training_flops_per_token(cfg)
     attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
@@ -213,6 +217,12 @@ def _flops_per_token(plan: Plan, lora: bool = False) -> float:
     flops = full
     if plan.ac == "full":
         flops += (matmul + attention) / 3
+    elif plan.ac == "titan-op":
+        h = cfg.n_embd
+        if isinstance(cfg, LlamaModelConfig):
+            flops += 2 * cfg.n_layer * h * (h * cfg.n_kv_head // cfg.n_head + h + cfg.intermediate_size)
+        else:
+            flops += 2 * cfg.n_layer * 5 * h * h
     if lora:
         flops -= matmul / 3
     return flops

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import theory
 from ..errors import UsageError
+from ..models import is_moe
 
 # ----------------------------------------------------------------------------------------------
 # Hardware: GPU types and links
@@ -188,7 +189,10 @@ PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 
 
-AC_MODES = ("none", "selective", "full")
+# Activation checkpointing per block: none; selective (this repository's op policy: every matmul's
+# output and attention's kept, the rest recomputed); full (the block recomputed from its input);
+# titan-op (torchtitan's selective op policy: every other matmul kept; theory.activation_bytes_per_layer)
+AC_MODES = ("none", "selective", "full", "titan-op")
 # Which attention kernel the activations assume: flash (SDPA's fused kernels, the default: no s x s
 # matrix is kept) or eager (softmax(QK^T)V as separate ops: its probabilities are kept for backward).
 ATTENTION = ("flash", "eager")
@@ -278,6 +282,9 @@ class Plan:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.global_batch < 1 or self.micro_batch < 1:
             raise UsageError(f"global batch and micro-batch must be >= 1, got {self.global_batch}, {self.micro_batch}")
+        if self.ac == "titan-op" and is_moe(self.model):
+            raise UsageError("--activation-checkpointing titan-op is torchtitan's policy for dense models; an MoE "
+                             "model plans with none, selective or full")
         if self.float8 and self.precision != "bf16":
             raise UsageError("--float8 runs the linear layers of a bf16 job in Float8 (as its measured factors "
                              f"were); drop --precision {self.precision}")

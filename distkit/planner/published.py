@@ -6,8 +6,9 @@ computed: a number that is not in its source is not here.
 
 What the sources do not state is a stated assumption of this module, named per row in ``assumed``:
 the sequence length where a table gives none (torchtitan's Llama 3 configs train on 8,192 tokens,
-Llama 2 on 4,096), a pipeline's micro-batch of 1 sequence, and torchtitan's "selective layer" and
-"selective op" checkpointing both as the planner's selective AC."""
+Llama 2 on 4,096), a pipeline's micro-batch of 1 sequence, a "selective" AC that names no kind as
+torchtitan's default, selective op (the planner's ``titan-op``), and its "selective layer" AC (every
+second block checkpointed whole) planned as selective op."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,10 +66,11 @@ _SEQ = "seq_len 8192 (torchtitan's Llama 3 config; the table gives none)"
 _MICRO = "pipeline micro-batch of 1 sequence (the table gives none)"
 _A = f"{A100_FILE}, Llama 3 table"
 _A2 = f"{A100_FILE}, Llama 2 table"
-_SEL = "torchtitan's selective layer/op AC as the planner's selective AC"
+_LAYER = "selective layer AC (every second block checkpointed whole) planned as selective op (titan-op)"
+_OP = "the table's selective AC as torchtitan's default, selective op (titan-op; its llama3_8b.toml)"
 _SEQ2 = "seq_len 4096 (Llama 2's, as the doc says)"
 _H200 = f"{H200_FILE}, Results"
-_TOML = ("seq_len 8192, selective op AC, FSDP over every GPU: torchtitan's llama3_8b.toml, which the file's "
+_TOML = ("seq_len 8192, selective op AC (titan-op), FSDP over every GPU: torchtitan's llama3_8b.toml, which the file's "
          "command runs (read at another commit than the run's)")
 _FP8_FSDP = ("Float8 all-gathers in FSDP and the Float8 weights recomputed in backward (the command's flags) "
              "not modelled")
@@ -76,22 +78,22 @@ _FP8_FSDP = ("Float8 all-gathers in FSDP and the Float8 weights recomputed in ba
 # H100 (96 GB HBM2e, 500 W: the file's hardware section), 8 per host, 400 Gb/s per GPU between hosts.
 _H = "h100-500w"
 CALIBRATION = (
-    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", False, False, 5762, 82.4,
-        assumed=(_SEQ,)),
-    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", True, False, 6667, 77.0,
-        assumed=(_SEQ,)),
-    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "selective", True, True, 8532, 76.8,
-        assumed=(_SEQ,)),
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "titan-op", False, False, 5762, 82.4,
+        assumed=(_SEQ, _OP)),
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "titan-op", True, False, 6667, 77.0,
+        assumed=(_SEQ, _OP)),
+    Row(_T1, "llama-3.1-8b", _H, 8, {"dp_shard": 8}, 2, 8192, "titan-op", True, True, 8532, 76.8,
+        assumed=(_SEQ, _OP)),
     Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 8, "cp": 1}, 1, 32768, "full", True, True, 3890, 83.9),
     Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 4, "cp": 2}, 1, 65536, "full", True, True, 2540, 84.2),
     Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 2, "cp": 4}, 1, 131072, "full", True, True, 1071, 84.0),
     Row(_T2, "llama-3.1-8b", _H, 8, {"dp_shard": 1, "cp": 8}, 1, 262144, "full", True, True, 548, 84.5),
-    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", False, False, 5605, 67.0,
-        assumed=(_SEQ,)),
-    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", True, False, 6514, 62.0,
-        assumed=(_SEQ,)),
-    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "selective", True, True, 8380, 61.8,
-        assumed=(_SEQ,)),
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "titan-op", False, False, 5605, 67.0,
+        assumed=(_SEQ, _OP)),
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "titan-op", True, False, 6514, 62.0,
+        assumed=(_SEQ, _OP)),
+    Row(_T3, "llama-3.1-8b", _H, 128, {"dp_shard": 128}, 2, 8192, "titan-op", True, True, 8380, 61.8,
+        assumed=(_SEQ, _OP)),
     Row(_T4, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 829, 71.9,
         assumed=(_SEQ,)),
     Row(_T5, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 100,
@@ -110,23 +112,23 @@ CALIBRATION = (
 
 # A100 80GB, 64 GPUs (8 hosts of 8), FSDP2 only (dp_shard 64), bf16, no compile or Float8 named.
 VALIDATION = (
-    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "selective", False, False, 2904,
-        assumed=(_SEQ, _SEL)),
-    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "selective", False, False, 2973,
-        assumed=(_SEQ, _SEL)),
+    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "titan-op", False, False, 2904,
+        assumed=(_SEQ, _LAYER)),
+    Row(_A, "llama-3.1-8b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "titan-op", False, False, 2973,
+        assumed=(_SEQ,)),
     Row(_A, "llama-3.1-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 8192, "full", False, False, 331, assumed=(_SEQ,)),
     Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "none", False, False, 2162, assumed=(_SEQ2,)),
-    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "selective", False, False, 1914,
-        assumed=(_SEQ2, _SEL)),
-    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "selective", False, False, 1904,
-        assumed=(_SEQ2, _SEL)),
-    Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 4096, "selective", False, False, 355,
-        assumed=(_SEQ2, _SEL)),
+    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "titan-op", False, False, 1914,
+        assumed=(_SEQ2, _LAYER)),
+    Row(_A2, "llama-2-13b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "titan-op", False, False, 1904,
+        assumed=(_SEQ2,)),
+    Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 1, 4096, "titan-op", False, False, 355,
+        assumed=(_SEQ2,)),
     Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "full", False, False, 353, assumed=(_SEQ2,)),
     # H200 141GB, 8 per host, 400 Gb/s per GPU between hosts; torch 2.8 (nightly of May 2025), torchtitan
     # of June 2025: the TPS/GPU and memory at the 100th step, on 4 and 8 hosts
-    Row(_H200, "llama-3.1-8b", "h200", 32, {"dp_shard": 32}, 2, 8192, "selective", True, True, 10938, 47.96,
+    Row(_H200, "llama-3.1-8b", "h200", 32, {"dp_shard": 32}, 2, 8192, "titan-op", True, True, 10938, 47.96,
         assumed=(_TOML, _FP8_FSDP)),
-    Row(_H200, "llama-3.1-8b", "h200", 64, {"dp_shard": 64}, 2, 8192, "selective", True, True, 10753, 46.97,
+    Row(_H200, "llama-3.1-8b", "h200", 64, {"dp_shard": 64}, 2, 8192, "titan-op", True, True, 10753, 46.97,
         assumed=(_TOML, _FP8_FSDP)),
 )
