@@ -191,17 +191,35 @@ def core_share(cluster: Cluster) -> float:
 
 
 def compute_rate(cluster: Cluster, plan: Plan) -> float:
-    """Achieved FLOP/s of one GPU (one rank): efficiency x the GPU type's ``compute_factor`` (1 on an
-    H100, where the efficiency is fitted) x peak of the precision, at the rank's :func:`core_share` on CPU;
-    torch.compile and Float8 multiply it by their measured speed-ups
-    (:func:`~.published_check.technique_speedup`)."""
+    """Achieved FLOP/s of one GPU (one rank), eager: efficiency x the GPU type's ``compute_factor`` (1
+    on an H100, where the efficiency is fitted) x peak of the precision, at the rank's
+    :func:`core_share` on CPU. torch.compile and Float8: :func:`compute_seconds`."""
     peak = cluster.gpu.peak_flops.get(plan.precision) or cluster.gpu.peak_flops["fp32"]
-    rate = cluster.efficiency * cluster.gpu.compute_factor * peak * core_share(cluster)
-    if plan.compile or plan.float8:
-        from .published_check import technique_speedup  # imported here: that module plans with this one
+    return cluster.efficiency * cluster.gpu.compute_factor * peak * core_share(cluster)
 
-        rate *= technique_speedup(plan)
-    return rate
+
+def attention_flops_per_token(plan: Plan) -> float:
+    """The attention part of :func:`_flops_per_token`: theory's 12 L d s, and the forward (4 L d s)
+    that full AC recomputes."""
+    cfg = plan.model
+    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    return attention * 4 / 3 if plan.ac == "full" else attention
+
+
+def compute_seconds(cluster: Cluster, plan: Plan, tokens: float, lora: bool = False) -> float:
+    """Seconds one GPU computes ``tokens`` tokens of ``plan``: attention's FLOPs at
+    :func:`compute_rate`, the rest (the matmuls of the linear layers and what surrounds them) at that
+    rate times what torch.compile and Float8 make of them (:func:`~.published_check.linear_speedup`).
+    Float8 converts the linear layers only and compile leaves the attention kernel a call to the same
+    kernel, so attention runs at its eager speed."""
+    rate = compute_rate(cluster, plan)
+    attention = attention_flops_per_token(plan)
+    rest = _flops_per_token(plan, lora) - attention
+    if plan.compile or plan.float8:
+        from .published_check import linear_speedup  # imported here: that module plans with this one
+
+        rest /= linear_speedup(plan)
+    return tokens * (rest + attention) / rate
 
 
 def _flops_per_token(plan: Plan, lora: bool = False) -> float:

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 from .. import theory
 from . import nd_ep
-from .costs import _act_dtype_bytes, _flops_per_token, activation_bytes, collective_time, compute_rate, core_share
+from .costs import _act_dtype_bytes, activation_bytes, collective_time, compute_rate, compute_seconds, core_share
 from .dims import ParallelDims, _micro_split, check_dims, enumerate_dims
 from .inputs import Cluster, Plan, _block_params
 from .layouts import Estimate, _finish, _invalid
@@ -130,8 +130,8 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
     """Compute, each axis's communication and what of it is exposed, and the bubble (seconds)."""
     cfg, n = plan.model, cl.gpus
     w = _act_dtype_bytes(plan)
-    rate = compute_rate(cl, plan)
-    compute_s = plan.tokens_per_step / n * _flops_per_token(plan) / rate
+    rate = compute_rate(cl, plan)  # eager: attention's speed (the CP ring hides under it)
+    compute_s = compute_seconds(cl, plan, plan.tokens_per_step / n)
     s_local = cfg.seq_len // d.cp
     layers = math.ceil(cfg.n_layer / (d.pp * d.chunks)) * d.chunks
     act = micro * s_local * cfg.n_embd * w

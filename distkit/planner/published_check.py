@@ -27,6 +27,7 @@ import math
 import statistics
 from dataclasses import replace
 
+from .costs import _flops_per_token, attention_flops_per_token
 from .dims import ParallelDims
 from .inputs import A100_VS_H100, GiB, Plan, cluster
 from .nd import estimate_dims
@@ -93,16 +94,33 @@ def memory_factor(job: Row | Plan) -> float:
 
 
 def technique_speedup(job: Row | Plan) -> float:
-    """What ``job``'s torch.compile and Float8 multiply the speed by (:data:`COMPILE_SPEEDUP`,
-    :data:`FLOAT8_SPEEDUP`); 1 for an eager job. A plan's compute rate (:func:`~.costs.compute_rate`),
-    a published row's tokens/s (:func:`predict`)."""
+    """What ``job``'s torch.compile and Float8 multiplied Table 1's whole step's speed by
+    (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`); 1 for an eager job. The planner applies it to
+    the FLOPs outside attention as :func:`linear_speedup`."""
     return (COMPILE_SPEEDUP if job.compile else 1.0) * (FLOAT8_SPEEDUP if job.float8 else 1.0)
+
+
+_ATTENTION_SHARE: dict = {}
+
+
+def linear_speedup(job: Row | Plan) -> float:
+    """What ``job``'s torch.compile and Float8 multiply the speed of the FLOPs outside attention by
+    (:func:`~.costs.compute_seconds`): Table 1's whole-step ratio S (:func:`technique_speedup`) with
+    attention, a share A of that job's FLOPs, left at its eager speed: (1 - A) / (1 / S - A)."""
+    s = technique_speedup(job)
+    if s == 1.0:
+        return 1.0
+    if not _ATTENTION_SHARE:
+        plan, _ = row_plan(_table1(False, False))
+        _ATTENTION_SHARE["A"] = attention_flops_per_token(plan) / _flops_per_token(plan)
+    a = _ATTENTION_SHARE["A"]
+    return (1 - a) / (1 / s - a)
 
 
 def predict(row: Row, efficiency: float) -> tuple[float, float]:
     """(tokens/s per GPU, peak GiB per GPU) the planner predicts for ``row`` at ``efficiency``, as it
-    plans any job: its techniques scale the compute rate (:func:`technique_speedup`, through
-    :func:`~.costs.compute_rate`: communication and the bubble stay as they are) and the blocks' saved
+    plans any job: its techniques speed up the FLOPs outside attention (:func:`linear_speedup`, through
+    :func:`~.costs.compute_seconds`: attention, communication and the bubble stay as they are) and the blocks' saved
     activations (:func:`memory_factor`, through :func:`~.costs.activation_bytes`)."""
     plan, dims = row_plan(row)
     est = estimate_dims(plan, cluster(row.gpu, row.gpus, efficiency=efficiency), dims)

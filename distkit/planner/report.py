@@ -35,14 +35,15 @@ def describe(plan: Plan, cl: Cluster) -> str:
 
 
 def _factors_text(cl, plan) -> str:
-    """The measured factors on top of the efficiency, where any is not 1 (the GPU type's, compile's,
-    Float8's)."""
-    from .published_check import technique_speedup
+    """The measured factors on top of the efficiency, where any is not 1 (the GPU type's, compile's
+    and Float8's on the FLOPs outside attention)."""
+    from .published_check import linear_speedup, technique_speedup
 
     parts = [f"x {cl.gpu.compute_factor:.3g} for the {cl.gpu.name}"] if cl.gpu.compute_factor != 1 else []
     if plan.compile or plan.float8:
         on = "+".join(t for t, flag in (("compile", plan.compile), ("Float8", plan.float8)) if flag)
-        parts.append(f"x {technique_speedup(plan):.3g} {on}")
+        parts.append(f"x {linear_speedup(plan):.3g} outside attention for {on}, "
+                     f"Table 1's x {technique_speedup(plan):.3g} on its whole step")
     return "".join(f" {p}" for p in parts)
 
 
