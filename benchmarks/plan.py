@@ -97,7 +97,8 @@ def parse_args(argv=None):
     hw.add_argument("--gpu-memory-gib", type=positive_float, help="override: memory per GPU")
     hw.add_argument("--peak-tflops", type=positive_float, help="override: peak dense TFLOP/s in --precision")
     hw.add_argument("--efficiency", type=positive_float,
-                    help="achievable fraction of the peak (default: 0.35, torchtitan's MFU for 8B on H100s)")
+                    help=f"achievable fraction of the peak (default: {planner.FITTED_EFFICIENCY}, fitted on "
+                         "torchtitan's published H100 runs: --published)")
     hw.add_argument("--usable-memory", type=positive_float,
                     help="fraction of GPU memory a job can fill (default: 0.9)")
     hw.add_argument("--intra-bw-gbps", type=positive_float, help="override: bus GB/s inside a node")

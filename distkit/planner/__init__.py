@@ -75,6 +75,7 @@ from .hf_config import read_hf_config, uncounted_note, with_overrides
 from .inputs import (
     AC_MODES,
     ATTENTION,
+    FITTED_EFFICIENCY,
     GPU,
     GPU_NAME_PARTS,
     GPUS,
@@ -110,7 +111,7 @@ from .validation import (
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
            "estimate_nd", "fewest_batch_ranks", "head_bytes", "parse_layout", "published_table",
-           "AC_MODES", "ATTENTION",
+           "AC_MODES", "ATTENTION", "FITTED_EFFICIENCY",
            "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",

@@ -124,13 +124,19 @@ def gpu_type(device_name: str) -> str | None:
     return next((key for part, key in GPU_NAME_PARTS.items() if part in device_name), None)
 
 
+# The fraction of the bf16 peak a GPU reaches by default: the one constant of the time model fitted
+# on published runs, torchtitan's December 2024 H100 rows at their own peak (published_check.calibrate,
+# which tests/test_planner.py checks this equals; plan.py --published shows the fit and its errors).
+FITTED_EFFICIENCY = 0.3998
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs of one type: ``gpus`` in all, ``gpus_per_node`` per node.
 
-    ``efficiency``: the achievable fraction of the peak FLOP/s (0.35: torchtitan reports 33-39% MFU
-    for Llama 3.1 8B under FSDP on 8 to 128 H100s, ``docs/performance.md``; an assumption
-    elsewhere); ``usable_memory``: the fraction of the GPU's
+    ``efficiency``: the achievable fraction of the peak FLOP/s (:data:`FITTED_EFFICIENCY`, fitted on
+    torchtitan's published H100 runs; times the GPU type's ``compute_factor``); ``usable_memory``: the
+    fraction of the GPU's
     memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
     ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
     share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
@@ -142,7 +148,7 @@ class Cluster:
     gpu: GPU
     gpus: int
     gpus_per_node: int
-    efficiency: float = 0.35
+    efficiency: float = FITTED_EFFICIENCY
     usable_memory: float = 0.9
     overlap: bool = True
     collectives: dict | None = None
