@@ -17,16 +17,19 @@ optimizer the ZeRO paper's way), collectives from the same call, activations fro
 :func:`~distkit.theory.pipeline_bubble`. What the planner adds is *time* and *placement*:
 
 * compute = training FLOPs per GPU x the recompute of activation checkpointing / (achievable
-  fraction x peak FLOP/s of the precision);
+  fraction x peak FLOP/s of the precision), the fraction fitted on torchtitan's published H100 runs
+  (:data:`FITTED_EFFICIENCY`), torch.compile and Float8 speeding up the FLOPs outside attention
+  (:func:`~.costs.compute_seconds`);
 * communication = per collective call ``alpha + bus_bytes / beta`` (alpha-beta, Hockney), beta
-  the intra-node link when the collective's group fits in a node, else the inter-node one, minus
+  the intra-node link when the collective's group fits in a node, else the network ports of its GPUs
+  in a node together (a ring across nodes), minus
   what the strategy can hide behind compute (DDP and ZeRO-1/2 overlap their gradient reduction with
   backward, FSDP and ZeRO-3 prefetch their gathers under forward and backward, tensor parallelism
   and the pipeline's sends sit on the critical path, ZeRO-1/2's weight gather follows the step);
 * the pipeline stretches compute by 1 / (1 - bubble).
 
-GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity) and stated assumptions for
-links and efficiency, labelled as such; :func:`cpu_cluster` calibrates a CPU "cluster" from the
+GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity), NCCL's measured per-port
+network bandwidth and stated assumptions for the links inside a node, labelled as such; :func:`cpu_cluster` calibrates a CPU "cluster" from the
 records this repository measures (collective alpha/beta from the bandwidth sweep, matmul FLOP/s and
 a compute efficiency from the benchmark matrix), and :func:`validate` puts every prediction next to
 the measurement of every matrix cell.
