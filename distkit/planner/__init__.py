@@ -29,7 +29,8 @@ optimizer the ZeRO paper's way), collectives from the same call, activations fro
 * the pipeline stretches compute by 1 / (1 - bubble).
 
 GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity), NCCL's measured per-port
-network bandwidth and stated assumptions for the links inside a node, labelled as such; :func:`cpu_cluster` calibrates a CPU "cluster" from the
+network bandwidth and stated assumptions for the links inside a node, labelled as such;
+:func:`cpu_cluster` calibrates a CPU "cluster" from the
 records this repository measures (collective alpha/beta from the bandwidth sweep, matmul FLOP/s and
 a compute efficiency from the benchmark matrix), and :func:`validate` puts every prediction next to
 the measurement of every matrix cell.
