@@ -189,6 +189,7 @@ class Harness:
     _matmuls: MatmulCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
     _cuda_step_peak: int | None = field(init=False, default=None)
+    _cuda_step_reserved: int | None = field(init=False, default=None)
     _steps: int = field(init=False, default=0)
     _timed_samples: float = field(init=False, default=0.0)
     _timed_tokens: float = field(init=False, default=0.0)
@@ -233,7 +234,9 @@ class Harness:
     def _step_memory_peak(self) -> Iterator[None]:
         """On CUDA, the peak of this step alone: reset CUDA's peak statistic as the step begins (it
         restarts at what is allocated now, so state held across steps counts) and keep the largest
-        reading as steps end. Outside the step timer's region: timing is unaffected."""
+        reading as steps end; the caching allocator's reserved peak beside it (what frameworks such as
+        torchtitan report, fragmentation and cache included). Outside the step timer's region:
+        timing is unaffected."""
         if self.ctx.device.type != "cuda":
             yield
             return
@@ -241,6 +244,8 @@ class Harness:
         yield
         peak = torch.cuda.max_memory_allocated(self.ctx.device)
         self._cuda_step_peak = max(self._cuda_step_peak or 0, peak)
+        reserved = torch.cuda.max_memory_reserved(self.ctx.device)
+        self._cuda_step_reserved = max(self._cuda_step_reserved or 0, reserved)
 
     @contextmanager
     def _instruments(self, first: bool) -> Iterator[None]:
@@ -334,6 +339,7 @@ class Harness:
             "peak_memory_bytes": peak,
             "peak_memory_kind": kind,
             "peak_memory_by_category": self._memory_peak,
+            "peak_reserved_bytes": self._cuda_step_reserved,  # CUDA's allocator, its steps; None elsewhere
             "peak_rss_bytes": peak_rss_bytes(),
             "model_state_bytes": self._state_bytes or self.state_bytes(),
             "comm_per_step": self._comm.summary(max(self._comm_done, 1)) if self._comm_done else {},
@@ -370,6 +376,7 @@ class Harness:
             "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
             "peak_memory_kind": per_rank[0]["peak_memory_kind"],
             "peak_memory_by_category_per_rank": [m["peak_memory_by_category"] for m in per_rank],
+            "peak_reserved_bytes_per_rank": [m["peak_reserved_bytes"] for m in per_rank],
             "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],
             "model_state_bytes_per_rank": [m["model_state_bytes"] for m in per_rank],
             "comm_per_step_per_rank": [m["comm_per_step"] for m in per_rank],

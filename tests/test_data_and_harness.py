@@ -453,6 +453,7 @@ def test_compiled_code_stays_compiled_after_the_harness_instruments_a_step():
     assert runs["graph"] == 3, runs
     record = harness.finish()
     assert record["metrics"]["peak_memory_kind"] == "cpu_peak_rss"  # eager memory is not the compiled model's
+    assert record["metrics"]["peak_reserved_bytes_per_rank"] == [None]  # CUDA's allocator only
 
     torch._dynamo.reset()
     runs["graph"] = 0

@@ -83,7 +83,8 @@ def cuda_context() -> DistContext:
 def test_harness_peak_excludes_what_follows_the_last_step():
     """2 (a). The tiny GPT's steps peak at tens of MiB at most (cuBLAS's workspace included); 512 MiB
     allocated after the last step and held through ``finish`` must not be in the record's peak, and
-    must be in it when allocated inside a step (negative control)."""
+    must be in it when allocated inside a step (negative control). The allocator's reserved peak of
+    the steps is recorded beside it, never below it; 512 MiB freed inside a step stays reserved."""
     require_gpus(1, "CUDA's peak statistics of one device")
     ctx, cfg, big = cuda_context(), gpt_config("tiny"), 512 * MiB
     device = ctx.device
@@ -108,13 +109,16 @@ def test_harness_peak_excludes_what_follows_the_last_step():
         window = peak_memory_bytes(device)
         del held, model, optimizer, harness
         torch.cuda.empty_cache()
-        return record["metrics"]["peak_memory_bytes_per_rank"][0], window
+        metrics = record["metrics"]
+        assert metrics["peak_reserved_bytes_per_rank"][0] >= metrics["peak_memory_bytes_per_rank"][0] > 0
+        return metrics["peak_memory_bytes_per_rank"][0], window, metrics["peak_reserved_bytes_per_rank"][0]
 
-    after_peak, after_window = train(allocate_in_last_step=False)
+    after_peak, after_window, _ = train(allocate_in_last_step=False)
     assert after_peak < big / 2, after_peak  # the steps alone
     assert after_window >= big, after_window  # peak_memory_bytes still covers the whole window
-    inside_peak, _ = train(allocate_in_last_step=True)
+    inside_peak, _, inside_reserved = train(allocate_in_last_step=True)
     assert inside_peak >= big, inside_peak  # negative control: inside a step it counts
+    assert inside_reserved >= big, inside_reserved
 
 
 SLEEP_CYCLES = 2_000_000_000  # about 1 s at an H100's 1.98 GHz
