@@ -100,7 +100,7 @@ print({s: round(p[max(p)], 2) for s, p in eff.items()})
 # ## Does theory match the measurement?
 #
 # For every cell: the worst relative error of the per-rank model-state bytes and of the bytes of each
-# collective (the issue's bars: 5% and 1%), and rank 0's bus bytes per step, measured and predicted.
+# collective (the bars: 5% and 1%), and rank 0's bus bytes per step, measured and predicted.
 
 # %%
 STATE_TOLERANCE, BYTES_TOLERANCE = 0.05, 0.01

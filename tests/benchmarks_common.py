@@ -1,5 +1,5 @@
 """What tests/test_benchmarks.py (CPU suite) and tests/test_benchmarks_gpu.py (``pytest -m gpu``)
-share: where benchmarks/ lives, the issue's bars for theory vs measurement, loading a benchmarks
+share: where benchmarks/ lives, the bars for theory vs measurement, loading a benchmarks
 script by path, and running a script's argument parser in this process."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from launch import REPO
 BENCH = REPO / "benchmarks"
 README = BENCH / "README.md"
 COMMITTED_RESULTS = BENCH / "records" / "results_cpu.jsonl"
-BYTES_TOLERANCE = 0.01   # the issue's bar: communication bytes within 1% of distkit.theory
+BYTES_TOLERANCE = 0.01   # the bar: communication bytes within 1% of distkit.theory
 STATE_TOLERANCE = 0.05   # model-state bytes within 5%
 # The README's planner commands (section "Planning"), run by tests/test_planner.py; the README
 # coverage check needs them next to test_benchmarks.py's own lookups.

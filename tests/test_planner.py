@@ -2,7 +2,7 @@
 ``distkit.theory``'s, cross-checked against the ZeRO paper and DeepSpeed's own estimators at real
 shapes; its fits/doesn't-fit answer flips where the bytes say; its recommendation matches two cases
 worked out by hand; the CLI's JSON has the documented schema and bad input is one line; and its
-predictions for the committed CPU matrix are within the issue's bounds. No job is launched."""
+predictions for the committed CPU matrix are within the stated bounds. No job is launched."""
 from __future__ import annotations
 
 import json
@@ -784,7 +784,7 @@ def committed_rows():
     return _matrix_rows()
 
 
-# The one cell of the committed matrix where the activations miss the issue's 10%: DeepSpeed ZeRO-3
+# The one cell of the committed matrix where the activations miss the 10% bound: DeepSpeed ZeRO-3
 # with CPU offload on the GPT at 4 ranks (+31%; its peak is within 4%). That matrix predates the
 # harness's activation high-water mark, so it measured the activations alive at the step's peak, and
 # this step peaks in backward, after some blocks' activations are freed, while the offload machinery
@@ -1141,9 +1141,10 @@ def test_the_a100_reaches_a_larger_fraction_of_its_peak_by_mosaics_measured_fact
 def test_a_ring_across_nodes_runs_on_every_port_of_a_node_in_its_group(published, monkeypatch):
     """Across nodes NCCL runs a ring channel through each GPU's own network port, so a group with k
     GPUs in each node moves its bus bytes at k ports' speed, at most the link inside the node: NVIDIA
-    measures 192 GB/s all-reduce bus bandwidth between DGX-A100s of 8 x 200 Gb/s ports (NVIDIA/nccl
-    issue 812), 8 x the 24 GB/s the planner takes for one HDR port. One GPU per node, a send or an
-    all-to-all: one port. Which GPUs of an axis share a node follows the mesh order (tp innermost).
+    measures 192 GB/s all-reduce bus bandwidth between DGX-A100s of 8 x 200 Gb/s ports
+    (github.com/NVIDIA/nccl/issues/812), 8 x the 24 GB/s the planner takes for one HDR port. One
+    GPU per node, a send or an all-to-all: one port. Which GPUs of an axis share a node follows the
+    mesh order (tp innermost).
     Negative control: every collective across nodes on one port (the model before) misses the
     validation bounds: Llama 2 70B at local batch 1 is then bound by FSDP's gathers, 32% slow."""
     from distkit.planner import costs, inputs

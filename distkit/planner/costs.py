@@ -126,8 +126,8 @@ def head_working_set(plan: Plan, micro_batch: int) -> float:
 # node's GPUs in the group drives its own network port (one port per GPU, rail-aligned), so the
 # bus bandwidth is the ports of a node together, at most the link inside it. NVIDIA's measurement:
 # "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure 192GB/s AllReduce
-# BusBW" (NVIDIA/nccl issue 812, 2023). A send, a receive or an all-to-all's part that leaves the
-# node goes through the sending GPU's own port.
+# BusBW" (https://github.com/NVIDIA/nccl/issues/812, 2023). A send, a receive or an all-to-all's
+# part that leaves the node goes through the sending GPU's own port.
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 

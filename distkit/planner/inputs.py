@@ -55,12 +55,13 @@ class GPU:
 # memory as torch.cuda reports it, and achievable link speeds. Inside a node: ASSUMED 80% of one
 # direction of the NVLink / PCIe link. Between nodes, one network port per GPU, at what NVIDIA's NCCL
 # maintainers measure per port in a ring all-reduce across nodes: 400 Gb/s NDR "46-48GB/s per NIC"
-# (NVIDIA/nccl-tests issue 290) for the H100 and H200, 200 Gb/s HDR 24 GB/s ("192GB/s AllReduce
-# BusBW" from a DGX-A100's 8 ports, NVIDIA/nccl issue 812) for the A100; the L4's one 100 Gb/s port
-# for the whole node is ASSUMED at 80%. Override any of them from the CLI.
+# (https://github.com/NVIDIA/nccl-tests/issues/290) for the H100 and H200, 200 Gb/s HDR 24 GB/s
+# ("192GB/s AllReduce BusBW" from a DGX-A100's 8 ports, https://github.com/NVIDIA/nccl/issues/812)
+# for the A100; the L4's one 100 Gb/s port for the whole node is ASSUMED at 80%. Override any of
+# them from the CLI.
 _NV4 = Link(0.8 * 450e9, 10e-6)   # NVLink 4: 900 GB/s both directions
-_NDR = Link(46e9, 20e-6)          # one 400 Gb/s InfiniBand NDR port (nccl-tests issue 290)
-_HDR = Link(24e9, 20e-6)          # one 200 Gb/s InfiniBand HDR port (nccl issue 812)
+_NDR = Link(46e9, 20e-6)          # one 400 Gb/s InfiniBand NDR port (NCCL's per-port figure)
+_HDR = Link(24e9, 20e-6)          # one 200 Gb/s InfiniBand HDR port (192 GB/s over 8 ports)
 
 # An A100 reaches a larger fraction of its bf16 peak than an H100 on the same job (likely because it has
 # more memory bandwidth per FLOP/s: a step's non-matmul work costs it relatively less). Measured by
