@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 from ..errors import UsageError
 from ..models import is_moe
+from .costs import per_node
 from .inputs import Cluster, Plan
 from .nd_ep import ep_choices
 
@@ -82,7 +83,7 @@ class ParallelDims:
         else:
             group = getattr(self, axis)
             stride = math.prod(getattr(self, a) for a in MESH_ORDER[MESH_ORDER.index(axis) + 1:])
-        return min(group, max(1, cl.gpus_per_node // stride))
+        return per_node(group, stride, cl.gpus_per_node)
 
     def axes(self) -> dict:
         """The axes above 1 (dp_shard always), with sp and the schedule where they apply."""
