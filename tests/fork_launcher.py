@@ -230,11 +230,33 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
     finally:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        _log_cpu(request)
         try:
             conn.sendall(struct.pack("!i", code))
         except OSError:
             pass
         os._exit(code)
+
+
+def _log_cpu(request: dict) -> None:
+    """With ``$DISTKIT_JOB_CPU_LOG`` set (in the job's environment): append one JSON line to that file,
+    the CPU seconds this job took (this launcher's and its ranks', user + system) with the test that
+    started it, so the suite's time budget can be read per test (tests/README.md, "Where the suite's
+    time goes"). Nothing is written otherwise."""
+    path = request["env"].get("DISTKIT_JOB_CPU_LOG")
+    if not path:
+        return
+    import resource
+
+    own, ranks = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + ranks.ru_utime + ranks.ru_stime
+    line = {"test": request["env"].get("PYTEST_CURRENT_TEST", ""), "script": request["script"],
+            "args": request["args"][:8], "nproc": request["nproc"], "cpu_s": round(cpu, 2)}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError:
+        pass
 
 
 def _preload_deepspeed(env: dict[str, str]) -> None:

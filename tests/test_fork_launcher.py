@@ -9,6 +9,7 @@ test's timeout) the ranks the server forked for it die too, leaving nothing behi
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,3 +112,15 @@ def test_a_plain_python_script_runs_forked_with_its_own_exit_code(fork_server, t
         result = python(script, code, tmp_path=tmp_path, check=False, timeout=120)
         assert result.returncode == code and result.stdout.strip() == f"False ['{code}'] __main__", result.stdout
     assert f"launching {script} as one python process" in _server_log(fork_server)
+
+
+def test_a_job_logs_its_cpu_time_only_when_asked(fork_server, job, tmp_path):
+    """``$DISTKIT_JOB_CPU_LOG`` (tests/README.md, "Where the suite's time goes"): one line per job with
+    the test that started it and the CPU seconds of its launcher and ranks; without it, no file."""
+    log = tmp_path / "cpu.jsonl"
+    torchrun(job, nproc=2, env=job_env(tmp_path), timeout=120)
+    assert not log.exists()
+    torchrun(job, nproc=2, env=job_env(tmp_path, DISTKIT_JOB_CPU_LOG=str(log)), timeout=120)
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    assert line["test"].startswith("tests/test_fork_launcher.py::test_a_job_logs_its_cpu_time")
+    assert line["nproc"] == 2 and Path(line["script"]).name == "job.py" and line["cpu_s"] > 0
