@@ -15,7 +15,7 @@
 # %% [markdown]
 # # Chapter 01: DDP basics, hands-on
 #
-# This notebook launches the chapter's scripts at a small size (the `tiny` transformer, 30 steps)
+# This notebook launches the chapter's scripts at a small size (the `tiny` transformer, 15 steps)
 # and **asserts** what theory says about what they did:
 #
 # 1. **loss curves for 1, 2 and 4 ranks** with the same global batch: DDP is single-process training
@@ -48,7 +48,7 @@ from distkit.notebooks import torchrun_argv
 REPO = Path.cwd().parent          # the notebook runs from 01-ddp-basics/
 OUT = Path(tempfile.mkdtemp(prefix="ch01_nb_"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DISTKIT_NO_PROGRESS": "1"}
-STEPS = 30
+STEPS = 15
 TORCHRUN = torchrun_argv()  # torchrun (the test suite names its own launcher in $DISTKIT_TORCHRUN)
 SMALL = ["--model-size", "tiny", "--steps", str(STEPS), "--global-batch-size", "16", "--log-every", "10"]
 
@@ -99,7 +99,7 @@ print(f"largest loss difference between world sizes: {gap:.2e} (the loss itself 
 # %% [markdown]
 # Theory: the gradient of the mean loss over 16 sequences is the mean of the 1, 2 or 4 ranks'
 # gradients of their equal shares, so the runs differ only in the order of float32 additions
-# (relative 1e-7, which AdamW can amplify to about 1e-6 in 30 steps). A bug that changes the
+# (relative 1e-7, which AdamW can amplify to about 1e-6 in 15 steps). A bug that changes the
 # arithmetic (a rank's shard lost, gradients summed: the loss curve moves by 1e-2 or more) cannot
 # stay under 1e-4.
 
