@@ -123,6 +123,12 @@ def build_pure_wheels(dest: Path) -> None:
         raise OfflineError(f"built wheels tied to this machine, not portable to the node: {', '.join(impure)}")
 
 
+def _key(pin: str) -> tuple[str, str]:
+    """``name==version`` as (canonical name, version)."""
+    name, version = pin.split("==", 1)
+    return canonical(name), version
+
+
 def read_freeze(path: str | None) -> dict[str, str]:
     """``pip list --format=freeze`` output as {canonical name: version}; {} without a file."""
     if path is None:
@@ -186,16 +192,16 @@ def download(args: argparse.Namespace) -> None:
     print(f"[2/4] resolving their dependencies beside torch {args.torch}")
     closure = resolve_closure(requirements, dest, target, args.torch, have)
     # what the node already has at that very version stays out of the folder
-    missing = [pin for pin in closure if have.get(canonical(pin.split("==")[0])) != pin.split("==")[1]]
+    missing = [pin for pin in closure if have.get(_key(pin)[0]) != _key(pin)[1]]
     present = set()
     for built in dest.glob("*.whl"):  # our pins the node already has need no wheel either
         name, version = built.name.split("-")[:2]
         if have.get(canonical(name)) == version:
             built.unlink()
         else:
-            present.add(f"{canonical(name)}=={version}")
+            present.add((canonical(name), version))
     # step 1 already wrote our pins' wheels: ask the index only for the rest (a third fewer lookups)
-    fetch = [pin for pin in missing if f"{canonical(pin.split('==')[0])}=={pin.split('==')[1]}" not in present]
+    fetch = [pin for pin in missing if _key(pin) not in present]
     print(f"[3/4] downloading {len(fetch)} more wheels"
           + (f" ({len(closure) - len(missing)} the node has)" if have else ""))
     if fetch:

@@ -201,9 +201,14 @@ def compute_rate(cluster: Cluster, plan: Plan) -> float:
 def attention_flops_per_token(plan: Plan) -> float:
     """The attention part of :func:`_flops_per_token`: theory's 12 L d s, and the forward (4 L d s)
     that full AC recomputes."""
-    cfg = plan.model
-    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    attention = _attention_flops(plan.model)
     return attention * 4 / 3 if plan.ac == "full" else attention
+
+
+def _attention_flops(cfg) -> int:
+    """theory's attention term of the model FLOPs per token, 12 L d s (scores and weighted sum,
+    forward and backward)."""
+    return 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 
 def compute_seconds(cluster: Cluster, plan: Plan, tokens: float, lora: bool = False) -> float:
@@ -230,7 +235,7 @@ def _flops_per_token(plan: Plan, lora: bool = False) -> float:
     input gradients only)."""
     cfg = plan.model
     full = theory.training_flops_per_token(cfg)
-    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    attention = _attention_flops(cfg)
     matmul = full - attention
     flops = full
     if plan.ac == "full":
@@ -238,7 +243,7 @@ def _flops_per_token(plan: Plan, lora: bool = False) -> float:
     elif plan.ac == "titan-op":
         h = cfg.n_embd
         if isinstance(cfg, LlamaModelConfig):
-            flops += 2 * cfg.n_layer * h * (h * cfg.n_kv_head // cfg.n_head + h + cfg.intermediate_size)
+            flops += 2 * cfg.n_layer * h * (theory.kv_width(cfg) + h + cfg.intermediate_size)
         else:
             flops += 2 * cfg.n_layer * 5 * h * h
     if lora:
