@@ -174,7 +174,8 @@ def first_command_run(tmp_path_factory, worker_id):
     """The reader's first command, ``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py`` (the top
     README's quick start and chapter 01's first command), run once per session the way a reader runs
     it: in a fresh clone of this working tree (its tracked and not-ignored files, committed in a new
-    repository), from the clone's root, under the real torchrun, with the clone's own distkit, its
+    repository), from the clone's root, under the real torchrun with fresh interpreters as workers
+    (``launcher="torchrun-fresh"``), with the clone's own distkit, its
     default epochs and default output paths. Only ``--offline`` is added (this machine has no network).
 
     Returns ``(clone, CompletedProcess)``; ``QUICK_START`` (tests/launch.py) names the files the run
@@ -192,7 +193,7 @@ def first_command_run(tmp_path_factory, worker_id):
     def launch(folder):
         clone = fresh_clone(folder / "clone")
         command = readme_command(REPO / "README.md", "01-ddp-basics/ddp_mnist.py")
-        return clone, run(command_argv(command, launcher="torchrun") + ["--offline"], cwd=clone,
+        return clone, run(command_argv(command, launcher="torchrun-fresh") + ["--offline"], cwd=clone,
                           env=job_env(folder, PYTHONPATH=str(clone)), timeout=600)
 
     if worker_id == "master":  # no xdist: this process is the session

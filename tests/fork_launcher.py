@@ -14,8 +14,13 @@ Why: on the 2-core machines the suite runs on, a 4-rank ``torchrun`` job spends 
 torch five times before a rank does anything, and FSDP, DTensor, DCP or the pipelining package
 add 1-2 s per rank each; forked, the ranks start in well under a second.
 Importing is not what these tests test. What only the real launcher does is tested under it
-(``tests/launch.py``'s ``launcher="torchrun"``): the reader's first command, restarts after
-``kill -9``, two agents as two nodes, the one-line error checks, the launcher lessons.
+(``tests/launch.py``'s ``launcher="torchrun"``): restarts after ``kill -9``, two agents as two nodes,
+the one-line error checks under torchrun; SLURM's ``srun`` starts its tasks for real too. Their
+workers are ``fork_launcher.py --worker script``: a bare interpreter that has the server fork the
+script's process with the worker's environment (``RANK`` and the rest, as torchrun or SLURM set
+it), passes SIGTERM, SIGINT and SIGHUP on to it, and ends as it ended, by the same signal if one
+killed it, so the launcher sees what it would see of the script's own interpreter. The reader's
+first command alone runs with fresh interpreters end to end (``launcher="torchrun-fresh"``).
 
 Like torchrun: when a rank fails, the others are terminated (SIGTERM, SIGKILL after 30 s) and the
 launcher exits 1 after one summary line; when all succeed it exits 0. No restarts, one node.
@@ -77,7 +82,9 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL
 # extension folder when it builds an op, and output buffering and .pyc writing change no imported
 # state. tests/test_fork_launcher.py fails if jobs stop reaching the server.
 IMPORT_TIME_EXCEPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_EXTENSIONS_DIR",
-                          "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+                          "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+LAUNCHER_SET_PREFIXES = ("TORCHELASTIC_",)
 
 
 def _preimport(script: str) -> None:
@@ -127,12 +134,14 @@ def _rank(script: str, args: list[str], env: dict[str, str]) -> None:
         os._exit(code)
 
 
-def run_job(nproc: int, script: str, args: list[str], client: socket.socket | None = None) -> int:
+def run_job(nproc: int, script: str, args: list[str], client: socket.socket | None = None,
+            worker: bool = False) -> int:
     """Fork ``nproc`` ranks of ``script args`` with torchrun's environment and wait for them;
     returns the job's exit code (0, or 1 after one summary line). ``nproc`` 0: one process as
-    ``python script args`` would run (no launcher environment), returning its exit code. ``client``:
-    the socket of the process that asked the fork server for this job; if it closes, the ranks are
-    killed."""
+    ``python script args`` would run (no launcher environment), returning its exit code (``worker``:
+    minus the signal that ended it, as ``subprocess`` reports it). ``client``: the socket of the
+    process that asked the fork server for this job; if it closes, the ranks are killed; a signal it
+    forwards (``--worker``) is passed on to them."""
     import torch.distributed  # noqa: F401  (imported once, here or by the server; every rank inherits it)
 
     _preimport(script)
@@ -162,7 +171,11 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
         if deadline is not None and time.monotonic() > deadline:
             for pid in ranks:
                 os.kill(pid, signal.SIGKILL)
-        if client is not None and select.select([client], [], [], 0)[0] and not client.recv(1):
+        message = client.recv(2) if client is not None and select.select([client], [], [], 0)[0] else None
+        if message and message[:1] == b"S" and len(message) == 2:
+            for pid in ranks:  # a --worker client's launcher signalled it (torchrun stopping its workers)
+                os.kill(pid, message[1])
+        elif message == b"":
             # the launching process is gone (killed by a test's timeout): the ranks still running
             # show their stacks (a hang's diagnosis, in the test's output), then die
             print(f"fork_launcher: the job was stopped from outside; ranks {sorted(ranks.values())} were "
@@ -180,7 +193,7 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
         rank = ranks.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if nproc == 0:  # a plain `python script`: its own exit code (a signal as the shell shows it)
-            return code if code >= 0 else 128 - code
+            return code if code >= 0 or worker else 128 - code
         if code != 0 and failed is None:
             failed = (rank, code)
             for other in ranks:  # as torchrun: one failed rank ends the job
@@ -196,8 +209,8 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
 
 # ------------------------------------------------------------------------------------ fork server
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_TIME_PREFIXES) and k not in IMPORT_TIME_EXCEPTIONS}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)
+            and k not in IMPORT_TIME_EXCEPTIONS and not k.startswith(LAUNCHER_SET_PREFIXES)}
 
 
 def _receive_all(conn: socket.socket, data: bytes, size: int) -> bytes:
@@ -222,7 +235,8 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
         os.environ.update(request["env"])
         tempfile.tempdir = None  # computed from the server's TMPDIR while importing
         conn.sendall(b"R")
-        code = run_job(request["nproc"], request["script"], request["args"], client=conn)
+        code = run_job(request["nproc"], request["script"], request["args"], client=conn,
+                       worker=request.get("worker", False))
     except BaseException:  # noqa: BLE001
         import traceback
 
@@ -235,7 +249,7 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
             conn.sendall(struct.pack("!i", code))
         except OSError:
             pass
-        os._exit(code)
+        os._exit(min(abs(code), 255))
 
 
 def _log_cpu(request: dict) -> None:
@@ -346,20 +360,31 @@ def _is_open(fd: int) -> bool:
         return False
 
 
-def through_server(path: str, nproc: int, script: str, args: list[str]) -> int | None:
+def through_server(path: str, nproc: int, script: str, args: list[str], worker: bool = False) -> int | None:
     """Ask the fork server at ``path`` to run the job with this process's stdin/stdout/stderr,
-    working directory and environment; its exit code, or None if this process must launch it."""
+    working directory and environment; its exit code, or None if this process must launch it.
+    ``worker``: SIGTERM, SIGINT and SIGHUP sent to this process are passed on to the rank, and the
+    code is minus the signal that ended the rank, if one did."""
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
         payload = json.dumps({"nproc": nproc, "script": script, "args": args, "cwd": os.getcwd(),
-                              "env": dict(os.environ)}).encode()
+                              "env": dict(os.environ), "worker": worker}).encode()
         streams = [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)]
         socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], streams)
         if conn.recv(1) != b"R":
             return None
     except OSError:
         return None
+    if worker:
+        def forward(signum, _frame):
+            try:
+                conn.sendall(b"S" + bytes([signum]))
+            except OSError:
+                pass
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, forward)
     try:
         return struct.unpack("!i", _receive_all(conn, b"", 4))[0]
     except ConnectionError:
@@ -373,6 +398,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int)
     parser.add_argument("--python", action="store_true",
                         help="run the script as `python script args` would, in one forked process")
+    parser.add_argument("--worker", action="store_true",
+                        help="be one worker that a launcher (torchrun, srun) started with its environment: "
+                             "the script runs in a process forked by the fork server (if it can, else this "
+                             "process becomes `python script args`); signals are passed on, and this "
+                             "process ends as the script's process ended, by the same signal if one")
     parser.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
     parser.add_argument("script", nargs="?")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -380,15 +410,35 @@ def main(argv: list[str]) -> int:
     if opts.serve:
         serve(opts.serve)
         return 0
-    if opts.python:
+    if opts.python or opts.worker:
         opts.nproc_per_node = 0
     if opts.nproc_per_node is None or opts.script is None:
-        parser.error("--nproc_per_node (or --python) and a script are required")
+        parser.error("--nproc_per_node (or --python, --worker) and a script are required")
+    if opts.worker:
+        return worker(opts.script, opts.args)
     if os.environ.get(SERVER_ENV):
         code = through_server(os.environ[SERVER_ENV], opts.nproc_per_node, opts.script, opts.args)
         if code is not None:
             return code
     return run_job(opts.nproc_per_node, opts.script, opts.args)
+
+
+def worker(script: str, args: list[str]) -> int:
+    """``--worker``: see ``main``'s help. Where the server cannot take it (none named, or an import-time
+    environment of its own, such as a fresh clone's ``PYTHONPATH``), this process becomes the
+    worker the launcher meant to start: ``python -u script args``, same PID."""
+    if os.environ.get(SERVER_ENV):
+        code = through_server(os.environ[SERVER_ENV], 0, script, args, worker=True)
+        if code is not None:
+            if code < 0:  # the rank died by a signal: so does this process, for its launcher to see
+                if -code != signal.SIGKILL:
+                    signal.signal(-code, signal.SIG_DFL)
+                sys.stdout.flush()
+                os.kill(os.getpid(), -code)
+            return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-u", script, *args])
 
 
 if __name__ == "__main__":

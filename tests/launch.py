@@ -1,10 +1,15 @@
 """Helpers the tests use to launch real multi-process jobs (subprocesses, never mocks).
 
-Two launchers: ``launcher="fork"`` (the default) starts a job with ``tests/fork_launcher.py``, which
+Three launchers: ``launcher="fork"`` (the default) starts a job with ``tests/fork_launcher.py``, which
 gives the ranks torchrun's environment but forks them from one process that has already imported
-torch (a 4-rank job starts ~5 s sooner on a 2-core machine); ``launcher="torchrun"`` runs the real
-``python -m torch.distributed.run``. Tests of what only torchrun does (restarts, several agents, the
-reader's first command, one-line errors as the reader sees them) use the real one.
+torch (a 4-rank job starts ~5 s sooner on a 2-core machine). ``launcher="torchrun"`` runs the real
+``python -m torch.distributed.run``: its agent, rendezvous, restarts and failure reports are
+torchrun's own, and each worker it starts is ``tests/fork_launcher.py --worker script``, which has
+the fork server fork the script's process with the worker's environment, passes torchrun's signals
+on and ends as that process ended (by SIGKILL, if it was killed). Tests of what only torchrun does
+(restarts after kill -9, several agents, one-line errors under torchrun) use it.
+``launcher="torchrun-fresh"`` is torchrun with nothing between it and the script, every worker a
+fresh interpreter: the reader's first command, played exactly as a reader runs it.
 """
 from __future__ import annotations
 
@@ -23,16 +28,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 FORK_LAUNCHER = Path(__file__).resolve().parent / "fork_launcher.py"
-LAUNCHERS = ("fork", "torchrun")
+LAUNCHERS = ("fork", "torchrun", "torchrun-fresh")
 
 
 def launcher_argv(launcher: str) -> list[str]:
-    """The argv prefix of a single-node launcher (see the module docstring); flags follow."""
+    """The argv prefix of a single-node launcher (see the module docstring); flags follow. For
+    ``"torchrun"``, :func:`forked_workers` then puts the worker in front of the script."""
     if launcher == "fork":
         return [sys.executable, str(FORK_LAUNCHER)]
-    if launcher == "torchrun":
+    if launcher in ("torchrun", "torchrun-fresh"):
         return [sys.executable, "-m", "torch.distributed.run"]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def forked_workers(argv: list[str]) -> list[str]:
+    """A torchrun argv whose workers start as ``tests/fork_launcher.py --worker script ...`` (module
+    docstring): the first ``.py`` word is the script, the words before it are torchrun's."""
+    at = next(i for i, word in enumerate(argv) if word.endswith(".py") and not word.startswith("-"))
+    return [*argv[:at], str(FORK_LAUNCHER), "--worker", *argv[at:]]
 
 
 @contextlib.contextmanager
@@ -207,6 +220,8 @@ def torchrun(script: str | Path, *args: str, nproc: int = 4, tmp_path: Path | No
     """
     cmd = [*launcher_argv(launcher), "--standalone", f"--nproc_per_node={nproc}",
            *launcher_args, str(script), *map(str, args)]
+    if launcher == "torchrun":
+        cmd = forked_workers(cmd)
     return run(cmd, timeout=timeout, env=env or job_env(tmp_path), check=check)
 
 
@@ -232,19 +247,24 @@ def command_argv(command: str, nproc: int | None = None, launcher: str = "fork")
     """A command as a README writes it, as argv for this interpreter.
 
     ``torchrun`` becomes ``launcher`` with ``--standalone`` (a private loopback port per test; by
-    default the fork launcher, ``launcher="torchrun"`` for the real one), the ``deepspeed``
-    launcher its runner module on a free port, ``python`` this interpreter. ``nproc`` replaces the
-    command's ``--nproc_per_node=`` / ``--num_gpus=`` count.
+    default the fork launcher, ``"torchrun"`` or ``"torchrun-fresh"`` for the real one), the ``deepspeed``
+    launcher its runner module on a free port, ``python script`` the script forked by the fork server
+    as ``python script`` runs it (``fork_launcher.py --python``; this interpreter, fresh, with
+    ``"torchrun-fresh"``), ``python -m module`` this interpreter. ``nproc`` replaces the command's
+    ``--nproc_per_node=`` / ``--num_gpus=`` count.
     """
     argv = shlex.split(command)
     if nproc is not None:
         argv = [re.sub(r"^--(nproc_per_node|num_gpus)=\d+$", rf"--\g<1>={nproc}", a) for a in argv]
     if argv[0] == "torchrun":
-        return [*launcher_argv(launcher), "--standalone", *argv[1:]]
+        argv = [*launcher_argv(launcher), "--standalone", *argv[1:]]
+        return forked_workers(argv) if launcher == "torchrun" else argv
     if argv[0] == "deepspeed":
         return [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={free_port()}", *argv[1:]]
     if argv[0] == "python":
-        return [sys.executable, *argv[1:]]
+        if launcher == "torchrun-fresh" or argv[1] == "-m":
+            return [sys.executable, *argv[1:]]
+        return [*launcher_argv("fork"), "--python", *argv[1:]]
     return argv
 
 

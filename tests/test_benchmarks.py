@@ -543,9 +543,10 @@ def test_readme_matrices_are_planned(tmp_path):
     every cell the plan holds is printed as its torchrun command, every skipped cell with its reason."""
     bench = load_script(BENCH / "distributed_benchmarks.py")
     for lookup in DRY_RUNS:
-        argv = command_argv(readme_command(README, *lookup)) + ["--results", str(tmp_path / "r.jsonl"), "--dry-run"]
-        out = run(argv, env=job_env(tmp_path)).stdout.splitlines()
-        cells, skipped = bench.plan_cells(bench.parse_args(argv[2:]), gpus=0)  # the jobs see no GPU
+        command = readme_command(README, *lookup)
+        flags = [*shlex.split(command)[2:], "--results", str(tmp_path / "r.jsonl"), "--dry-run"]
+        out = run(command_argv(command) + flags[-3:], env=job_env(tmp_path)).stdout.splitlines()
+        cells, skipped = bench.plan_cells(bench.parse_args(flags), gpus=0)  # the jobs see no GPU
         launches = [line for line in out if line.startswith("python -m torch.distributed.run")]
         assert len(launches) == len(cells) and all(str(tmp_path / "r.jsonl") in line for line in launches), out
         assert [line for line in out if line.startswith("# skipped")] == [

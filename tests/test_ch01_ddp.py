@@ -32,7 +32,7 @@ from ch01_common import (
 )
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
-from launch import free_port, job, job_env, load_script, readme_command, run, run_jobs
+from launch import forked_workers, free_port, job, job_env, load_script, readme_command, run, run_jobs
 
 
 def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
@@ -61,7 +61,8 @@ def two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents x 2 workers rendezvous over c10d on loopback, as two nodes would. (Not
     command_argv: it would add --standalone, and each agent would rendezvous alone.)"""
     command = readme_command(README, "--nnodes=2").replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}")
-    argv = [sys.executable, "-m", "torch.distributed.run", *command.split()[1:], *training_flags(folder)]
+    argv = forked_workers([sys.executable, "-m", "torch.distributed.run", *command.split()[1:],
+                           *training_flags(folder)])
     results: list[subprocess.CompletedProcess] = []
     agents = [threading.Thread(target=lambda: results.append(run(argv, env=job_env(folder), timeout=900,
                                                                  check=False))) for _ in range(2)]

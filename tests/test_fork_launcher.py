@@ -5,7 +5,9 @@ session's fork server rather than importing torch again. These tests prove, with
 a job launched through the server gets torchrun's environment and its collectives work; a job whose
 import-time environment differs from the server's is launched by the client itself, with the same
 result; a failing rank ends the job with exit code 1; and when the launching process is killed (a
-test's timeout) the ranks the server forked for it die too, leaving nothing behind.
+test's timeout) the ranks the server forked for it die too, leaving nothing behind. A worker that a
+real launcher (torchrun, srun) starts as ``--worker`` forks from the server, gets its launcher's
+SIGTERM, and ends by the signal that ended the script (each with a control).
 """
 from __future__ import annotations
 
@@ -124,3 +126,66 @@ def test_a_job_logs_its_cpu_time_only_when_asked(fork_server, job, tmp_path):
     (line,) = [json.loads(text) for text in log.read_text().splitlines()]
     assert line["test"].startswith("tests/test_fork_launcher.py::test_a_job_logs_its_cpu_time")
     assert line["nproc"] == 2 and Path(line["script"]).name == "job.py" and line["cpu_s"] > 0
+
+
+WORKER = """\
+import os, signal, sys, time
+def stop(signum, frame):
+    print(f"pid {os.getpid()} got signal {signum}", flush=True)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, stop)
+print(f"pid {os.getpid()} rank {os.environ.get('RANK')} args {sys.argv[1:]}", flush=True)
+if "--kill-myself" in sys.argv:
+    os.kill(os.getpid(), signal.SIGKILL)
+if "--wait" in sys.argv:
+    open(os.environ["READY"], "w").close()
+    time.sleep(600)
+"""
+
+
+def _worker(tmp_path: Path, *args: str, mode: str = "--worker", **env: str) -> subprocess.Popen:
+    """``fork_launcher.py --worker worker.py ARGS`` as torchrun or srun starts a worker: RANK set."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return subprocess.Popen([*launcher_argv("fork"), mode, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=job_env(tmp_path, RANK="1", READY=str(tmp_path / "ready"), **env))
+
+
+def test_a_torchrun_worker_forks_from_the_server_and_ends_as_its_script_ended(fork_server, job, tmp_path):
+    """``launcher="torchrun"``: the real torchrun, whose workers are ``--worker`` clients. The script
+    runs in a process the server forked (not the client's PID); a rank that kills itself with SIGKILL
+    ends its client by SIGKILL too, which is what torchrun reports and restarts on. Control: the
+    ``--python`` client, a plain script's launcher, reports the same death as exit code 137."""
+    out = torchrun(job, "a", nproc=2, env=job_env(tmp_path), timeout=120, launcher="torchrun").stdout
+    assert _ranks_say(out) == [f"rank {r}/2 local {r} sum 3 args ['a']" for r in range(2)], out
+    assert _server_log(fork_server).count(f"launching {job} as one python process") == 2
+    killed = _worker(tmp_path, "--kill-myself")
+    out, _ = killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL, out
+    assert "rank 1 args ['--kill-myself']" in out and f"pid {killed.pid} " not in out  # forked, not this PID
+    plain = _worker(tmp_path, "--kill-myself", mode="--python")
+    plain.communicate(timeout=120)
+    assert plain.returncode == 128 + signal.SIGKILL
+
+
+def test_a_worker_passes_its_launchers_sigterm_to_the_script(fork_server, tmp_path):
+    """torchrun stops its workers with SIGTERM (then SIGKILL after a grace): the script gets the
+    SIGTERM and ends its own way (here exit code 7), with no stack dump from the fork server."""
+    worker = _worker(tmp_path, "--wait")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists():
+        assert worker.poll() is None and time.monotonic() < deadline, worker.stdout.read()
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGTERM)
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 7 and f"got signal {int(signal.SIGTERM)}" in out, out
+    assert "stopped from outside" not in out
+
+
+def test_a_worker_the_server_cannot_take_becomes_the_script(fork_server, tmp_path):
+    """Another import-time environment (a fresh clone's PYTHONPATH, say): the client execs
+    ``python -u script`` in its own process, the one its launcher started and watches."""
+    worker = _worker(tmp_path, "--exec", TORCH_CPP_LOG_LEVEL="ERROR")
+    out, _ = worker.communicate(timeout=120)
+    assert worker.returncode == 0 and f"pid {worker.pid} rank 1 args ['--exec']" in out, out

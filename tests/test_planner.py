@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from distkit import planner, predictors, theory
 from distkit.errors import UsageError
 from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.strategies import MEASURED, PLANNED
-from launch import assert_one_line_error, command_argv, load_script, lookup_command, parse_args_result, python
+from launch import assert_one_line_error, load_script, lookup_command, parse_args_result, python
 
 GiB = 2 ** 30
 LLAMA_1B = model_config("llama", "llama-3.2-1b")
@@ -928,8 +929,8 @@ def test_readme_nd_commands_print_their_recorded_output(name, capsys):
 
 
 def check_recorded_command(lookup, name, capsys) -> None:
-    argv = command_argv(lookup_command(README, lookup))
-    assert argv[1].endswith("benchmarks/plan.py")
+    argv = shlex.split(lookup_command(README, lookup))  # run here, in this process: the words as written
+    assert argv[:2] == ["python", "benchmarks/plan.py"]
     load_script(BENCH / "plan.py").main(argv[2:])
     printed = capsys.readouterr().out
     recorded = next(json.loads(line) for line in (BENCH / "records" / "outputs.jsonl").read_text().splitlines()

@@ -103,7 +103,7 @@ def play(clone: Path, scratch: Path) -> list[str]:
                 continue
             words = small(command)
             # torchrun's restarts are the lesson of the commands that ask for them: the real launcher there
-            launcher = "torchrun" if "--max-restarts" in command else "fork"
+            launcher = "torchrun-fresh" if "--max-restarts" in command else "fork"
             argv = command_argv(shlex.join(words), launcher=launcher)
             try:
                 done = subprocess.run(argv, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -6,6 +6,8 @@ and ``check`` over the whole repository is exactly ``tests/test_records.py::
 test_every_figure_in_the_repository_matches_its_record``; here they are only found (every README
 command has a lookup below, so a new command in the README cannot slip through untested).
 """
+import shlex
+
 from launch import QUICK_START_FILES, REPO, assert_readme_covered, readme_command
 
 README = REPO / "README.md"
@@ -72,9 +74,9 @@ def test_the_decision_matrix_prints_its_recorded_output(capsys):
     prints exactly the recorded block (the torchvision note aside, on stderr). What the table's picks
     mean is checked in tests/test_planner.py (test_the_decision_matrix_picks_are_the_planners)."""
     from distkit.records import find
-    from launch import command_argv, load_script
+    from launch import load_script
 
-    argv = command_argv(readme_command(README, DECISION_MATRIX))
+    argv = shlex.split(readme_command(README, DECISION_MATRIX))  # run here, in this process
     load_script(REPO / "benchmarks" / "plan.py").main(argv[2:])
     printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     recorded = find(REPO / "records" / "outputs.jsonl", "decision_matrix")

@@ -37,7 +37,18 @@ from distkit.checkpoint import safe_load
 from distkit.errors import UsageError
 from distkit.harness import read_records
 from distkit.slurm import SLURM_VARIABLES, expand_hostlist, parse_tasks_per_node, rendezvous_port, srun_task
-from launch import REPO, assert_one_line_error, job, job_env, readme_command, run, run_jobs, stop, torchrun
+from launch import (
+    FORK_LAUNCHER,
+    REPO,
+    assert_one_line_error,
+    job,
+    job_env,
+    readme_command,
+    run,
+    run_jobs,
+    stop,
+    torchrun,
+)
 from slurm_cluster import INSTALL_HINT, missing_binaries
 
 MNIST = CHAPTER / "ddp_mnist.py"
@@ -243,8 +254,12 @@ def scontrol(cluster: Path, *args: str) -> str:
 
 
 def srun_argv(command: str, *flags) -> list[str]:
-    """A README srun command as argv: ``python`` is this interpreter."""
-    return [sys.executable if word == "python" else word for word in shlex.split(command)] + list(map(str, flags))
+    """A README srun command as argv: ``python`` is this interpreter, each task a fork-launcher worker
+    (``tests/fork_launcher.py --worker``: the fork server forks the script's process with the task's
+    environment, SLURM's variables included; tests/launch.py's docstring)."""
+    python = [sys.executable, str(FORK_LAUNCHER), "--worker"]
+    return [part for word in shlex.split(command) for part in (python if word == "python" else [word])] + list(
+        map(str, flags))
 
 
 def mnist_flags(folder: Path) -> list:
