@@ -452,7 +452,8 @@ def failures(checkpoints, tmp_path_factory):
     a 0-byte full checkpoint beside stale temporaries (2 ranks), a full checkpoint of another model,
     and copies of the 4-rank DCP save made foreign or damaged (2 ranks, and 1)."""
     tmp = tmp_path_factory.mktemp("ch02_failures")
-    ckpt_script, python = CHAPTER / "fsdp_checkpoint.py", sys.executable
+    # a world of one, started as `python script` starts it (forked by the fork server: --python)
+    ckpt_script, python = CHAPTER / "fsdp_checkpoint.py", [*launcher_argv("fork"), "--python"]
 
     other_model = tmp / "other.pt"
     torch.save({"model": {"w": torch.zeros(2)}, "optim": {}, "step": 1}, other_model)
@@ -478,17 +479,17 @@ def failures(checkpoints, tmp_path_factory):
 
     no_save = ("--checkpoint-format", "none", "--checkpoint-dir", tmp / "unused", *TINY)
     jobs = {
-        "hybrid_world_1": [python, CHAPTER / "fsdp_transformer.py", "--sharding", "hybrid_shard", *TINY,
+        "hybrid_world_1": [*python, CHAPTER / "fsdp_transformer.py", "--sharding", "hybrid_shard", *TINY,
                            "--steps", "1", "--results", tmp / "r.jsonl"],
-        "no_checkpoint": [python, ckpt_script, "--resume", "latest", *TINY, "--checkpoint-dir", tmp / "nothing"],
-        "other_model_full": [python, ckpt_script, "--resume", other_model, *no_save],
+        "no_checkpoint": [*python, ckpt_script, "--resume", "latest", *TINY, "--checkpoint-dir", tmp / "nothing"],
+        "other_model_full": [*python, ckpt_script, "--resume", other_model, *no_save],
         "empty_full": torchrun_argv("fsdp_checkpoint.py", "--resume", folder / "full.pt", "--checkpoint-dir",
                                     folder, "--checkpoint-format", "none", *TINY),
         # the saved model has 2 blocks; a 3-block model asks DCP for keys it does not have (DCP itself
         # loads a *larger* model's folder into a smaller one without complaint)
         "named_dcp": torchrun_argv("fsdp_checkpoint.py", "--resume", copies["named"], *no_save, "--n-layer", "3"),
         "unnamed_dcp": torchrun_argv("fsdp_checkpoint.py", "--resume", copies["unnamed"], *no_save, "--n-layer", "3"),
-        "damaged_dcp": [python, ckpt_script, "--resume", copies["damaged"], *no_save],
+        "damaged_dcp": [*python, ckpt_script, "--resume", copies["damaged"], *no_save],
     }
     results = run_all(jobs, tmp)
     return SimpleNamespace(results=results, stale=stale, live=live, empty=folder / "full.pt", copies=copies)

@@ -49,15 +49,18 @@ class Report:
         for item in session.items:
             print("item", item.nodeid, item.get_closest_marker("timeout") is not None)
 sys.exit(pytest.main(["-m", "gpu", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", "--time-box", "0",
-                      "--basetemp", sys.argv[1]], plugins=[Report()]))
+                      "--basetemp", sys.argv[1], *sys.argv[2:]], plugins=[Report()]))
 """
+# The files that hold GPU tests (each marks them with the gpu marker): collecting only these is what
+# `pytest -m gpu` selects anyway, without importing every other test module a second time.
+GPU_FILES = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
 
 
 def test_the_gpu_suite_is_ordered_timed_and_boxed(tmp_path):
     """``pytest -m gpu --time-box 0``, run as a GPU node would run it, with each collected item's id and
     whether it has a timeout: the order, the timeouts, and every test skipped by the box (not for
     lack of a GPU: the box is checked before anything else)."""
-    done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect")], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect"), *GPU_FILES], cwd=REPO,
                           env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"), capture_output=True, text=True,
                           timeout=300)
     items = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("item ")]

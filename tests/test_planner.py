@@ -549,7 +549,7 @@ def test_cli_bad_input_is_one_line(args, expected):
 def test_cli_bad_input_as_a_script():
     """End to end, once: the script started as a process turns the planner's UsageError into one
     ``error:`` line and exit 2 (``run_main``)."""
-    result = python(BENCH / "plan.py", "--kv-heads", "4", "--model", "gpt-small", check=False, launcher="python")
+    result = python(BENCH / "plan.py", "--kv-heads", "4", "--model", "gpt-small", check=False)
     assert result.returncode == 2
     assert_one_line_error(result, "--kv-heads and --intermediate-size describe a Llama")
 
@@ -633,7 +633,7 @@ def test_a_batch_no_layout_can_run_is_one_error_line():
     job = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--gpus", "512"]
     fewest = 512 // (8 * 16)
     for batch in (["--global-batch", "2"], ["--global-batch-tokens", "4096"]):
-        result = python(BENCH / "plan.py", *job, *batch, check=False, launcher="python")
+        result = python(BENCH / "plan.py", *job, *batch, check=False)
         assert result.returncode == 2, result.stdout[-2000:]
         assert_one_line_error(result, f"the global batch 2 is fewer than the {fewest} batch ranks")
         assert f"give --global-batch {fewest} or more" in result.stdout, result.stdout[-2000:]
@@ -647,7 +647,7 @@ def test_a_batch_no_layout_can_run_is_one_error_line():
 
 def test_a_refused_input_is_one_line_without_usage_as_a_script():
     """End to end: the line, exit 2, and no usage block."""
-    result = python(BENCH / "plan.py", "--seq-len", "10", check=False, launcher="python")
+    result = python(BENCH / "plan.py", "--seq-len", "10", check=False)
     assert result.returncode == 2 and "usage:" not in result.stdout
     assert_one_line_error(result, "--seq-len 10 is below the planner's floor of 32 tokens")
 
