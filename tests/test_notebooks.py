@@ -20,14 +20,21 @@ import shlex
 import shutil
 from pathlib import Path
 
-import jupytext
-import nbformat
 import pytest
 
 from distkit import notebooks
 from launch import REPO, launcher_argv
 
 SOURCES = notebooks.sources([str(REPO)])
+
+
+def _formats():
+    """jupytext and nbformat, imported by the tests that use them: importing nbformat (jsonschema's
+    format checkers) costs as much as importing torch, and every pytest worker collects this file."""
+    import jupytext
+    import nbformat
+
+    return jupytext, nbformat
 IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
 
 
@@ -38,6 +45,7 @@ def test_every_chapter_has_a_notebook():
 
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_matches_its_percent_source(source: Path):
+    jupytext, nbformat = _formats()
     target = source.with_name(notebooks.NOTEBOOK_NAME)
     assert target.exists(), f"{source.name} has no executed {target.name}: run python -m distkit.records render"
     assert notebooks.cells(jupytext.read(source)) == notebooks.cells(nbformat.read(target, as_version=4)), (
@@ -71,6 +79,7 @@ def _output_kinds(nb) -> list[tuple[int, list[str]]]:
 @pytest.mark.notebook
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch):
+    jupytext, nbformat = _formats()
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
     # The notebooks' jobs start through the suite's fork launcher, as every other test's do (the
     # committed outputs ran under torchrun: `python -m distkit.records render`)
@@ -105,6 +114,7 @@ def _edit_first_code_cell(text: str) -> str:
 
 def test_a_cell_edited_after_execution_fails_the_check(chapter_copy: Path):
     """The edit is synced into the .ipynb (as ``jupytext --sync`` would), keeping the old outputs."""
+    jupytext, nbformat = _formats()
     chapter_copy.write_text(_edit_first_code_cell(chapter_copy.read_text()))
     target = chapter_copy.with_name(notebooks.NOTEBOOK_NAME)
     nb = nbformat.read(target, as_version=4)
@@ -123,6 +133,7 @@ def test_an_edited_source_without_render_fails_the_check(chapter_copy: Path):
 
 
 def test_a_notebook_without_outputs_fails_the_check(chapter_copy: Path):
+    jupytext, nbformat = _formats()
     target = chapter_copy.with_name(notebooks.NOTEBOOK_NAME)
     nb = nbformat.read(target, as_version=4)
     for cell in nb.cells:
