@@ -13,6 +13,12 @@ ddp_from_scratch.py (DDP by hand, 2 ranks):
   ``final_loss``) is the job's mean token cross-entropy, recomputed from the logits each rank's
   model returned, and so is each logged ``step k/N | loss`` (4 decimals). Mutant: the all-reduced
   loss not divided by the world size.
+* ``test_from_scratch_all_reduces_are_its_buckets``: the record's all-reduces per step (calls and
+  bytes, counted on the instrumented step) and the logged ``all-reduce per step`` line are the
+  buckets of ``--bucket-cap-mb 0.1`` over the built model's gradients, in parameter order, written
+  out here. Mutant: the cap ignored (one bucket for everything).
+* ``test_from_scratch_tokens_per_s_and_mfu_are_recomputed``: tokens/s from the step times, MFU from
+  the formula. Mutant: the harness told one rank's tokens.
 
 ddp_spawn.py (``mp.spawn``, 2 processes): the script starts its own processes, so it cannot run
 under observe.py through torchrun. This file is also its observer: run as
@@ -54,8 +60,7 @@ zero_offload.py (ZeRO-3, then ZeRO-3 + offload, in one job on 2 ranks):
   (The ratio is recomputed here, but no mutant of the ratio alone is run.)
 
 Written out here, not imported from the scripts: which rows a rank gets and the formulas.
-Not pinned here: ddp_from_scratch.py's tokens/s and all-reduce counts,
-zero_offload.py's placement table (its 20 psi / N total is pinned in test_ch03_deepspeed.py).
+zero_offload.py's placement table is pinned row by row in test_ch03_deepspeed.py.
 """
 from __future__ import annotations
 
@@ -79,6 +84,7 @@ from observed import (
     observe_jobs,
     pinned,
     rank_rows,
+    rate_check,
     seen_calls,
     slowest_median,
 )
@@ -112,14 +118,19 @@ SCRATCH_RUNS = {
     "correct": None,
     "rank0_rows": ("rank_slice(t, ctx.rank, ctx.world_size)", "rank_slice(t, 0, ctx.world_size)"),
     "loss_not_averaged": ("losses.append(loss.item() / ctx.world_size)", "losses.append(loss.item())"),
+    "cap_ignored": ("if size >= bucket_bytes or i == len(grads) - 1:", "if i == len(grads) - 1:"),
+    "one_ranks_tokens": ("tokens=args.global_batch_size * gpt.seq_len",
+                         "tokens=args.global_batch_size // ctx.world_size * gpt.seq_len"),
 }
+BUCKET_MIB = 0.1  # the tiny model's 37 gradients (0.42 MiB) fill 4 buckets
 
 
 @pytest.fixture(scope="module")
 def scratch_runs(tmp_path_factory):
     return observe_jobs(tmp_path_factory, SCRATCH, "TinyGPT", SCRATCH_RUNS, lambda folder: [
         "--model-size", "tiny", "--global-batch-size", B, "--steps", STEPS, "--warmup-steps", 0,
-        "--log-every", 1, "--save", "none", "--results", folder / "r.jsonl"], nproc=W, outputs=True)
+        "--bucket-cap-mb", BUCKET_MIB, "--log-every", 1, "--save", "none", "--results", folder / "r.jsonl"],
+        nproc=W, outputs=True)
 
 
 def check_scratch_rows(folder: Path) -> None:
@@ -148,6 +159,42 @@ def test_from_scratch_feeds_each_rank_its_own_rows(scratch_runs):
 
 def test_from_scratch_losses_are_the_observed_logits(scratch_runs):
     pinned(scratch_runs, check_scratch_losses, "loss_not_averaged", output=True)
+
+
+def bucketed_all_reduces(cap_bytes: int) -> tuple[int, int]:
+    """(calls, bytes) of one step's gradient all-reduces as the lesson describes them: every gradient
+    in parameter order, a bucket sent once it holds at least ``cap_bytes`` and at the last gradient."""
+    from distkit.models import build_model
+
+    sizes = [p.numel() * p.element_size() for p in build_model(CFG).parameters()]
+    calls, filled = 0, 0
+    for i, size in enumerate(sizes):
+        filled += size
+        if filled >= cap_bytes or i == len(sizes) - 1:
+            calls, filled = calls + 1, 0
+    return calls, sum(sizes)
+
+
+def check_scratch_all_reduces(folder: Path, out: str) -> None:
+    """The record's all-reduces per step (counted by the harness on the instrumented step) are the
+    buckets' (the loss's all-reduce for the log is outside the step), and so is the logged line."""
+    (record,) = read_records(folder / "r.jsonl")
+    calls, nbytes = bucketed_all_reduces(int(BUCKET_MIB * 2**20))
+    assert calls > 2  # the cap matters: more than one bucket, fewer than one per tensor
+    counted = record["metrics"]["comm_per_step"]["all_reduce"]
+    assert (counted["calls"], counted["bytes"]) == (calls, nbytes), (counted, calls, nbytes)
+    (line,) = logged(r"all-reduce per step: (\d+) calls, ([\d.]+) MiB", out)
+    assert (int(line[0]), line[1]) == (calls, f"{nbytes / 2**20:.2f}"), line
+
+
+def test_from_scratch_all_reduces_are_its_buckets(scratch_runs):
+    pinned(scratch_runs, check_scratch_all_reduces, "cap_ignored", output=True)
+
+
+def test_from_scratch_tokens_per_s_and_mfu_are_recomputed(scratch_runs):
+    """tokens/s = the global batch's tokens over the slowest rank's median step; MFU from the formula
+    (observed.check_tokens_per_s, check_mfu). Mutant: the harness told one rank's tokens."""
+    pinned(scratch_runs, rate_check(B * CFG.seq_len, CFG), "one_ranks_tokens")
 
 
 # ==== ddp_spawn.py =================================================================================

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -243,9 +244,36 @@ def test_offload_trains_the_same_model_and_reports_placement(tmp_path):
     psi = base["param_count"]
     assert base["world_size"] == n and psi % n == 0
     assert f"model state kept off the accelerator: {20 * psi // n:,} B per rank" in out  # 20Ψ/N, all of it
+    check_placement(out, psi, n)
+    doctored = out.replace(f"{4 * psi // n:,} B", f"{4 * psi:,} B", 1)  # control: one row not sharded
+    with pytest.raises(AssertionError):
+        check_placement(doctored, psi, n)
     # The first engine (a reference cycle) was collected before the second config ran.
     assert "still referenced" not in out
     assert offload["config"]["engine_settings"]["offload_param.pin_memory"] is False
+
+
+PLACEMENT_ROW = re.compile(r"^\[rank 0\]\s+(parameter partition|fp32 gradient partition|fp32 master weights|"
+                           r"Adam exp_avg \+ exp_avg_sq)\s+([\d,]+) B\s+on (\S+)\s+-> (.+)$", re.MULTILINE)
+
+
+def check_placement(out: str, psi: int, n: int) -> None:
+    """zero_offload.py's placement table, row by row, for ZeRO-3 and then ZeRO-3 with offload: each
+    rank holds 1/N of each piece of the fp32 model state (parameters 4Ψ/N, gradients 4Ψ/N, master
+    weights 4Ψ/N, Adam's two moments 8Ψ/N: ZeRO's Table 1, written out here), the device read from
+    the tensors (the CPU's, on this machine), and the side the config puts it on: the accelerator,
+    then the host for all four. Each config's "kept off" total is the offloaded rows' sum."""
+    pieces = {"parameter partition": 4, "fp32 gradient partition": 4, "fp32 master weights": 4,
+              "Adam exp_avg + exp_avg_sq": 8}
+    rows = PLACEMENT_ROW.findall(out)
+    assert len(rows) == 2 * len(pieces), rows
+    for config, side in enumerate(("accelerator", "host (offloaded)")):
+        table = rows[config * len(pieces):(config + 1) * len(pieces)]
+        assert [name for name, *_ in table] == list(pieces), table
+        for name, size, device, shown in table:
+            assert (int(size.replace(",", "")), device, shown) == (pieces[name] * psi // n, "cpu", side), name
+    kept = re.findall(r"model state kept off the accelerator: ([\d,]+) B per rank", out)
+    assert [int(k.replace(",", "")) for k in kept] == [0, 20 * psi // n], kept
 
 
 # ------------------------------------------------------------------------------------------------
