@@ -41,6 +41,14 @@ def launcher_argv(launcher: str) -> list[str]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
+def torchrun_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``tests/bin`` first on ``PATH``: its ``torchrun`` is the real one, run by this
+    interpreter (next on ``PATH``), whose workers fork as :func:`forked_workers` makes them; for
+    scripts that call ``torchrun`` themselves (``launch_ddp.sh``, ``slurm_ddp.sbatch``)."""
+    folders = [str(Path(__file__).resolve().parent / "bin"), str(Path(sys.executable).parent)]
+    return {**env, "PATH": os.pathsep.join([*folders, env.get("PATH", "")])}
+
+
 def forked_workers(argv: list[str]) -> list[str]:
     """A torchrun argv whose workers start as ``tests/fork_launcher.py --worker script ...`` (module
     docstring): the first ``.py`` word is the script, the words before it are torchrun's."""

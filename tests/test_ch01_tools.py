@@ -37,6 +37,7 @@ from launch import (
     load_script,
     python,
     run,
+    torchrun_on_path,
 )
 
 
@@ -77,7 +78,7 @@ def test_scaling_benchmark(tmp_path):
     assert "speedup" in out.stdout and png.stat().st_size > 10_000
 
 
-def test_launchers(tmp_path):
+def test_launchers(tmp_path, fork_server):
     # launch_ddp.sh (the README command with 2 processes, tiny run). ddp_spawn.py, the README's other
     # launcher, runs in tests/test_ch01_ch03_more_lessons.py, which also observes what each rank trained on.
     argv = readme_argv("launch_ddp.sh")
@@ -85,8 +86,12 @@ def test_launchers(tmp_path):
     script = [*argv, "--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
               "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
               "--results", str(tmp_path / "r.jsonl")]
-    launched = run(script, env=job_env(tmp_path), timeout=600)
+    server_log = Path(fork_server).parent / "fork_server.log"
+    forked = server_log.read_text().count("ddp_training.py as one python process")
+    launched = run(script, env=torchrun_on_path(job_env(tmp_path)), timeout=600)
     assert "--standalone --nproc_per_node=2" in launched.stdout and "done: loss" in launched.stdout
+    # the torchrun it called (tests/bin/torchrun, first on PATH) had both its workers forked by the server
+    assert server_log.read_text().count("ddp_training.py as one python process") - forked >= 2
     # SLURM and Kubernetes files: valid shell / valid manifest that runs the chapter's script.
     run(["bash", "-n", str(CHAPTER / "slurm_ddp.sbatch")])
     job = yaml.safe_load((CHAPTER / "pytorchjob.yaml").read_text())

@@ -48,6 +48,7 @@ from launch import (
     run_jobs,
     stop,
     torchrun,
+    torchrun_on_path,
 )
 from slurm_cluster import INSTALL_HINT, missing_binaries
 
@@ -239,11 +240,10 @@ def cluster(tmp_path_factory):
 
 
 def cluster_env(cluster: Path, folder: Path, **extra: str) -> dict[str, str]:
-    """A job's environment (launch.job_env) talking to the test cluster; ``torchrun`` on PATH is this
-    interpreter's (the sbatch script calls it)."""
-    env = job_env(folder, SLURM_CONF=str(cluster / "slurm.conf"), **extra)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
+    """A job's environment (launch.job_env) talking to the test cluster; ``torchrun`` on PATH is the
+    real one run by this interpreter, its workers forked (launch.torchrun_on_path; the sbatch script
+    calls it)."""
+    return torchrun_on_path(job_env(folder, SLURM_CONF=str(cluster / "slurm.conf"), **extra))
 
 
 def scontrol(cluster: Path, *args: str) -> str:
