@@ -56,6 +56,13 @@ def forked_workers(argv: list[str]) -> list[str]:
     return [*argv[:at], str(FORK_LAUNCHER), "--worker", *argv[at:]]
 
 
+def forked_from_server(socket_path: str, script_name: str) -> int:
+    """How many single processes of a script named ``script_name`` the fork server at ``socket_path``
+    has forked so far (``--python`` and ``--worker`` jobs), read from its log."""
+    log = (Path(socket_path).parent / "fork_server.log").read_text()
+    return log.count(f"{script_name} as one python process")
+
+
 @contextlib.contextmanager
 def fork_server(folder: Path):
     """Run the fork launcher's server (``tests/fork_launcher.py --serve``) while the block runs: it

@@ -31,6 +31,7 @@ from distkit.harness import read_records
 from launch import (
     assert_one_line_error,
     assert_readme_covered,
+    forked_from_server,
     free_port,
     job_env,
     launcher_argv,
@@ -86,12 +87,11 @@ def test_launchers(tmp_path, fork_server):
     script = [*argv, "--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
               "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
               "--results", str(tmp_path / "r.jsonl")]
-    server_log = Path(fork_server).parent / "fork_server.log"
-    forked = server_log.read_text().count("ddp_training.py as one python process")
+    forked = forked_from_server(fork_server, "ddp_training.py")
     launched = run(script, env=torchrun_on_path(job_env(tmp_path)), timeout=600)
     assert "--standalone --nproc_per_node=2" in launched.stdout and "done: loss" in launched.stdout
     # the torchrun it called (tests/bin/torchrun, first on PATH) had both its workers forked by the server
-    assert server_log.read_text().count("ddp_training.py as one python process") - forked >= 2
+    assert forked_from_server(fork_server, "ddp_training.py") - forked >= 2
     # SLURM and Kubernetes files: valid shell / valid manifest that runs the chapter's script.
     run(["bash", "-n", str(CHAPTER / "slurm_ddp.sbatch")])
     job = yaml.safe_load((CHAPTER / "pytorchjob.yaml").read_text())

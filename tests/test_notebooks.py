@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from distkit import notebooks
-from launch import REPO, launcher_argv
+from launch import REPO, forked_from_server, launcher_argv
 
 SOURCES = notebooks.sources([str(REPO)])
+IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
 IPYKERNEL_LAUNCHER = str(Path(importlib.util.find_spec("ipykernel_launcher").origin))
 
 
@@ -39,7 +40,6 @@ def _formats():
     import nbformat
 
     return jupytext, nbformat
-IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
 
 
 def test_every_chapter_has_a_notebook():
@@ -96,10 +96,9 @@ def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch, fork_serve
     spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", IPYKERNEL_LAUNCHER, "-f",
                                          "{connection_file}"], "display_name": "Python 3", "language": "python"}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    server_log = Path(fork_server).parent / "fork_server.log"
-    kernels = server_log.read_text().count("ipykernel_launcher.py as one python process")
+    kernels = forked_from_server(fork_server, "ipykernel_launcher.py")
     executed = notebooks.execute(source)         # raises NotebookError naming the failed cell
-    assert server_log.read_text().count("ipykernel_launcher.py as one python process") == kernels + 1
+    assert forked_from_server(fork_server, "ipykernel_launcher.py") == kernels + 1
     committed = nbformat.read(source.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
     key = notebooks.METADATA_KEY
     assert executed.metadata[key]["source_sha256"] == committed.metadata.get(key, {}).get("source_sha256")
