@@ -86,6 +86,9 @@ def parse_args(argv=None):
     job.add_argument("--float8", action="store_true",
                      help=f"the job runs Float8 linear layers: compute x{FLOAT8_SPEEDUP:.3f} and its saved "
                           "activations by the factor fitted there (measured on top of compile)")
+    job.add_argument("--compile-loss", action="store_true",
+                     help="the loss (fp32 cast, log-softmax, NLL) runs compiled, as torchtitan's does with "
+                          "compile since 2025: its working set is the logits and their gradient")
     job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
     hw = parser.add_argument_group("cluster")
     hw.add_argument("--gpus", type=positive_int, default=8,
@@ -207,7 +210,7 @@ def build_plan(args, dims=None) -> planner.Plan:
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
                         lora_rank=args.lora_rank, attention=args.attention, compile=args.compile,
-                        float8=args.float8)
+                        float8=args.float8, compiled_loss=args.compile_loss)
 
 
 def build_cluster(args) -> planner.Cluster:

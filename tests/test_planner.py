@@ -455,7 +455,8 @@ def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
 
 def test_cli_json_schema(capsys):
     """``plan.py --json`` prints per strategy ``name``, ``fits``, ``memory_bytes`` with the five parts
-    (and their total), ``step_time_s``, ``tokens_per_s_per_gpu``; the recommendation is one of them
+    (and their total, the tensors' peak and the caching allocator's, above it and below the
+    reserve factor times it), ``step_time_s``, ``tokens_per_s_per_gpu``; the recommendation is one of them
     and the table view of the same input names it."""
     plan = load_script(BENCH / "plan.py")
     argv = ["--model", "llama-3.2-1b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
@@ -468,8 +469,9 @@ def test_cli_json_schema(capsys):
         assert {"name", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu"} <= set(s)
         if s["valid"]:
             parts = s["memory_bytes"]
-            assert set(parts) == {*planner.PARTS, "total", "peak"}
+            assert set(parts) == {*planner.PARTS, "total", "peak", "reserved"}
             assert parts["total"] == pytest.approx(sum(parts[p] for p in planner.PARTS))
+            assert parts["peak"] < parts["reserved"] < planner.FITTED_RESERVE * parts["peak"]  # a GPU
             assert s["tokens_per_s_per_gpu"] == pytest.approx(16 * 2048 / 4 / s["step_time_s"])
     assert out["recommended"] in names
     plan.main(argv)
@@ -1075,18 +1077,18 @@ def published():
 def check_published_bounds(rows: list[dict]) -> None:
     """The errors ``plan.py --published`` reports, recomputed here from each row's prediction and
     published figure, within the bounds the README states: tokens/s on the validation rows within
-    the goal, median <= 15% and worst <= 30%; on the calibration rows median <= 5% and worst <= 25%;
-    memory median <= 20%, worst <= 35% (its goal, 10% / 20%, is not met: these are the measured
-    errors, rounded up)."""
+    the goal, median <= 15% and worst <= 30%; on the calibration rows median <= 8% and worst <= 25%
+    (the measured errors, rounded up); memory, the caching allocator's peak, within its goal on
+    every row that publishes one, median <= 10% and worst <= 20%."""
     def err(pred, meas):
         return abs(pred / meas - 1)
     cal = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "calibration")
     val = sorted(err(r["tps_pred"], r["tps"]) for r in rows if r["role"] == "validation")
     mem = sorted(err(r["memory_pred"], r["memory_gib"]) for r in rows if r["memory_gib"] is not None)
     median = statistics.median
-    assert median(cal) <= 0.05 and cal[-1] <= 0.25, (median(cal), cal[-1])
+    assert median(cal) <= 0.08 and cal[-1] <= 0.25, (median(cal), cal[-1])
     assert median(val) <= 0.15 and val[-1] <= 0.30, (median(val), val[-1])
-    assert median(mem) <= 0.20 and mem[-1] <= 0.35, (median(mem), mem[-1])
+    assert median(mem) <= 0.10 and mem[-1] <= 0.20, (median(mem), mem[-1])
 
 
 def test_published_rows_are_apart_and_predicted_within_the_stated_bounds(published):
@@ -1178,8 +1180,9 @@ def test_the_calibration_gpus_are_torchtitans_500_w_h100s(published, monkeypatch
     peak "is between SXM and NVL" (the file's hardware section and footnote): ``h100-500w`` takes the
     middle of NVL's 835 and SXM's 989 dense TFLOP/s, and the efficiency fitted on those rows is a
     fraction of that peak; every other GPU gets the same fraction of its own. The README's
-    sensitivity: taken as SXMs at 989 (a peak the source says they do not reach), every validation
-    row is predicted about 8% slower (989 / 912) and the median error triples (3.6% to 10.8%)."""
+    sensitivity: taken as SXMs at 989 (a peak the source says they do not reach), the fraction refits
+    lower, every validation row is predicted about 5% slower and the median error grows by half
+    (9.2% to 13.5%)."""
     import dataclasses
 
     from distkit.planner import inputs
@@ -1195,9 +1198,9 @@ def test_the_calibration_gpus_are_torchtitans_500_w_h100s(published, monkeypatch
     as_sxm = pc.compare(pc.calibrate())
     for middle, sxm in zip(rows, as_sxm):
         if middle["role"] == "validation":
-            assert 0.90 < sxm["tps_pred"] / middle["tps_pred"] < 0.94, middle["label"]
+            assert 0.93 < sxm["tps_pred"] / middle["tps_pred"] < 0.97, middle["label"]
     val = [abs(r["tps_pred"] / r["tps"] - 1) for r in as_sxm if r["role"] == "validation"]
-    assert statistics.median(val) > 2 * pc.summary(rows)["tps_validation"][0]
+    assert statistics.median(val) > 1.4 * pc.summary(rows)["tps_validation"][0]
 
 
 def test_torchtitans_selective_op_ac_keeps_every_other_matmul(published, monkeypatch):
@@ -1260,22 +1263,25 @@ def test_compile_and_float8_leave_attention_at_its_eager_speed(published, monkey
 
 
 def check_technique_memory(pred_gib: float, eager: planner.Estimate, kept: float) -> None:
-    """A compile/Float8 row's predicted peak, by hand: the eager layout's parameters, optimizer state
-    and temporaries (no gradients at the top of backward: one micro-batch) plus ``kept`` of the
-    blocks' saved activations, Llama 3.1 8B under torchtitan's selective op AC (titan-op) at
+    """A compile/Float8 row's predicted peak, by hand: the eager layout's parameters and optimizer
+    state (no gradients at the top of backward: one micro-batch) plus the caching allocator's
+    reserve r times what the step makes and frees, ``kept`` of the blocks' saved activations and the
+    temporaries; the activations of Llama 3.1 8B under torchtitan's selective op AC (titan-op) at
     s = 8192, b = 2 in bf16: 32 blocks x 2 s b (4h + hg/a + I + a) bytes = 32 x 2 x 16,384 x 31,776
     (31.03 GiB)."""
     act = 32 * 2 * 16384 * (4 * 4096 + 4096 * 8 // 32 + 14336 + 32)
     assert eager.memory_bytes["activations"] == act
     m = eager.memory_bytes
-    assert pred_gib * planner.GiB == pytest.approx(m["params"] + m["optimizer"] + kept * act + m["temporaries"],
+    r = planner.FITTED_RESERVE
+    assert pred_gib * planner.GiB == pytest.approx(m["params"] + m["optimizer"] + r * (kept * act + m["temporaries"]),
                                                    rel=1e-12)
 
 
 def test_compile_and_float8_lower_the_predicted_memory_by_table_1s_factors(published):
     """torch.compile and Float8 keep factors c and f of the blocks' saved activations A, fitted on
-    Table 1's memory column (82.4 GiB eager, 77.0 compiled, 76.8 with Float8 too): by hand
-    c = 1 - 5.4 GiB / A, f = 1 - 0.2 GiB / (c A); the compile+Float8 row's peak is recomputed from
+    Table 1's memory column (82.4 GiB eager, 77.0 compiled, 76.8 with Float8 too) through the
+    allocator's reserve r: by hand c = 1 - 5.4 GiB / (r A), f = 1 - 0.2 GiB / (r c A); the
+    compile+Float8 row's peak is recomputed from
     the parts and c f A (:func:`check_technique_memory`), 5.6 GiB below the eager row's, as
     measured. Out of sample, Table 3 (the same job on 128 GPUs, not fitted on) drops 5.2 GiB from
     eager to compile+Float8, predicted within 0.5 GiB. Full AC rows keep their eager memory (no
@@ -1289,10 +1295,11 @@ def test_compile_and_float8_lower_the_predicted_memory_by_table_1s_factors(publi
     plan, dims = pc.row_plan(t1[False, False])
     eager = planner.estimate_dims(plan, planner.cluster("h100", 8), dims)
     act = eager.memory_bytes["activations"]
-    c = 1 - 5.4 * gib / act
-    f = 1 - 0.2 * gib / (c * act)
+    r = planner.FITTED_RESERVE
+    c = 1 - 5.4 * gib / (r * act)
+    f = 1 - 0.2 * gib / (r * c * act)
     assert pc.memory_factors() == pytest.approx({"compile": c, "float8": f}, rel=1e-12)
-    assert 0.82 < c < 0.83 and 0.99 < f < 0.995
+    assert 0.85 < c < 0.87 and 0.99 < f < 0.995
     eff = rows[0]["efficiency"]
     both = pc.predict(t1[True, True], eff)[1]
     check_technique_memory(both, eager, c * f)
@@ -1302,10 +1309,10 @@ def test_compile_and_float8_lower_the_predicted_memory_by_table_1s_factors(publi
     assert abs(drop3 - (67.0 - 61.8)) < 0.5, drop3
     for row in (r for r in CALIBRATION if r.ac == "full" and r.compile):
         p, d = pc.row_plan(row)
-        plain = planner.estimate_dims(p, planner.cluster(row.gpu, row.gpus), d).memory_bytes["peak"] / gib
+        plain = planner.estimate_dims(p, planner.cluster(row.gpu, row.gpus), d).memory_bytes["reserved"] / gib
         assert pc.memory_factor(row) == 1.0 and pc.predict(row, eff)[1] == pytest.approx(plain), row.label
-    twice = eager.memory_bytes["peak"] - (1 - (c * f) ** 2) * act
-    for wrong in (twice / gib, eager.memory_bytes["peak"] / gib):
+    twice = eager.memory_bytes["reserved"] - r * (1 - (c * f) ** 2) * act
+    for wrong in (twice / gib, eager.memory_bytes["reserved"] / gib):
         with pytest.raises(AssertionError):
             check_technique_memory(wrong, eager, c * f)
 
@@ -1463,7 +1470,7 @@ def test_compile_and_float8_flags_scale_the_compute_and_the_saved_activations(ca
     assert 1 < costs.compute_seconds(cl, longer[0], 1e6) / costs.compute_seconds(cl, longer[1], 1e6) < 8532 / 5762
     f = memory_factors()
     kept = costs.activation_bytes(both, 32, 1) / costs.activation_bytes(eager, 32, 1)
-    assert kept == pytest.approx(f["compile"] * f["float8"], rel=1e-12) and 0.80 < kept < 0.85
+    assert kept == pytest.approx(f["compile"] * f["float8"], rel=1e-12) and 0.84 < kept < 0.87
     full = [planner.Plan(LLAMA_8B, global_batch=16, ac="full", compile=c, float8=c) for c in (False, True)]
     assert costs.activation_bytes(full[1], 32, 1) == costs.activation_bytes(full[0], 32, 1)
     plan = load_script(BENCH / "plan.py")

@@ -80,6 +80,7 @@ from .inputs import (
     AC_MODES,
     ATTENTION,
     FITTED_EFFICIENCY,
+    FITTED_RESERVE,
     GPU,
     GPU_NAME_PARTS,
     GPUS,
@@ -115,7 +116,7 @@ from .validation import (
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
            "estimate_nd", "fewest_batch_ranks", "head_bytes", "parse_layout", "published_table",
-           "AC_MODES", "ATTENTION", "FITTED_EFFICIENCY",
+           "AC_MODES", "ATTENTION", "FITTED_EFFICIENCY", "FITTED_RESERVE",
            "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",
            "Plan", "Recommendation", "STEP_MEDIAN_ERROR", "VALIDATION_BOUNDS", "activation_bytes", "check_job",

@@ -110,12 +110,20 @@ def head_working_set(plan: Plan, micro_batch: int) -> float:
     the training loop), the loss's log-probabilities, their gradient and the logits' gradient (four
     ``b x s x vocab`` tensors, fp32; in bf16 the logits and their gradient are bf16), and the head's
     input gradient with the final norm's (two ``b x s x width``). Measured on the CPU matrix:
-    ``tests/test_planner.py``."""
+    ``tests/test_planner.py``. A compiled loss (``plan.compiled_loss``) is one fused function: it
+    saves the logits in their own dtype and two floats per token (the row's max and log-sum-exp),
+    and its backward writes the logits' gradient in that dtype, with no fp32 copy and no
+    log-probabilities (seen in ``tests/test_planner.py`` through the tensors it saves)."""
     cfg = plan.model
     tokens = cfg.seq_len * micro_batch
-    if plan.precision == "bf16":
-        return tokens * (12 * cfg.vocab_size + 4 * cfg.n_embd)
-    return tokens * 4 * (4 * cfg.vocab_size + 2 * cfg.n_embd)
+    return tokens * (vocab_bytes(plan) * cfg.vocab_size + 2 * _act_dtype_bytes(plan) * cfg.n_embd)
+
+
+def vocab_bytes(plan: Plan) -> int:
+    """Bytes per token and vocabulary entry of the loss's working set (:func:`head_working_set`):
+    eager bf16 2 + 4 + 4 + 2, eager fp32 4 x 4; compiled, the logits and their gradient only."""
+    w = int(_act_dtype_bytes(plan))
+    return 2 * w if plan.compiled_loss else (12 if w == 2 else 16)
 
 
 # ----------------------------------------------------------------------------------------------

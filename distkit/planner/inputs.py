@@ -128,7 +128,11 @@ def gpu_type(device_name: str) -> str | None:
 # The fraction of the bf16 peak a GPU reaches by default: the one constant of the time model fitted
 # on published runs, torchtitan's December 2024 H100 rows at their own peak (published_check.calibrate,
 # which tests/test_planner.py checks this equals; plan.py --published shows the fit and its errors).
-FITTED_EFFICIENCY = 0.3998
+FITTED_EFFICIENCY = 0.3754
+# What the CUDA caching allocator reserves per byte of the tensors a step makes and frees (its
+# cached blocks and splits): the second constant fitted on the same rows, on their memory column
+# (published_check.calibrate_reserve; tests/test_planner.py checks this equals it).
+FITTED_RESERVE = 1.247
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,13 @@ class Cluster:
     collectives: dict | None = None
     cores: int | None = None
     overheads: dict | None = None
+    allocator_reserve: float = FITTED_RESERVE
+
+    @property
+    def reserve(self) -> float:
+        """The allocator's factor on a step's transient tensors (:func:`~.layouts.reserved_bytes`):
+        ``allocator_reserve`` on GPUs, 1 on CPU ranks (``cores`` set), which cache nothing."""
+        return 1.0 if self.cores else self.allocator_reserve
 
     @property
     def nodes(self) -> int:
@@ -265,7 +276,8 @@ class Plan:
     activations assume (:data:`ATTENTION`; flash by default), ``compile`` / ``float8`` whether the
     job runs torch.compile'd blocks / Float8 linear layers (measured factors on the compute rate and
     the blocks' saved activations: :func:`~.published_check.technique_speedup`,
-    :func:`~.published_check.memory_factor`)."""
+    :func:`~.published_check.memory_factor`), ``compiled_loss`` whether the loss (the cast to fp32,
+    log-softmax and NLL) runs as one compiled function (:func:`~.costs.head_working_set`)."""
 
     model: Any
     global_batch: int
@@ -280,6 +292,7 @@ class Plan:
     attention: str = "flash"
     compile: bool = False
     float8: bool = False
+    compiled_loss: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("precision", self.precision, PRECISIONS),

@@ -52,8 +52,8 @@ class Estimate:
 
 
 def _invalid(name: str, layout: dict, note: str) -> Estimate:
-    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total", "peak")}, False, math.inf, 0.0, valid=False,
-                    note=note)
+    return Estimate(name, layout, {p: math.nan for p in (*PARTS, "total", "peak", "reserved")}, False, math.inf, 0.0,
+                    valid=False, note=note)
 
 
 def peak_bytes(memory: dict, head: float, accumulating: bool) -> float:
@@ -69,11 +69,28 @@ def peak_bytes(memory: dict, head: float, accumulating: bool) -> float:
     return max(top, end)
 
 
+def reserved_bytes(memory: dict, head: float, accumulating: bool, held: float, reserve: float) -> float:
+    """What the CUDA caching allocator holds at the step's peak (``torch.cuda.max_memory_reserved``,
+    the figure torchtitan publishes), from the tensors counted at :func:`peak_bytes`' two moments:
+    the model state and the ``held`` temporaries (allocated once per step and kept to its end: a
+    pipeline stage's gathered weights and accumulated gradients, DDP's flat gradient copy) at their
+    size, and everything made and freed inside forward and backward (activations, the loss's working
+    set, the gathered blocks) times ``reserve``: the cached free blocks and the splits around them
+    that the allocator keeps. ``reserve`` is fitted on torchtitan's published H100 runs
+    (:data:`~.inputs.FITTED_RESERVE`); 1 on CPU ranks, which have no caching allocator."""
+    state = memory["params"] + memory["optimizer"]
+    top_state = state + (memory["grads"] if accumulating else 0.0) + held
+    top = top_state + reserve * (memory["activations"] + memory["temporaries"] - held)
+    end = state + memory["grads"] + held + reserve * (memory["temporaries"] - head - held)
+    return max(top, end)
+
+
 def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed_s, bubble_s=0.0,
-            optimizer_s=None, head=0.0, accumulating=False, **flags) -> Estimate:
+            optimizer_s=None, head=0.0, accumulating=False, held=0.0, **flags) -> Estimate:
     memory = {**state, "activations": act, "temporaries": temp}
     memory["total"] = sum(memory[p] for p in PARTS)
     memory["peak"] = peak_bytes(memory, head, accumulating)
+    memory["reserved"] = reserved_bytes(memory, head, accumulating, held, cluster.reserve)
     if optimizer_s is None:  # read and write every state byte once: memory-bound
         optimizer_s = 2 * sum(state.values()) / cluster.gpu.hbm_bandwidth
     step = compute_s + bubble_s + exposed_s + optimizer_s

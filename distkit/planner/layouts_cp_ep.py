@@ -25,9 +25,10 @@ def _after_backward_peak(est: Estimate, cluster: Cluster, flat_bytes: float) -> 
     """``est`` with the moment after backward counted in its peak: every gradient, the optimizer
     state and a flat copy of ``flat_bytes`` gradients being averaged (the chapter scripts' one flat
     all-reduce per group of parameters, divided in place), the activations and the head's working
-    set gone."""
+    set gone (the flat copy a transient of the caching allocator's, :func:`~.layouts.reserved_bytes`)."""
     m = est.memory_bytes
     m["peak"] = max(m["peak"], m["params"] + m["grads"] + m["optimizer"] + flat_bytes)
+    m["reserved"] = max(m["reserved"], m["params"] + m["grads"] + m["optimizer"] + cluster.reserve * flat_bytes)
     est.fits = m["peak"] <= cluster.capacity_bytes
     return est
 

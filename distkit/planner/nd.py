@@ -34,7 +34,15 @@ from dataclasses import replace
 
 from .. import theory
 from . import nd_ep
-from .costs import _act_dtype_bytes, activation_bytes, collective_time, compute_rate, compute_seconds, core_share
+from .costs import (
+    _act_dtype_bytes,
+    activation_bytes,
+    collective_time,
+    compute_rate,
+    compute_seconds,
+    core_share,
+    vocab_bytes,
+)
 from .dims import ParallelDims, _micro_split, check_dims, enumerate_dims
 from .inputs import Cluster, Plan, _block_params
 from .layouts import Estimate, _finish, _invalid
@@ -53,13 +61,12 @@ def head_bytes(plan: Plan, micro: int, tp: int = 1, loss_parallel: bool = True) 
     * with TP and loss parallel (torchtitan's default), every vocabulary-sized tensor is sharded over
       the tp ranks: T (12 V / tp + 4 h); without it each TP rank holds the whole vocabulary.
 
-    Equal to :func:`~.costs.head_working_set` at tp = 1 (the CPU matrix measures that one)."""
+    Equal to :func:`~.costs.head_working_set` at tp = 1 (the CPU matrix measures that one); a
+    compiled loss keeps the logits and their gradient only (:func:`~.costs.vocab_bytes`)."""
     cfg = plan.model
     tokens = cfg.seq_len * micro
     vocab = cfg.vocab_size / (tp if loss_parallel else 1)
-    if plan.precision == "bf16":
-        return tokens * (12 * vocab + 4 * cfg.n_embd)
-    return tokens * 4 * (4 * vocab + 2 * cfg.n_embd)
+    return tokens * (vocab_bytes(plan) * vocab + 2 * _act_dtype_bytes(plan) * cfg.n_embd)
 
 
 _SPLITS: dict = {}
@@ -91,8 +98,10 @@ def _in_flight(d: ParallelDims, m: int) -> float:
     return {"gpipe": m, "1f1b": min(p, m), "interleaved_1f1b": min(m, p * (1 + (p - 1) / (v * p)))}[d.schedule]
 
 
-def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> tuple[dict, float, float, float]:
-    """(model state by part, activations, temporaries, the head's share of them) of the GPU that
+def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int,
+            m: int) -> tuple[dict, float, float, float, float]:
+    """(model state by part, activations, temporaries, the head's share of them, the share of them
+    held from the step's first micro-batch to its end) of the GPU that
     decides the fit: the first stage's activations and the last stage's head, counted together (on
     one stage when pp = 1; a safe bound otherwise)."""
     cfg = plan.model
@@ -120,10 +129,12 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> tup
         # torch.distributed.pipelining's stage defers FSDP's gradient reduce-scatter to the last one
         # (backward_maybe_with_nosync): the stage stays gathered (w bytes) and its unsharded
         # gradients accumulate in the fp32 reduce dtype (4 bytes) through the step
-        temp += nd_ep.gathered_params(stage, stage_exp, d) * (w + 4)
+        kept = nd_ep.gathered_params(stage, stage_exp, d) * (w + 4)
+    else:
+        kept = 0.0
     if d.dp_replicate > 1 and d.shard == 1:
-        temp += state["grads"]
-    return state, act, temp, head
+        kept += state["grads"]
+    return state, act, temp + kept, head, kept
 
 
 def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict:
@@ -179,10 +190,10 @@ def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> Estimate:
     micro, m = _micro_split(plan, d)[:2]
     layout.update(micro_batch=micro, **({"microbatches": m} if d.pp > 1 else {"accumulation": m}))
     layout["dims"] = d.text()
-    state, act, temp, head = _memory(plan, cl, d, micro, m)
+    state, act, temp, head, held = _memory(plan, cl, d, micro, m)
     t = _times(plan, cl, d, micro, m)
     est = _finish(ND, layout, plan, cl, state, act, temp, t["compute_s"], t["comm_s"], t["exposed_s"], t["bubble_s"],
-                  head=head, accumulating=m > 1)
+                  head=head, accumulating=m > 1, held=held)
     est.times.update({k: v for k, v in t.items() if k not in ("compute_s", "comm_s", "exposed_s", "bubble_s")})
     return est
 

@@ -6,9 +6,10 @@ computed: a number that is not in its source is not here.
 
 What the sources do not state is a stated assumption of this module, named per row in ``assumed``:
 the sequence length where a table gives none (torchtitan's Llama 3 configs train on 8,192 tokens,
-Llama 2 on 4,096), a pipeline's micro-batch of 1 sequence, a "selective" AC that names no kind as
-torchtitan's default, selective op (the planner's ``titan-op``), and its "selective layer" AC (every
-second block checkpointed whole) planned as selective op."""
+Llama 2 on 4,096), a pipeline's micro-batch count (torchtitan's default, the PP degree), a
+"selective" AC that names no kind as torchtitan's default, selective op (the planner's
+``titan-op``), and its "selective layer" AC (every second block checkpointed whole) planned as
+selective op."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ class Row:
     :data:`~.inputs.GPUS` key), ``gpus``, ``dims`` (the :class:`~.dims.ParallelDims` axes),
     ``local_batch`` (sequences per batch rank), ``seq_len``, ``ac``, ``compile``, ``float8``, the
     measured ``tps`` (tokens/s per GPU) and ``memory_gib`` (None where not published), ``assumed``
-    (what the source does not say)."""
+    (what the source does not say), ``compiled_loss`` (the loss compiled too: torchtitan compiles
+    it with the model since 2025, and did not in December 2024; see :data:`H200_LOSS`)."""
 
     source: str
     model: str
@@ -51,6 +53,7 @@ class Row:
     memory_gib: float | None = None
     schedule: str = "1f1b"
     assumed: tuple = field(default_factory=tuple)
+    compiled_loss: bool = False
 
     @property
     def label(self) -> str:
@@ -63,7 +66,9 @@ class Row:
 _T1, _T2, _T3 = f"{H100_FILE}, Table 1", f"{H100_FILE}, Table 2", f"{H100_FILE}, Table 3"
 _T4, _T5, _T6 = f"{H100_FILE}, Table 4", f"{H100_FILE}, Table 5", f"{H100_FILE}, Table 6"
 _SEQ = "seq_len 8192 (torchtitan's Llama 3 config; the table gives none)"
-_MICRO = "pipeline micro-batch of 1 sequence (the table gives none)"
+_MICRO = ("as many pipeline micro-batches as PP stages (the table gives none): torchtitan's default at the "
+          "file's commit 9dec370, pipeline_parallel_microbatches unset (pipelining_utils.py), which the "
+          "405B config leaves unset")
 _A = f"{A100_FILE}, Llama 3 table"
 _A2 = f"{A100_FILE}, Llama 2 table"
 _LAYER = "selective layer AC (every second block checkpointed whole) planned as selective op (titan-op)"
@@ -72,6 +77,11 @@ _SEQ2 = "seq_len 4096 (Llama 2's, as the doc says)"
 _H200 = f"{H200_FILE}, Results"
 _TOML = ("seq_len 8192, selective op AC (titan-op), FSDP over every GPU: torchtitan's llama3_8b.toml, which the file's "
          "command runs (read at another commit than the run's)")
+# torchtitan compiles its loss with --training.compile from 2025 on: build_cross_entropy_loss in
+# torchtitan/components/loss.py at the H200 file's commit e7c0cae ("if job_config.training.compile:
+# loss_fn = torch.compile(loss_fn)"); at the H100 file's commit 9dec370 train.py has those two lines
+# commented out, so the calibration rows ran their loss eagerly.
+H200_LOSS = "pytorch/torchtitan torchtitan/components/loss.py at e7c0cae: the loss compiled with --training.compile"
 _FP8_FSDP = ("Float8 all-gathers in FSDP and the Float8 weights recomputed in backward (the command's flags) "
              "not modelled")
 
@@ -126,9 +136,10 @@ VALIDATION = (
         assumed=(_SEQ2,)),
     Row(_A2, "llama-2-70b", "a100-80gb", 64, {"dp_shard": 64}, 2, 4096, "full", False, False, 353, assumed=(_SEQ2,)),
     # H200 141GB, 8 per host, 400 Gb/s per GPU between hosts; torch 2.8 (nightly of May 2025), torchtitan
-    # of June 2025: the TPS/GPU and memory at the 100th step, on 4 and 8 hosts
+    # of June 2025: the TPS/GPU and memory at the 100th step, on 4 and 8 hosts. The loss is compiled
+    # with the model: H200_LOSS
     Row(_H200, "llama-3.1-8b", "h200", 32, {"dp_shard": 32}, 2, 8192, "titan-op", True, True, 10938, 47.96,
-        assumed=(_TOML, _FP8_FSDP)),
+        assumed=(_TOML, _FP8_FSDP), compiled_loss=True),
     Row(_H200, "llama-3.1-8b", "h200", 64, {"dp_shard": 64}, 2, 8192, "titan-op", True, True, 10753, 46.97,
-        assumed=(_TOML, _FP8_FSDP)),
+        assumed=(_TOML, _FP8_FSDP), compiled_loss=True),
 )

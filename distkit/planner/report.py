@@ -29,7 +29,8 @@ def describe(plan: Plan, cl: Cluster) -> str:
             f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
             f"{plan.precision}, {plan.optimizer}, AC {plan.ac}"
             + (" (eager attention)" if plan.attention == "eager" else "")
-            + "".join(f", {t}" for t, on in (("torch.compile", plan.compile), ("Float8", plan.float8)) if on)
+            + "".join(f", {t}" for t, on in (("torch.compile", plan.compile), ("Float8", plan.float8),
+                                             ("compiled loss", plan.compiled_loss)) if on)
             + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
 
@@ -98,9 +99,11 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
                   f"or does not fit use {' or '.join(map(str, halved))} (their micro= above)", ""]
     if rec.best:
         b = rec.best
+        reserved = (f" (the caching allocator reserves about {b.memory_bytes['reserved'] / unit:.1f})"
+                    if cl.reserve != 1 else "")
         lines.append(f"recommended: {b.name} ({_layout_text(b.layout)}): "
                      f"{b.memory_bytes['peak'] / unit:.1f} {unit_name} "
-                     f"per GPU, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+                     f"per GPU{reserved}, step {b.step_time_s:.3f} s, {b.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
         if rec.tie:
             lines.append(tie_text(rec.tie))
     elif not any(e.valid for e in estimates):  # "use more GPUs" may be false (512 sequences do not split over 6)
@@ -139,7 +142,7 @@ def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recomme
         "plan": {"model": {"arch": cfg.arch, **cfg.to_dict()}, "global_batch": plan.global_batch,
                  "micro_batch": plan.micro_batch, "precision": plan.precision, "optimizer": plan.optimizer,
                  "activation_checkpointing": plan.ac, "offload": plan.offload,
-                 "compile": plan.compile, "float8": plan.float8},
+                 "compile": plan.compile, "float8": plan.float8, "compiled_loss": plan.compiled_loss},
         "cluster": {"gpu": cl.gpu.name, "gpus": cl.gpus, "gpus_per_node": cl.gpus_per_node,
                     "memory_bytes": cl.gpu.memory_bytes, "usable_bytes": cl.capacity_bytes,
                     "efficiency": cl.efficiency, "source": cl.gpu.source},
