@@ -103,7 +103,7 @@ def parse_args(argv=None):
                     help=f"achievable fraction of the peak (default: {planner.FITTED_EFFICIENCY}, fitted on "
                          "torchtitan's published H100 runs: --published)")
     hw.add_argument("--usable-memory", type=positive_float,
-                    help="fraction of GPU memory a job can fill (default: 0.9)")
+                    help="fraction of GPU memory the caching allocator may reserve (default: 0.9)")
     hw.add_argument("--intra-bw-gbps", type=positive_float, help="override: bus GB/s inside a node")
     hw.add_argument("--intra-latency-us", type=positive_float,
                     help="override: latency per collective step inside a node")

@@ -17,7 +17,7 @@ PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gi
                    "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"),
                    "plan_8b_64xh100": ("plan.py", "--gpus 64 "),
                    "plan_1b_4xl4": ("plan.py", "--gpu l4"),
-                   "plan_405b_512xh100": ("plan.py", "--gpus 512"),
+                   "plan_405b_256xh100": ("plan.py", "--gpus 256"),
                    "plan_70b_64xh100_layout": ("plan.py", "--layout "),
                    "plan_published": ("plan.py", "--published"),
                    "plan_validation": (("plan.py", "--validate"), "--only-misses"),

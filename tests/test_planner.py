@@ -155,7 +155,10 @@ def test_fits_flips_at_the_computed_boundary():
     gradients). That is 16Ψ + 3.3 GB = 23.1 GB, more than the end of backward (18Ψ = 22.2 GB).
     With usable memory exactly that peak it fits; one byte less and it does not. Bug caught: a
     comparison against the raw memory instead of the usable fraction, a part left out, or the
-    gradients counted at the top of backward (the total would grow by 2Ψ and the flip would move)."""
+    gradients counted at the top of backward (the total would grow by 2Ψ and the flip would move).
+    On a GPU the flip is where the caching allocator's peak meets the usable memory: the state and
+    DDP's buckets (allocated once) at their size, the activations and the head's working set (made
+    and freed each step) times the reserve r."""
     cfg = LLAMA_1B
     p = psi(cfg)
     plan = planner.Plan(cfg, global_batch=8, ac="full")
@@ -167,10 +170,13 @@ def test_fits_flips_at_the_computed_boundary():
     assert probe.memory_bytes["temporaries"] == 2 * p + head
     assert probe.memory_bytes["peak"] == peak
     assert probe.memory_bytes["total"] == peak + 2 * p
-    gpu = replace(planner.GPUS["h100"], memory_bytes=peak)
-    assert planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
-    gpu = replace(gpu, memory_bytes=peak - 1)
-    assert not planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0), "ddp").fits
+    reserved = 2 * p + 12 * p + 2 * p + planner.FITTED_RESERVE * (act + head)
+    assert probe.memory_bytes["reserved"] == pytest.approx(reserved, rel=1e-12)
+    for cores, flip in ((None, reserved), (2, peak)):  # a GPU; CPU ranks (no caching allocator)
+        gpu = replace(planner.GPUS["h100"], memory_bytes=math.ceil(flip))
+        assert planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0, cores=cores), "ddp").fits
+        gpu = replace(gpu, memory_bytes=math.ceil(flip) - 1)
+        assert not planner.estimate(plan, planner.Cluster(gpu, 8, 8, usable_memory=1.0, cores=cores), "ddp").fits
 
 
 # ---------------------------------------------------------------- recommendations worked by hand
@@ -260,13 +266,16 @@ def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     """Llama-3.2-1B at 65,536 tokens per sequence on 8 H100s (71.3 GiB usable), bf16, full AC, 16
     sequences: every rank of DDP, ZeRO and FSDP holds whole sequences, and the LM head's working set
     of one, 65,536 x (12 x 128,256 + 4 x 2,048) bytes = 94.4 GiB, does not fit anywhere. Context
-    parallelism over cp = 2 (the smallest ring that fits; larger ones are no faster) holds 32,768
-    tokens per sequence: by hand, model state 16 x 1,235,814,400 bytes (DDP's, every rank a replica),
-    activations 16 layers x 32,768 x 2,048 x 2 bytes (full AC keeps the block input) = 2 GiB,
-    temporaries the head's 32,768 x 1,547,264 bytes = 47.2 GiB; it is recommended. TP splits the
-    head too and fits (69.5 GiB) but is slower. Among the strategy rows (the N-D search, which adds
-    FSDP over the ring, is left out here); the N-D layout that fits splits the sequence too (cp > 1).
-    Bugs caught: CP's activations or head not divided by cp, or its state sharded as if CP were FSDP."""
+    parallelism splits each sequence over cp ranks; by hand at cp = 4 (16,384 tokens per rank):
+    model state 16 x 1,235,814,400 bytes (DDP's, every rank a replica), activations 16 layers x
+    16,384 x 2,048 x 2 bytes (full AC keeps the block input) = 1 GiB, temporaries the head's 16,384 x
+    1,547,264 bytes = 23.6 GiB; the caching allocator reserves the state and r times the rest, which
+    fits 71.3 GiB. At cp = 2 the tensors would fit (67.6 GiB) but the allocator's peak would not, so
+    cp = 4 is the smallest ring that fits, and it is recommended: TP over 2 GPUs splits the head too,
+    but its allocator peak (86 GiB) does not fit either. Among the strategy rows (the N-D search,
+    which adds FSDP over the ring, is left out here); the N-D layout that fits splits the sequence
+    too (cp > 1). Bugs caught: CP's activations or head not divided by cp, its state sharded as if
+    CP were FSDP, or the fit decided on the tensors alone."""
     cfg = replace(LLAMA_1B, seq_len=65536)
     plan = planner.Plan(cfg, global_batch=16, ac="full")
     cl = planner.cluster("h100", 8)
@@ -274,21 +283,26 @@ def test_context_parallel_fits_the_long_sequence_nothing_else_fits():
     nd = planner.estimate(plan, cl, "nd")
     assert nd.fits and nd.layout["cp"] > 1, nd.layout
     cp = estimates["cp"]
-    assert cp.layout["cp"] == 2 and cp.layout["dp"] == 4 and cp.fits
+    assert cp.layout["cp"] == 4 and cp.layout["dp"] == 2 and cp.fits
     p = psi(cfg)
+    r = planner.FITTED_RESERVE
+
+    def by_hand(ring: int) -> tuple[float, float]:
+        tokens = 65536 // ring
+        state, act, temp = 16 * p, 16 * tokens * 2048 * 2, tokens * (12 * 128256 + 4 * 2048)
+        return state + act + temp, state + r * (act + temp)
     assert (cp.memory_bytes["params"], cp.memory_bytes["grads"], cp.memory_bytes["optimizer"]) == (2 * p, 2 * p, 12 * p)
-    assert cp.memory_bytes["activations"] == 16 * 32768 * 2048 * 2
-    assert cp.memory_bytes["temporaries"] == 32768 * (12 * 128256 + 4 * 2048)
+    assert cp.memory_bytes["activations"] == 16 * 16384 * 2048 * 2
+    assert cp.memory_bytes["temporaries"] == 16384 * (12 * 128256 + 4 * 2048)
+    assert cp.memory_bytes["reserved"] == pytest.approx(by_hand(4)[1], rel=1e-12)
+    assert cp.memory_bytes["reserved"] <= cl.capacity_bytes
+    tensors, reserved = by_hand(2)
+    assert tensors <= cl.capacity_bytes < reserved  # cp = 2: the tensors fit, the allocator's peak does not
     ddp = estimates["ddp"].memory_bytes
-    assert ddp["activations"] == 2 * cp.memory_bytes["activations"] and not estimates["ddp"].fits
-    for name in ("ddp", "zero3", "fsdp_full_shard", "pp_1f1b"):
+    assert ddp["activations"] == 4 * cp.memory_bytes["activations"] and not estimates["ddp"].fits
+    for name in ("ddp", "zero3", "fsdp_full_shard", "pp_1f1b", "fsdp_tp"):
         assert not estimates[name].fits, name
-    assert planner.recommend(list(estimates.values()), cl, tie_bound=0).best.name == "cp"  # the fastest
-    # TP is predicted 1.1% slower, within the planner's error, and is the simpler: it is the pick
-    rec = planner.recommend(list(estimates.values()), cl)
-    assert rec.best.name == "fsdp_tp" and rec.tie["fastest"] == "cp"
-    short = planner.estimate(planner.Plan(replace(cfg, seq_len=30), global_batch=16), cl, "cp")
-    assert not short.valid and short.note.startswith("no CP size")  # 30 tokens: no 2 x cp chunks for cp = 2
+    assert planner.recommend(list(estimates.values()), cl).best.name == "cp"
 
 
 def test_expert_parallel_needs_an_moe_and_splits_its_experts():
@@ -919,7 +933,7 @@ def test_readme_planner_commands_print_their_recorded_output(name, capsys):
 
 
 # the N-D examples of the Planning section: (substrings that find the command, record)
-ND_LOOKUPS = {"plan_405b_512xh100": ("plan.py", "--gpus 512"),
+ND_LOOKUPS = {"plan_405b_256xh100": ("plan.py", "--gpus 256"),
               "plan_70b_64xh100_layout": ("plan.py", "--layout dp_shard=2"),
               "plan_published": ("plan.py", "--published")}
 
@@ -1005,20 +1019,24 @@ def test_nd_layouts_are_enumerated_and_each_is_valid():
         .startswith("the global batch 48 is fewer than dp_replicate x dp_shard = 64 batch ranks")
 
 
-def test_405b_on_512_gpus_gets_the_fastest_nd_layout_that_fits():
-    """Llama 3.1 405B, 2048 sequences of 8192, selective AC, 512 H100s: no strategy row fits, so the
-    recommendation is the fastest N-D layout that does: FSDP over 64 x CP 8, the ring inside each node,
-    by the model (its FSDP gathers, over all 8 ports of each node, hide under compute). Negative
-    control: with full AC, ZeRO-3 fits at a step within the tie bound, and the simpler family wins
-    the tie: the N-D pick is the model's, not forced."""
-    plan, cl = planner.Plan(LLAMA_405B, global_batch=2048, ac="selective"), planner.cluster("h100", 512)
+def test_405b_on_256_gpus_gets_the_fastest_nd_layout_that_fits():
+    """Llama 3.1 405B, 2048 sequences of 8192, full AC, 256 H100s: no strategy row fits (ZeRO-3's
+    tensors would, the caching allocator's peak for them would not), so the recommendation is the
+    fastest N-D layout that does: FSDP over 128 x CP 2, by the model (its FSDP gathers, over all 8
+    ports of each node, hide under compute). With selective AC nothing fits 512 of them. Negative
+    control: on 512 GPUs with full AC, ZeRO-3 fits at a step within the tie bound, and the simpler
+    family wins the tie: the N-D pick is the model's, not forced."""
+    plan, cl = planner.Plan(LLAMA_405B, global_batch=2048, ac="full"), planner.cluster("h100", 256)
     estimates = planner.estimate_all(plan, cl)
     best = planner.recommend(estimates, cl).best
     assert best.name == "nd" and best.fits and nd_axes(best.layout) >= 2, best.layout
-    assert (best.layout["dp_shard"], best.layout["cp"]) == (64, 8)
+    assert (best.layout["dp_shard"], best.layout["cp"]) == (128, 2)
     assert not any(e.valid and e.fits for e in estimates if e is not best and not e.lora and not e.offload)
-    full = replace(plan, ac="full")
-    assert planner.recommend(planner.estimate_all(full, cl), cl).best.name != "nd"
+    zero3 = next(e for e in estimates if e.name == "zero3").memory_bytes
+    assert zero3["peak"] <= cl.capacity_bytes < zero3["reserved"]
+    wider = planner.cluster("h100", 512)
+    assert planner.recommend(planner.estimate_all(replace(plan, ac="selective"), wider), wider).best is None
+    assert planner.recommend(planner.estimate_all(plan, wider), wider).best.name != "nd"
 
 
 def check_pinned_state(memory: dict) -> None:

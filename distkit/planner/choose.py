@@ -215,8 +215,7 @@ def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool =
         if not e.valid:
             reasons[e.name] = f"cannot run: {e.note}"
         elif not e.fits:
-            reasons[e.name] = (f"does not fit: {e.memory_bytes['peak'] / GiB:.1f} GiB per GPU > "
-                               f"{cap / GiB:.1f} GiB usable")
+            reasons[e.name] = _no_fit(e, cap)
         elif e.lora:
             reasons[e.name] = "trains LoRA adapters only (fine-tuning a frozen base): a different job"
         elif e.offload and not allow_offload:
@@ -228,6 +227,15 @@ def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool =
             reasons[e.name] = (f"fits, {e.step_time_s / best.step_time_s:.2f}x slower "
                                f"({_why_slower(e, best)})")
     return Recommendation(best, reasons, tie)
+
+
+def _no_fit(e: Estimate, cap: float) -> str:
+    """Why ``e`` does not fit: its tensors, or (when they would) what the caching allocator reserves."""
+    m = e.memory_bytes
+    if m["peak"] > cap:
+        return f"does not fit: {m['peak'] / GiB:.1f} GiB per GPU > {cap / GiB:.1f} GiB usable"
+    return (f"does not fit: its {m['peak'] / GiB:.1f} GiB of tensors would have the caching allocator reserve "
+            f"about {m['reserved'] / GiB:.1f} GiB > {cap / GiB:.1f} GiB usable")
 
 
 def _why_slower(e: Estimate, best: Estimate) -> str:

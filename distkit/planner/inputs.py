@@ -141,8 +141,10 @@ class Cluster:
 
     ``efficiency``: the achievable fraction of the peak FLOP/s (:data:`FITTED_EFFICIENCY`, fitted on
     torchtitan's published H100 runs; times the GPU type's ``compute_factor``); ``usable_memory``: the
-    fraction of the GPU's
-    memory a job can fill (CUDA context, NCCL buffers, allocator fragmentation take the rest);
+    fraction of the GPU's memory the caching allocator can reserve (the CUDA context, NCCL's buffers
+    and a margin take the rest; torchtitan's published runs reserved up to 89% of theirs);
+    ``allocator_reserve``: the allocator's factor on what a step makes and frees
+    (:data:`FITTED_RESERVE`; :func:`~.layouts.reserved_bytes`);
     ``overlap``: whether communication can run under compute (GPUs with NCCL: yes; CPU ranks that
     share their cores with gloo's threads: no). ``collectives``: measured alpha-beta per
     (collective, group size) (:func:`cpu_cluster`), which replace the links when given;

@@ -85,6 +85,12 @@ def reserved_bytes(memory: dict, head: float, accumulating: bool, held: float, r
     return max(top, end)
 
 
+def fits_memory(memory: dict, cluster) -> bool:
+    """Whether the step fits a GPU: what the caching allocator reserves at its peak
+    (:func:`reserved_bytes`; the tensors themselves on CPU ranks) within the usable memory."""
+    return memory["reserved"] <= cluster.capacity_bytes
+
+
 def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed_s, bubble_s=0.0,
             optimizer_s=None, head=0.0, accumulating=False, held=0.0, **flags) -> Estimate:
     memory = {**state, "activations": act, "temporaries": temp}
@@ -96,7 +102,7 @@ def _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, ex
     step = compute_s + bubble_s + exposed_s + optimizer_s
     times = {"compute_s": compute_s, "bubble_s": bubble_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
              "optimizer_s": optimizer_s}
-    return Estimate(name, layout, memory, memory["peak"] <= cluster.capacity_bytes, step,
+    return Estimate(name, layout, memory, fits_memory(memory, cluster), step,
                     plan.tokens_per_step / cluster.gpus / step, times, **flags)
 
 
@@ -209,8 +215,11 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
         optimizer_s = moved / cluster.gpu.host_link + state["optimizer"] / 12 * 16 / 10e9
         if not cluster.cores:  # on CPU ranks the "host" memory is the same memory: nothing leaves
             state = {**state, "optimizer": 0.0}
+    # DDP's buckets and DeepSpeed's flat gradient buffers are allocated once and reused every step;
+    # FSDP's gathered units are made and freed each step
+    held = temp - head if name in (Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2) or name.startswith("zero3") else 0.0
     return _finish(name, layout, plan, cluster, state, act, temp, compute_s, comm_s, exposed, head=head,
-                   accumulating=accum > 1,
+                   accumulating=accum > 1, held=held,
                    optimizer_s=optimizer_s, offload=offload, lora=lora)
 
 

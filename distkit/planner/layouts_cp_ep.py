@@ -18,7 +18,7 @@ from .costs import (
     state_bytes,
 )
 from .inputs import Cluster, Plan
-from .layouts import Estimate, _data_parallel_layout, _finish, _invalid
+from .layouts import Estimate, _data_parallel_layout, _finish, _invalid, fits_memory
 
 
 def _after_backward_peak(est: Estimate, cluster: Cluster, flat_bytes: float) -> Estimate:
@@ -29,7 +29,7 @@ def _after_backward_peak(est: Estimate, cluster: Cluster, flat_bytes: float) -> 
     m = est.memory_bytes
     m["peak"] = max(m["peak"], m["params"] + m["grads"] + m["optimizer"] + flat_bytes)
     m["reserved"] = max(m["reserved"], m["params"] + m["grads"] + m["optimizer"] + cluster.reserve * flat_bytes)
-    est.fits = m["peak"] <= cluster.capacity_bytes
+    est.fits = fits_memory(m, cluster)
     return est
 
 

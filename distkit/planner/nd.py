@@ -199,12 +199,13 @@ def estimate_dims(plan: Plan, cl: Cluster, d: ParallelDims) -> Estimate:
 
 
 def estimate_nd(plan: Plan, cl: Cluster) -> Estimate:
-    """The best N-D layout of :func:`~.dims.enumerate_dims`: the fastest that fits, else the smallest."""
+    """The best N-D layout of :func:`~.dims.enumerate_dims`: the fastest that fits, else the smallest
+    (by what the caching allocator would reserve)."""
     candidates = [estimate_dims(plan, cl, d) for d in enumerate_dims(plan, cl)]
     if not candidates:
         return _invalid(ND, {}, "no N-D layout (3+ axes, PP x FSDP, ...) splits this model, batch and GPU count")
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return min(fitting, key=lambda c: c.step_time_s)
-    return min(candidates, key=lambda c: c.memory_bytes["peak"])
+    return min(candidates, key=lambda c: c.memory_bytes["reserved"])
 

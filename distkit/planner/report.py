@@ -81,15 +81,15 @@ def format_report(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recom
              + (", calibrated" if cl.cores else "") + _factors_text(cl, plan) + ")",
              "",
              f"{'strategy':<20} {'layout':<30} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'temp':>7} "
-             f"{'peak':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
-             f"{'':<20} {'':<30} {unit_name + ' per GPU':^47}"]
+             f"{'peak':>7} {'alloc':>7} {'fits':>4} {'step s':>8} {'tok/s/GPU':>10}",
+             f"{'':<20} {'':<30} {unit_name + ' per GPU (alloc: what the caching allocator reserves)':^55}"]
     for e in estimates:
         if not e.valid:
             lines.append(f"{e.name:<20} cannot run: {e.note}")
             continue
         m = e.memory_bytes
         lines.append(f"{e.name:<20} {_layout_text(e.layout):<30} " +
-                     " ".join(f"{m[p] / unit:7.2f}" for p in (*PARTS, "peak")) +
+                     " ".join(f"{m[p] / unit:7.2f}" for p in (*PARTS, "peak", "reserved")) +
                      f" {'yes' if e.fits else 'no':>4} {e.step_time_s:8.3f} {e.tokens_per_s_per_gpu:10,.0f}")
     lines.append("")
     halved = sorted({e.layout["micro_batch"] for e in estimates if e.valid and "micro_batch" in e.layout}
