@@ -236,6 +236,38 @@ def test_fsdp_tp_slices_the_data_along_dp_only(hybrid_runs):
     pinned(hybrid_runs, check_hybrid_rows, "tp_axis_slices_data")
 
 
+# ==== hybrid_parallelism.py --mode hsdp: every rank of the (replicate, shard) mesh its own rows ======
+
+HSDP_RUNS = {
+    "correct": None,
+    # the data sliced along the replicate axis only, as 2d slices along dp: shard partners read the
+    # same rows (each step trains on half the global batch)
+    "sliced_by_replica": ("shard_mesh, dp_size, dp_rank = mesh, ctx.world_size, ctx.rank",
+                          'shard_mesh, dp_size, dp_rank = mesh, shape[0], mesh.get_local_rank("replicate")'),
+}
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    return observe_jobs(tmp_path_factory, HYBRID_SCRIPT, "FSDPTinyGPT", HSDP_RUNS, lambda folder: [
+        *QUICK, "--mode", "hsdp", "--replicate", 2, "--shard", 2, "--global-batch-size", TP_BATCH,
+        "--save", "none", "--results", folder / "r.jsonl"], nproc=4)
+
+
+def check_hsdp_rows(folder: Path) -> None:
+    """On the (replicate, shard) = (2, 2) mesh HSDP is data parallelism over all 4 ranks (FSDP only
+    decides where the weights live): rank r reads the r-th quarter of each global batch, so the
+    shard partners 0 and 1 read different rows."""
+    quarter = TP_BATCH // 4
+    for rank in range(4):
+        want = [digest_rows(tp_batch(s)[0][rank * quarter:(rank + 1) * quarter]) for s in range(STEPS)]
+        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}"
+
+
+def test_hsdp_gives_every_rank_its_own_rows(hsdp_runs):
+    pinned(hsdp_runs, check_hsdp_rows, "sliced_by_replica")
+
+
 # ==== expert_parallel.py: each token to the experts it chose, on the ranks that own them =============
 
 EP_SCRIPT = REPO / "05-advanced" / "expert_parallel.py"
