@@ -107,6 +107,8 @@ def calibrate_reserve(rows=CALIBRATION) -> float:
             est = estimate_dims(plan, cluster(row.gpu, row.gpus, allocator_reserve=1.0), dims)
             at_two = estimate_dims(plan, cluster(row.gpu, row.gpus, allocator_reserve=2.0), dims)
             counted = est.memory_bytes["peak"]
+            # reserved is linear in the reserve where one moment is the peak at both values (the top
+            # of backward, for every row here: tests/test_planner_memory.py recomputes each by hand)
             transient = at_two.memory_bytes["reserved"] - counted  # what the reserve multiplies
             ratios.append(1 + (row.memory_gib * GiB - counted) / transient)
         _RESERVE[key] = round(statistics.median(ratios), 3)
