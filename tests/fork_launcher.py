@@ -134,6 +134,15 @@ def _rank(script: str, args: list[str], env: dict[str, str]) -> None:
         os._exit(code)
 
 
+def _receive(client: socket.socket) -> bytes:
+    """A forwarded signal (2 bytes) or b"" when the client is gone: Linux resets a Unix socket whose
+    peer closed with data unread, and that is the same news as an orderly close."""
+    try:
+        return client.recv(2)
+    except ConnectionResetError:
+        return b""
+
+
 def run_job(nproc: int, script: str, args: list[str], client: socket.socket | None = None,
             worker: bool = False) -> int:
     """Fork ``nproc`` ranks of ``script args`` with torchrun's environment and wait for them;
@@ -171,7 +180,7 @@ def run_job(nproc: int, script: str, args: list[str], client: socket.socket | No
         if deadline is not None and time.monotonic() > deadline:
             for pid in ranks:
                 os.kill(pid, signal.SIGKILL)
-        message = client.recv(2) if client is not None and select.select([client], [], [], 0)[0] else None
+        message = _receive(client) if client is not None and select.select([client], [], [], 0)[0] else None
         if message and message[:1] == b"S" and len(message) == 2:
             for pid in ranks:  # a --worker client's launcher signalled it (torchrun stopping its workers)
                 os.kill(pid, message[1])
@@ -234,7 +243,10 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # computed from the server's TMPDIR while importing
-        conn.sendall(b"R")
+        try:
+            conn.sendall(b"R")
+        except OSError:  # the client is already gone (killed while asking): no job to run
+            os._exit(1)
         code = run_job(request["nproc"], request["script"], request["args"], client=conn,
                        worker=request.get("worker", False))
     except BaseException:  # noqa: BLE001
@@ -365,6 +377,18 @@ def through_server(path: str, nproc: int, script: str, args: list[str], worker: 
     working directory and environment; its exit code, or None if this process must launch it.
     ``worker``: SIGTERM, SIGINT and SIGHUP sent to this process are passed on to the rank, and the
     code is minus the signal that ended the rank, if one did."""
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    if worker:  # a stop that arrives before the job runs waits for it (or for the fallback) instead
+        # of killing this client half-way through the request, with the server's reply unread
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        return _through_server(path, nproc, script, args, worker, stops)
+    finally:
+        if worker:  # a stop held back is delivered now: forwarded to the rank, or ends this process
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
+
+def _through_server(path: str, nproc: int, script: str, args: list[str], worker: bool, stops) -> int | None:
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
@@ -383,8 +407,9 @@ def through_server(path: str, nproc: int, script: str, args: list[str], worker: 
             except OSError:
                 pass
 
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for signum in stops:
             signal.signal(signum, forward)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # forwarded from here on
     try:
         return struct.unpack("!i", _receive_all(conn, b"", 4))[0]
     except ConnectionError:

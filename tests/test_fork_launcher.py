@@ -15,12 +15,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import forked_from_server, job_env, launcher_argv, python, torchrun
+from launch import FORK_LAUNCHER, forked_from_server, job_env, launcher_argv, python, torchrun
 
 JOB = """\
 import os, sys, time
@@ -189,3 +190,79 @@ def test_a_worker_the_server_cannot_take_becomes_the_script(fork_server, tmp_pat
     worker = _worker(tmp_path, "--exec", TORCH_CPP_LOG_LEVEL="ERROR")
     out, _ = worker.communicate(timeout=120)
     assert worker.returncode == 0 and f"pid {worker.pid} rank 1 args ['--exec']" in out, out
+
+
+def _stop_before_the_answer(tmp_path: Path, launcher: Path = FORK_LAUNCHER) -> tuple[bytes, int]:
+    """A ``--worker`` client of ``launcher`` asks a stand-in fork server (a socket of this test) for a
+    job; SIGTERM reaches the client before the server answers; then the server answers "R" and reads
+    what the client sends. Returns (those bytes, the client's exit code)."""
+    import socket
+    import struct
+    import threading
+
+    tmp_path.mkdir(exist_ok=True)
+    path = str(tmp_path / "server")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    asked, answered, got = threading.Event(), threading.Event(), []
+
+    def serve():
+        conn, _ = listener.accept()
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        for fd in fds:
+            os.close(fd)
+        asked.set()
+        answered.wait(30)
+        try:
+            conn.sendall(b"R")
+            conn.settimeout(10)
+            got.append(conn.recv(2))
+            conn.sendall(struct.pack("!i", -signal.SIGTERM))  # the rank ended by the forwarded signal
+        except OSError:
+            got.append(b"")
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = subprocess.Popen([sys.executable, str(launcher), "--worker", "no_such_script.py"],
+                              env={**os.environ, "FORK_LAUNCHER_SERVER": path,  # its `import launch`
+                                   "PYTHONPATH": str(FORK_LAUNCHER.parent)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    assert asked.wait(60)
+    client.send_signal(signal.SIGTERM)  # before the answer: torchrun stopping a worker that just started
+    time.sleep(0.5)
+    answered.set()
+    thread.join(30)
+    client.wait(30)
+    listener.close()
+    return got[0], client.returncode
+
+
+def test_a_stop_before_the_server_answers_is_forwarded_and_a_reset_client_is_a_gone_one(tmp_path):
+    """A worker client that torchrun stops before the fork server has answered holds the signal and
+    forwards it once the job runs (the rank ends by it, and so does the client); and a launcher whose
+    client closed with the answer unread (Linux resets that socket) takes it as the client gone, not
+    as an error with a traceback in the job's output. Controls: the client without its signal mask
+    dies at once and forwards nothing; a plain ``recv`` on the reset socket raises."""
+    import socket
+
+    import fork_launcher
+
+    assert _stop_before_the_answer(tmp_path / "held") == (b"S" + bytes([signal.SIGTERM]), -signal.SIGTERM)
+    source = FORK_LAUNCHER.read_text()
+    mask = "        signal.pthread_sigmask(signal.SIG_BLOCK, stops)\n"
+    assert source.count(mask) == 1
+    unmasked = tmp_path / "unmasked" / "fork_launcher.py"
+    unmasked.parent.mkdir()
+    unmasked.write_text(source.replace(mask, "        pass\n"))
+    assert _stop_before_the_answer(tmp_path / "unmasked", unmasked) == (b"", -signal.SIGTERM)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.sendall(b"R")
+    theirs.close()  # the answer unread
+    control, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    control.sendall(b"R")
+    other.close()
+    assert fork_launcher._receive(ours) == b""
+    with pytest.raises(ConnectionResetError):
+        control.recv(2)
