@@ -105,7 +105,7 @@ def eager_attention_bytes(cfg, micro_batch: int, tp: int = 1) -> float:
     return 4 * cfg.n_head * cfg.seq_len ** 2 * micro_batch / tp
 
 
-def head_working_set(plan: Plan, micro_batch: int) -> float:
+def head_working_set(plan: Plan, micro_batch: int, vocab_shards: int = 1) -> float:
     """Temporaries alive during the LM head's backward, where the step peaks: the logits (held by
     the training loop), the loss's log-probabilities, their gradient and the logits' gradient (four
     ``b x s x vocab`` tensors, fp32; in bf16 the logits and their gradient are bf16), and the head's
@@ -113,10 +113,11 @@ def head_working_set(plan: Plan, micro_batch: int) -> float:
     ``tests/test_planner.py``. A compiled loss (``plan.compiled_loss``) is one fused function: it
     saves the logits in their own dtype and two floats per token (the row's max and log-sum-exp),
     and its backward writes the logits' gradient in that dtype, with no fp32 copy and no
-    log-probabilities (seen in ``tests/test_planner.py`` through the tensors it saves)."""
+    log-probabilities (seen in ``tests/test_planner_memory.py`` through the tensors it saves).
+    ``vocab_shards``: the ranks its vocabulary-sized tensors are split over (loss parallel under TP)."""
     cfg = plan.model
     tokens = cfg.seq_len * micro_batch
-    return tokens * (vocab_bytes(plan) * cfg.vocab_size + 2 * _act_dtype_bytes(plan) * cfg.n_embd)
+    return tokens * (vocab_bytes(plan) * cfg.vocab_size / vocab_shards + 2 * _act_dtype_bytes(plan) * cfg.n_embd)
 
 
 def vocab_bytes(plan: Plan) -> int:

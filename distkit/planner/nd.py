@@ -41,7 +41,7 @@ from .costs import (
     compute_rate,
     compute_seconds,
     core_share,
-    vocab_bytes,
+    head_working_set,
 )
 from .dims import ParallelDims, _micro_split, check_dims, enumerate_dims
 from .inputs import Cluster, Plan, _block_params
@@ -61,12 +61,10 @@ def head_bytes(plan: Plan, micro: int, tp: int = 1, loss_parallel: bool = True) 
     * with TP and loss parallel (torchtitan's default), every vocabulary-sized tensor is sharded over
       the tp ranks: T (12 V / tp + 4 h); without it each TP rank holds the whole vocabulary.
 
-    Equal to :func:`~.costs.head_working_set` at tp = 1 (the CPU matrix measures that one); a
-    compiled loss keeps the logits and their gradient only (:func:`~.costs.vocab_bytes`)."""
-    cfg = plan.model
-    tokens = cfg.seq_len * micro
-    vocab = cfg.vocab_size / (tp if loss_parallel else 1)
-    return tokens * (vocab_bytes(plan) * vocab + 2 * _act_dtype_bytes(plan) * cfg.n_embd)
+    :func:`~.costs.head_working_set` with the vocabulary split over the TP ranks (the CPU matrix
+    measures it at tp = 1); a compiled loss keeps the logits and their gradient only
+    (:func:`~.costs.vocab_bytes`)."""
+    return head_working_set(plan, micro, tp if loss_parallel else 1)
 
 
 _SPLITS: dict = {}
