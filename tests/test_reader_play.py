@@ -25,6 +25,7 @@ import math
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,12 +106,14 @@ def play(clone: Path, scratch: Path) -> list[str]:
             # torchrun's restarts are the lesson of the commands that ask for them: the real launcher there
             launcher = "torchrun-fresh" if "--max-restarts" in command else "fork"
             argv = command_argv(shlex.join(words), launcher=launcher)
+            started = time.monotonic()
             try:
                 done = subprocess.run(argv, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, timeout=900)
             except subprocess.TimeoutExpired:
                 problems.append(f"{chapter}: {shlex.join(words)}: did not end in 900 s")
                 continue
+            print(f"{time.monotonic() - started:6.1f} s  {shlex.join(words)}", flush=True)  # pytest -s shows them
             wrong = None if any(name in command for name in FAILS_BY_DESIGN) else ended_well(done, clone)
             if wrong:
                 problems.append(f"{chapter}: {shlex.join(words)}: {wrong}")
