@@ -89,6 +89,10 @@ def parse_args(argv=None):
     job.add_argument("--compile-loss", action="store_true",
                      help="the loss (fp32 cast, log-softmax, NLL) runs compiled, as torchtitan's does with "
                           "compile since 2025: its working set is the logits and their gradient")
+    job.add_argument("--async-tp", action="store_true",
+                     help="TP's all-gathers and reduce-scatters run micro-pipelined with their matmuls (torch's Async "
+                          "TP, torchtitan's enable_async_tensor_parallel); needs --compile, and a layout with tp > 1 "
+                          "and SP (the search applies it to its N-D layouts with both)")
     job.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the LoRA row's adapters (default: 16)")
     hw = parser.add_argument_group("cluster")
     hw.add_argument("--gpus", type=positive_int, default=8,
@@ -210,7 +214,7 @@ def build_plan(args, dims=None) -> planner.Plan:
     return planner.Plan(cfg, global_batch=batch, micro_batch=args.micro_batch, precision=args.precision,
                         optimizer=args.optimizer, ac=args.activation_checkpointing, offload=args.offload,
                         lora_rank=args.lora_rank, attention=args.attention, compile=args.compile,
-                        float8=args.float8, compiled_loss=args.compile_loss)
+                        float8=args.float8, compiled_loss=args.compile_loss, async_tp=args.async_tp)
 
 
 def build_cluster(args) -> planner.Cluster:
@@ -264,7 +268,7 @@ def main(argv=None) -> None:
     dims = planner.parse_layout(args.layout, args.gpus) if args.layout else None
     plan, cluster = build_plan(args, dims), build_cluster(args)
     if args.layout:  # one pinned layout, refused in one line before anything is planned
-        problem = planner.check_dims(plan, cluster, dims)
+        problem = planner.check_dims(plan, cluster, dims) or planner.async_tp_problem(plan, dims)
         if problem:
             raise UsageError(f"--layout {args.layout}: {problem}")
         estimates = [planner.with_overhead(planner.estimate_dims(plan, cluster, dims), cluster, planner.ND)]

@@ -18,14 +18,16 @@ optimizer the ZeRO paper's way), collectives from the same call, activations fro
 
 * compute = training FLOPs per GPU x the recompute of activation checkpointing / (achievable
   fraction x peak FLOP/s of the precision), the fraction fitted on torchtitan's published H100 runs
-  (:data:`FITTED_EFFICIENCY`), torch.compile and Float8 speeding up the FLOPs outside attention
-  (:func:`~.costs.compute_seconds`);
+  (:data:`FITTED_EFFICIENCY`), torch.compile and Float8 speeding up the FLOPs outside attention, the
+  linear layers at the fraction of the large-matrix rate their GEMMs reach at their size (from XLA's
+  measured H100 table: :func:`~.gemm.matmul_factor`) (:func:`~.costs.compute_seconds`);
 * communication = per collective call ``alpha + bus_bytes / beta`` (alpha-beta, Hockney), beta
   the intra-node link when the collective's group fits in a node, else the network ports of its GPUs
   in a node together (a ring across nodes), minus
   what the strategy can hide behind compute (DDP and ZeRO-1/2 overlap their gradient reduction with
   backward, FSDP and ZeRO-3 prefetch their gathers under forward and backward, tensor parallelism
-  and the pipeline's sends sit on the critical path, ZeRO-1/2's weight gather follows the step);
+  and the pipeline's sends sit on the critical path, but with Async TP what of TP's collectives its
+  micro-pipeline hides under their matmuls, ZeRO-1/2's weight gather follows the step);
 * the pipeline stretches compute by 1 / (1 - bubble).
 
 GPU figures (:data:`GPUS`) are datasheet numbers (dense, no sparsity), NCCL's measured per-port
@@ -40,13 +42,16 @@ The modules, each importing only those above it:
 * :mod:`.inputs`: GPUs, links, the :class:`Cluster`, the job (:class:`Plan`) and the limits of what
   is planned (:func:`check_job`), resized inputs;
 * :mod:`.hf_config`: a model from a Hugging Face ``config.json`` (:func:`read_hf_config`);
+* :mod:`.gemm`: a GEMM's time by its shape, and the fraction of the large-matrix rate a job's
+  linear layers reach;
 * :mod:`.costs`: memory in five parts, time per collective and of compute;
 * :mod:`.layouts`: one :class:`Estimate` per layout of each family of strategies (data parallel, TP x
   FSDP, the pipelines), :mod:`.layouts_cp_ep` context and expert parallelism;
 * :mod:`.nd_ep`: expert parallelism as an N-D axis (ep over dp_shard x cp ranks: experts' state,
   FSDP's gathers, the all-to-alls);
 * :mod:`.dims`: N-D layouts (torchtitan's ``ParallelDims``: named axes, validated once, parsed from
-  ``--layout``, enumerated); :mod:`.nd`: the estimate of one, and the search over them;
+  ``--layout``, enumerated); :mod:`.async_tp`: what Async TP hides of TP's collectives;
+  :mod:`.nd`: the estimate of one, and the search over them;
 * :mod:`.published`: torchtitan's published GPU runs as literal rows, calibration and validation
   apart; :mod:`.published_check`: the efficiency fitted on the first, every row predicted;
 * :mod:`.choose`: overheads, the best layout per strategy, the recommendation, a record's estimate;
@@ -57,6 +62,7 @@ The modules, each importing only those above it:
 
 What ``benchmarks/plan.py``, the notebooks and the tests use is imported here.
 """
+from .async_tp import layout_problem as async_tp_problem
 from .calibration import CPU, cpu_cluster, fit_collectives, read_matrix, with_measured_speed
 from .choose import (
     SEARCHED,
@@ -73,6 +79,7 @@ from .choose import (
 from .costs import PARTS, activation_bytes, collective_time, compute_rate, state_bytes
 from .decision import decision_matrix
 from .dims import AXES, SCHEDULES, ParallelDims, check_dims, enumerate_dims, fewest_batch_ranks, parse_layout
+from .gemm import matmul_factor
 from .hf_config import DEFAULT_SEQ_LEN as HF_DEFAULT_SEQ_LEN
 from .hf_config import MODEL_TYPES as HF_MODEL_TYPES
 from .hf_config import read_hf_config, uncounted_note, with_overrides
@@ -115,7 +122,8 @@ from .validation import (
 )
 
 __all__ = ["AXES", "ND", "SCHEDULES", "SEARCHED", "ParallelDims", "check_dims", "enumerate_dims", "estimate_dims",
-           "estimate_nd", "fewest_batch_ranks", "head_bytes", "parse_layout", "published_table",
+           "estimate_nd", "fewest_batch_ranks", "head_bytes", "parse_layout", "published_table", "async_tp_problem",
+           "matmul_factor",
            "AC_MODES", "ATTENTION", "FITTED_EFFICIENCY", "FITTED_RESERVE",
            "CPU", "Cluster", "Estimate", "GPU", "GPUS", "GPU_NAME_PARTS", "GiB", "HF_DEFAULT_SEQ_LEN",
            "HF_MODEL_TYPES", "Link", "MAX_GPUS", "MAX_SEQUENCES", "MIN_SEQ_LEN", "OPTIMIZERS", "PARTS", "PRECISIONS",

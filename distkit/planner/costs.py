@@ -8,6 +8,7 @@ from typing import Iterable
 
 from .. import theory
 from ..models import LlamaModelConfig
+from .gemm import matmul_factor
 from .inputs import Cluster, Plan
 
 # ----------------------------------------------------------------------------------------------
@@ -220,12 +221,16 @@ def _attention_flops(cfg) -> int:
     return 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 
-def compute_seconds(cluster: Cluster, plan: Plan, tokens: float, lora: bool = False) -> float:
+def compute_seconds(cluster: Cluster, plan: Plan, tokens: float, lora: bool = False, gemm_tokens: int | None = None,
+                    tp: int = 1, ep: int = 1, vocab_shards: int = 1) -> float:
     """Seconds one GPU computes ``tokens`` tokens of ``plan``: attention's FLOPs at
     :func:`compute_rate`, the rest (the matmuls of the linear layers and what surrounds them) at that
-    rate times what torch.compile and Float8 make of them (:func:`~.published_check.linear_speedup`).
-    Float8 converts the linear layers only and compile leaves the attention kernel a call to the same
-    kernel, so attention runs at its eager speed."""
+    rate times what torch.compile and Float8 make of them (:func:`~.published_check.linear_speedup`)
+    and times the fraction of the large-matrix rate the layers' GEMMs reach at their size
+    (:func:`~.gemm.matmul_factor`: ``gemm_tokens`` per micro-batch, by default the plan's
+    micro-batch of sequences, the layers split over ``tp`` ranks, the experts over ``ep``, the LM
+    head's vocabulary over ``vocab_shards``). Float8 converts the linear layers only and compile
+    leaves the attention kernel a call to the same kernel, so attention runs at its eager speed."""
     rate = compute_rate(cluster, plan)
     attention = attention_flops_per_token(plan)
     rest = _flops_per_token(plan, lora) - attention
@@ -233,6 +238,7 @@ def compute_seconds(cluster: Cluster, plan: Plan, tokens: float, lora: bool = Fa
         from .published_check import linear_speedup  # imported here: that module plans with this one
 
         rest /= linear_speedup(plan)
+    rest /= matmul_factor(cluster, plan, gemm_tokens or plan.micro_batch * plan.model.seq_len, tp, ep, vocab_shards)
     return tokens * (rest + attention) / rate
 
 

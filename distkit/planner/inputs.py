@@ -125,14 +125,15 @@ def gpu_type(device_name: str) -> str | None:
     return next((key for part, key in GPU_NAME_PARTS.items() if part in device_name), None)
 
 
-# The fraction of the bf16 peak a GPU reaches by default: the one constant of the time model fitted
-# on published runs, torchtitan's December 2024 H100 rows at their own peak (published_check.calibrate,
+# The fraction of the bf16 peak a GPU reaches by default on large matrices (a job's linear layers
+# reach gemm.matmul_factor of it at their size): the one constant of the time model fitted on
+# published runs, torchtitan's December 2024 H100 rows at their own peak (published_check.calibrate,
 # which tests/test_planner.py checks this equals; plan.py --published shows the fit and its errors).
-FITTED_EFFICIENCY = 0.3754
+FITTED_EFFICIENCY = 0.3773
 # What the CUDA caching allocator reserves per byte of the tensors a step makes and frees (its
 # cached blocks and splits): the second constant fitted on the same rows, on their memory column
 # (published_check.calibrate_reserve; tests/test_planner.py checks this equals it).
-FITTED_RESERVE = 1.247
+FITTED_RESERVE = 1.253
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,9 @@ class Plan:
     job runs torch.compile'd blocks / Float8 linear layers (measured factors on the compute rate and
     the blocks' saved activations: :func:`~.published_check.technique_speedup`,
     :func:`~.published_check.memory_factor`), ``compiled_loss`` whether the loss (the cast to fp32,
-    log-softmax and NLL) runs as one compiled function (:func:`~.costs.head_working_set`)."""
+    log-softmax and NLL) runs as one compiled function (:func:`~.costs.head_working_set`),
+    ``async_tp`` whether TP's all-gathers and reduce-scatters run micro-pipelined with their matmuls
+    (torch's Async TP, a torch.compile pass: :mod:`.async_tp`)."""
 
     model: Any
     global_batch: int
@@ -295,6 +298,7 @@ class Plan:
     compile: bool = False
     float8: bool = False
     compiled_loss: bool = False
+    async_tp: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
@@ -310,6 +314,9 @@ class Plan:
         if self.float8 and self.precision != "bf16":
             raise UsageError("--float8 runs the linear layers of a bf16 job in Float8 (as its measured factors "
                              f"were); drop --precision {self.precision}")
+        if self.async_tp and not self.compile:
+            raise UsageError("--async-tp is a torch.compile pass (Inductor's micro-pipeline TP; torchtitan: \"Async TP "
+                             "requires --training.compile\"); add --compile")
 
     @property
     def tokens_per_step(self) -> int:

@@ -159,7 +159,7 @@ def _dp_family(name: str, plan: Plan, cluster: Cluster) -> Estimate:
     gpn = cluster.gpus_per_node
     in_node = per_node(n, 1, gpn)
     comm = pred["comm"]
-    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, lora)
+    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, lora, micro * cfg.seq_len)
     backward_s = compute_s * 2 / 3
     w = _act_dtype_bytes(plan)
     act = activation_bytes(plan, cfg.n_layer, micro)
@@ -249,7 +249,7 @@ def _tp_fsdp(plan: Plan, cluster: Cluster, tp: int, sp: bool = False) -> Estimat
                            calls_scale=accum) * accum
     if dp == 1:  # pure TP: the replicated parameters' gradients are not reduced (theory: none)
         t_fsdp = 0.0
-    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n)
+    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, gemm_tokens=micro * cfg.seq_len, tp=tp)
     exposed = t_tp + (max(0.0, t_fsdp - compute_s) if cluster.overlap else t_fsdp)
     w = _act_dtype_bytes(plan)
     act = activation_bytes(plan, cfg.n_layer, micro, tp=tp, sp=sp)
@@ -287,7 +287,7 @@ def _pipeline(plan: Plan, cluster: Cluster, schedule: str, pp: int, stages_per_r
     knobs = {"microbatches": m, "stages_per_rank": v}
     pred = predictors.predict(name, cfg, pp, int(per_replica), knobs)
     scale = 0.5 if plan.precision == "bf16" else 1.0
-    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n)
+    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, gemm_tokens=micro * cfg.seq_len)
     bubble = theory.pipeline_bubble(pp, m, v)
     # A stage idles for the bubble. On GPUs that time is lost: step = compute / (1 - bubble). CPU
     # ranks that share fewer cores than there are ranks (compute_s already runs each at its share of

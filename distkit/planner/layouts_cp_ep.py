@@ -63,7 +63,7 @@ def _context_parallel(plan: Plan, cluster: Cluster, cp: int) -> Estimate:
     state = state_bytes(pred["state"], plan)
     scale = 0.5 if plan.precision == "bf16" else 1.0
     w = _act_dtype_bytes(plan)
-    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n)
+    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, gemm_tokens=micro * cfg.seq_len // cp)
     attention_s = plan.tokens_per_step / n * 6 * cfg.n_layer * cfg.n_embd * cfg.seq_len / compute_rate(cluster, plan)
     t_ring = _comm_seconds(cluster, pred["comm"], 2, 1 if cp > cluster.gpus_per_node else 2, scale, calls_scale=accum,
                            only=("send",))
@@ -118,7 +118,7 @@ def _expert_parallel(plan: Plan, cluster: Cluster, ep: int, routing: list | None
     comm = pred["comm_per_rank"][rank]
     scale = 0.5 if plan.precision == "bf16" else 1.0
     w = _act_dtype_bytes(plan)
-    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n)
+    compute_s = compute_seconds(cluster, plan, plan.tokens_per_step / n, gemm_tokens=micro * cfg.seq_len, ep=ep)
     t_a2a = _comm_seconds(cluster, comm, ep, per_node(ep, 1, cluster.gpus_per_node), scale, calls_scale=accum,
                           only=("all_to_all",))
     dense, per_expert = theory.moe_param_split(theory.param_shapes(cfg), cfg.num_experts)

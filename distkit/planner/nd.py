@@ -16,14 +16,16 @@ Memory per GPU (bytes; w = 2 in bf16, 4 in fp32; Ψ_stage the busiest stage's pa
   FSDP under a pipeline the whole stage gathered and its unsharded fp32 gradients
   (Ψ_stage / tp x (w + 4)), held across the micro-batches.
 
-Time: compute = training FLOPs per GPU / achieved FLOP/s; TP: 4 all-reduces (or all-gather +
-reduce-scatter pairs with SP, the same bus bytes) of b s/cp h w per block per micro-batch, 6 with
-full AC's recomputed forward, on the critical path; FSDP: an all-gather of the stage's shard forward
-and again backward, a reduce-scatter of its gradients, per micro-batch without a pipeline (torchtitan
-keeps the gathered weights over a pipeline's micro-batches: once per step with one), hidden under
-compute up to its length together with the replicas' all-reduce; the CP ring's K/V hops hidden under
-attention (as :mod:`.layouts_cp_ep`); the pipeline's sends on the critical path; the bubble
-(p - 1) / (v m + p - 1) of compute.
+Time: compute = training FLOPs per GPU / achieved FLOP/s, the linear layers' at the fraction their
+GEMMs' size reaches (:func:`~.gemm.matmul_factor`: b s/cp tokens, the layers split over tp); TP: 4
+all-reduces (or all-gather + reduce-scatter pairs with SP, the same bus bytes) of b s/cp h w per
+block per micro-batch, 6 with full AC's recomputed forward, on the critical path, less what Async TP
+hides under the matmuls they feed or drain (:func:`~.async_tp.hidden_seconds`); FSDP: an all-gather
+of the stage's shard forward and again backward, a reduce-scatter of its gradients, per micro-batch
+without a pipeline (torchtitan keeps the gathered weights over a pipeline's micro-batches: once per
+step with one), hidden under compute up to its length together with the replicas' all-reduce; the
+CP ring's K/V hops hidden under attention (as :mod:`.layouts_cp_ep`); the pipeline's sends on the
+critical path; the bubble (p - 1) / (v m + p - 1) of compute.
 
 Expert parallelism (``ep``, an MoE model's experts over ranks borrowed from dp_shard x cp): what it
 changes in the state, FSDP's gathers and the all-to-alls on the critical path is :mod:`.nd_ep`'s."""
@@ -33,7 +35,7 @@ import math
 from dataclasses import replace
 
 from .. import theory
-from . import nd_ep
+from . import async_tp, nd_ep
 from .costs import (
     _act_dtype_bytes,
     activation_bytes,
@@ -136,18 +138,24 @@ def _memory(plan: Plan, cl: Cluster, d: ParallelDims, micro: int,
 
 
 def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict:
-    """Compute, each axis's communication and what of it is exposed, and the bubble (seconds)."""
+    """Compute, each axis's communication and what of it is exposed, and the bubble (seconds). TP's
+    collectives are all exposed, less what Async TP hides of each pair it fuses with a matmul
+    (:func:`~.async_tp.hidden_seconds`): cut into tp chunks, a collective of C seconds and a matmul of
+    M run as a two-stage pipeline that exposes max(C, M) - M + min(C, M) / tp (its derivation:
+    :mod:`.async_tp`)."""
     cfg, n = plan.model, cl.gpus
     w = _act_dtype_bytes(plan)
     rate = compute_rate(cl, plan)  # eager: attention's speed (the CP ring hides under it)
-    compute_s = compute_seconds(cl, plan, plan.tokens_per_step / n)
     s_local = cfg.seq_len // d.cp
+    compute_s = compute_seconds(cl, plan, plan.tokens_per_step / n, gemm_tokens=micro * s_local, tp=d.tp, ep=d.ep,
+                                vocab_shards=d.tp if d.loss_parallel else 1)
     layers = math.ceil(cfg.n_layer / (d.pp * d.chunks)) * d.chunks
     act = micro * s_local * cfg.n_embd * w
-    t_tp = 0.0
+    t_tp = tp_hidden = 0.0
     if d.tp > 1:
         calls = (6 if plan.ac == "full" else 4) * layers * m
         t_tp = collective_time(cl, "all_reduce", d.tp, calls, calls * 2 * act * (d.tp - 1) / d.tp, d.in_node("tp", cl))
+        tp_hidden = async_tp.hidden_seconds(plan, cl, d, micro * s_local, w) * layers * m
     stage, block = _stage_params(cfg, d)
     shard_bytes = stage / d.tp * w
     stage_exp = nd_ep.stage_experts(cfg, d, layers)[0]
@@ -170,11 +178,12 @@ def _times(plan: Plan, cl: Cluster, d: ParallelDims, micro: int, m: int) -> dict
         t_pp = collective_time(cl, "send", 2, calls, calls * act / (d.tp if d.sp else 1),
                                1 if d.spans("pp", cl) else 2)
     hidden = (lambda t, under: max(0.0, t - under)) if cl.overlap else (lambda t, under: t)
-    exposed = t_tp + t_pp + t_ep + hidden(t_fsdp + t_dpr, compute_s) + hidden(t_cp, attention_s)
+    exposed = t_tp - tp_hidden + t_pp + t_ep + hidden(t_fsdp + t_dpr, compute_s) + hidden(t_cp, attention_s)
     bubble = theory.pipeline_bubble(d.pp, m, d.chunks) if d.pp > 1 else 0.0
     bubble_s = max(compute_s * core_share(cl) / (1 - bubble), compute_s) - compute_s
     return {"compute_s": compute_s, "comm_s": t_tp + t_fsdp + t_dpr + t_cp + t_pp + t_ep, "exposed_s": exposed,
-            "bubble_s": bubble_s, "tp_s": t_tp, "fsdp_s": t_fsdp, "dp_replicate_s": t_dpr, "cp_s": t_cp, "pp_s": t_pp,
+            "bubble_s": bubble_s, "tp_s": t_tp, "tp_hidden_s": tp_hidden, "fsdp_s": t_fsdp, "dp_replicate_s": t_dpr,
+            "cp_s": t_cp, "pp_s": t_pp,
             **({"ep_s": t_ep} if d.ep > 1 else {})}
 
 

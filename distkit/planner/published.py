@@ -1,8 +1,10 @@
 """Published GPU training runs, as literal rows, each citing the file and table it comes from: the
 rows the planner's time model is calibrated on (:data:`CALIBRATION`, torchtitan's H100 benchmark of
 December 2024) and the rows it is only checked against (:data:`VALIDATION`, torchtitan's A100 numbers
-in docs/performance.md and Trainy's H200 runs of June 2025 in its benchmarks folder). Nothing here is
-computed: a number that is not in its source is not here.
+in docs/performance.md, Trainy's H200 runs of June 2025 and the PyTorch team's Async TP runs of June
+2025 in its benchmarks folder), and the published rows the planner cannot express, shown beside them
+with the reason (:data:`NOT_PLANNED`). Nothing here is computed: a number that is not in its source is
+not here.
 
 What the sources do not state is a stated assumption of this module, named per row in ``assumed``:
 the sequence length where a table gives none (torchtitan's Llama 3 configs train on 8,192 tokens,
@@ -19,6 +21,7 @@ from ..models import LlamaModelConfig, model_config
 H100_FILE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 A100_FILE = "pytorch/torchtitan docs/performance.md"
 H200_FILE = "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md"
+ASYNC_FILE = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 
 # Llama 2's published shapes (Touvron et al. 2023, and the Hugging Face configs torchtitan loads):
 # 13B 40 x 5120, 40 heads, MLP 13824; 70B 80 x 8192, 64 heads with 8 kv-heads, MLP 28672; vocab 32k.
@@ -37,7 +40,9 @@ class Row:
     ``local_batch`` (sequences per batch rank), ``seq_len``, ``ac``, ``compile``, ``float8``, the
     measured ``tps`` (tokens/s per GPU) and ``memory_gib`` (None where not published), ``assumed``
     (what the source does not say), ``compiled_loss`` (the loss compiled too: torchtitan compiles
-    it with the model since 2025, and did not in December 2024; see :data:`H200_LOSS`)."""
+    it with the model since 2025, and did not in December 2024; see :data:`H200_LOSS`), ``async_tp``
+    (TP micro-pipelined with its matmuls, torchtitan's AsyncTP), ``not_planned`` (why the planner
+    cannot express the run: :data:`NOT_PLANNED` rows only)."""
 
     source: str
     model: str
@@ -54,11 +59,15 @@ class Row:
     schedule: str = "1f1b"
     assumed: tuple = field(default_factory=tuple)
     compiled_loss: bool = False
+    async_tp: bool = False
+    not_planned: str = ""
 
     @property
     def label(self) -> str:
         axes = " ".join(f"{k}={v}" for k, v in self.dims.items())
-        tech = "+".join(t for t, on in (("compile", self.compile), ("float8", self.float8)) if on) or "eager"
+        fp8 = "float8-rowwise" if self.not_planned == _ROWWISE else "float8"
+        tech = "+".join(t for t, on in (("compile", self.compile), (fp8, self.float8), ("asynctp", self.async_tp),
+                                        ("compiled-loss", self.compiled_loss)) if on) or "eager"
         sched = f" {self.schedule}" if self.dims.get("pp", 1) > 1 else ""
         return f"{self.model} {self.gpus}x{self.gpu} {axes}{sched} s={self.seq_len} b={self.local_batch} {tech}"
 
@@ -84,6 +93,16 @@ _TOML = ("seq_len 8192, selective op AC (titan-op), FSDP over every GPU: torchti
 H200_LOSS = "pytorch/torchtitan torchtitan/components/loss.py at e7c0cae: the loss compiled with --training.compile"
 _FP8_FSDP = ("Float8 all-gathers in FSDP and the Float8 weights recomputed in backward (the command's flags) "
              "not modelled")
+_A70, _A8 = f"{ASYNC_FILE}, Llama3 70b table", f"{ASYNC_FILE}, Llama3 8b table"
+_SEQ820 = ("seq_len 8192: torchtitan's llama3_70b.toml and llama3_8b.toml at the run's commit 820504e (the file gives "
+           "none)")
+_SAC = "per op SAC as torchtitan's selective op (titan-op: selective_ac_option = \"op\" in its llama3_8b.toml)"
+# at 820504e build_cross_entropy_loss compiles the loss with --training.compile, as at the H200 file's
+_LOSS820 = "the loss compiled with the model (build_cross_entropy_loss at 820504e)"
+_FP8_TP = ("Float8 tensorwise planned with Table 1's Float8 factor (measured in December 2024, when torchtitan's "
+           "Float8 was tensorwise); its TP all-gathers in Float8 (enable_float8_tensorwise_tp at 820504e) not modelled")
+_ROWWISE = ("Float8 rowwise is another recipe than the tensorwise one the planner's Float8 factor was measured on "
+            "(Table 1); the file itself calls its vanilla TP baseline low (pytorch/torchtitan issue 1207)")
 
 # H100 (96 GB HBM2e, 500 W: the file's hardware section), 8 per host, 400 Gb/s per GPU between hosts.
 _H = "h100-500w"
@@ -106,18 +125,21 @@ CALIBRATION = (
         assumed=(_SEQ, _OP)),
     Row(_T4, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 829, 71.9,
         assumed=(_SEQ,)),
+    Row(_T4, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 876, 67.6,
+        assumed=(_SEQ,), async_tp=True),
+    # Tables 5 and 6 ran with AsyncTP (their captions: "+ torch.compile + Float8 + AsyncTP")
     Row(_T5, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 100,
-        82.5, assumed=(_SEQ, _MICRO)),
+        82.5, assumed=(_SEQ, _MICRO), async_tp=True),
     Row(_T5, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8}, 32, 8192, "full", True, True, 128,
-        72.7, schedule="interleaved_1f1b", assumed=(_SEQ, _MICRO)),
+        72.7, schedule="interleaved_1f1b", assumed=(_SEQ, _MICRO), async_tp=True),
     Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}, 8, 32768, "full", True, True,
-        76, 75.3, assumed=(_MICRO,)),
+        76, 75.3, assumed=(_MICRO,), async_tp=True),
     Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 4, "tp": 8, "pp": 8, "cp": 2}, 8, 65536, "full", True, True,
-        47, 75.9, assumed=(_MICRO,)),
+        47, 75.9, assumed=(_MICRO,), async_tp=True),
     Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 2, "tp": 8, "pp": 8, "cp": 4}, 8, 131072, "full", True,
-        True, 31, 77.1, assumed=(_MICRO,)),
+        True, 31, 77.1, assumed=(_MICRO,), async_tp=True),
     Row(_T6, "llama-3.1-405b", _H, 512, {"dp_shard": 1, "tp": 8, "pp": 8, "cp": 8}, 8, 262144, "full", True,
-        True, 16, 84.9, assumed=(_MICRO,)),
+        True, 16, 84.9, assumed=(_MICRO,), async_tp=True),
 )
 
 # A100 80GB, 64 GPUs (8 hosts of 8), FSDP2 only (dp_shard 64), bf16, no compile or Float8 named.
@@ -142,4 +164,36 @@ VALIDATION = (
         assumed=(_TOML, _FP8_FSDP), compiled_loss=True),
     Row(_H200, "llama-3.1-8b", "h200", 64, {"dp_shard": 64}, 2, 8192, "titan-op", True, True, 10753, 46.97,
         assumed=(_TOML, _FP8_FSDP), compiled_loss=True),
+    # The PyTorch team's AsyncTP runs (ASYNC_FILE: June 2025, torch 38410cf9, torchtitan 820504e) on the
+    # same Grand Teton H100s as CALIBRATION (96 GB, 500 W: the file's hardware section), tokens/s per GPU
+    # without and with AsyncTP, bf16 and Float8 tensorwise; no memory published. Float8 rowwise: NOT_PLANNED
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, False, 597.3,
+        assumed=(_SEQ820, _LOSS820), compiled_loss=True),
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, False, 652.4,
+        assumed=(_SEQ820, _LOSS820), compiled_loss=True, async_tp=True),
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 809.8,
+        assumed=(_SEQ820, _LOSS820, _FP8_TP), compiled_loss=True),
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 942.4,
+        assumed=(_SEQ820, _LOSS820, _FP8_TP), compiled_loss=True, async_tp=True),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, False, 4378,
+        assumed=(_SEQ820, _SAC, _LOSS820), compiled_loss=True),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, False, 4809.4,
+        assumed=(_SEQ820, _SAC, _LOSS820), compiled_loss=True, async_tp=True),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, True, 5078.1,
+        assumed=(_SEQ820, _SAC, _LOSS820, _FP8_TP), compiled_loss=True),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, True, 5570.1,
+        assumed=(_SEQ820, _SAC, _LOSS820, _FP8_TP), compiled_loss=True, async_tp=True),
+)
+
+# Published rows the planner cannot express, shown in the table with the reason and counted in no
+# error: ASYNC_FILE's Float8 rowwise runs (same jobs as above).
+NOT_PLANNED = (
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 599.6,
+        compiled_loss=True, not_planned=_ROWWISE),
+    Row(_A70, "llama-3.1-70b", _H, 256, {"dp_shard": 32, "tp": 8}, 16, 8192, "full", True, True, 624.8,
+        compiled_loss=True, async_tp=True, not_planned=_ROWWISE),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, True, 3708.5,
+        compiled_loss=True, not_planned=_ROWWISE),
+    Row(_A8, "llama-3.1-8b", _H, 64, {"dp_shard": 8, "tp": 8}, 12, 8192, "titan-op", True, True, 3914.9,
+        compiled_loss=True, async_tp=True, not_planned=_ROWWISE),
 )

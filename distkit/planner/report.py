@@ -30,7 +30,7 @@ def describe(plan: Plan, cl: Cluster) -> str:
             f"{plan.precision}, {plan.optimizer}, AC {plan.ac}"
             + (" (eager attention)" if plan.attention == "eager" else "")
             + "".join(f", {t}" for t, on in (("torch.compile", plan.compile), ("Float8", plan.float8),
-                                             ("compiled loss", plan.compiled_loss)) if on)
+                                             ("compiled loss", plan.compiled_loss), ("async TP", plan.async_tp)) if on)
             + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
 
