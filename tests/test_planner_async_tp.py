@@ -100,8 +100,9 @@ ASYNC_SPEEDUPS = (876 / 829, 652.4 / 597.3, 942.4 / 809.8, 4809.4 / 4378, 5570.1
 
 
 def predicted_speedups(rows: list[dict]) -> list[tuple[float, float]]:
-    """(predicted, measured) Async TP speed-up of every published pair of runs that differ only by it."""
-    planned = {r["label"]: r for r in rows if r["tps_pred"] is not None}
+    """(predicted, measured) Async TP speed-up of every published pair of runs that differ only by it,
+    but the pairs of rows counted in no error (``EXCLUDED``: Float8 rowwise on TP)."""
+    planned = {r["label"]: r for r in rows if r["role"] != "excluded"}
     out = []
     for label, row in planned.items():
         vanilla = planned.get(label.replace("+asynctp", ""))

@@ -30,9 +30,10 @@ reduce-scatter's final sum of the received chunks) when it is the shorter. Witho
 whole C is exposed, as :mod:`.nd` counts it. C is an all-gather or reduce-scatter of the micro-batch's
 b s h activations (w bytes each, (tp - 1) / tp of them on the bus) over the TP group; M the pair's
 GEMMs at their own size (:func:`~.gemm.gemm_seconds`, the kernels alone, not the step's average
-rate), divided under Float8 by Table 1's measured Float8 ratio (its GEMMs in Float8 run faster still
-on the tensor cores, its casts take some back). Async TP's memory (symmetric-memory buffers outside
-the caching allocator) is not modelled."""
+rate), divided under Float8 by its recipe's measured whole-step ratio
+(:func:`~.published_check.float8_speedup`: its GEMMs in Float8 run faster still on the tensor
+cores, its casts take some back). Async TP's memory (symmetric-memory buffers outside the caching
+allocator) is not modelled."""
 from __future__ import annotations
 
 from .costs import collective_time
@@ -81,13 +82,13 @@ def hidden_seconds(plan: Plan, cl: Cluster, d: ParallelDims, tokens: int, w: flo
     """Seconds of TP communication Async TP hides per block and micro-batch: over the fused pairs
     (:func:`fused_pairs`; the forward's twice under full AC, which recomputes it), C - :func:`exposed`
     (C, M, tp). 0 without Async TP, on a layout without TP and SP, and on CPU ranks (no overlap)."""
-    from .published_check import FLOAT8_SPEEDUP  # imported here: that module plans with this one
+    from .published_check import float8_speedup  # imported here: that module plans with this one
 
     if not (plan.async_tp and d.tp > 1 and d.sp and cl.overlap):
         return 0.0
     c = {op: collective_time(cl, op, d.tp, 1, tokens * plan.model.n_embd * w * (d.tp - 1) / d.tp, d.in_node("tp", cl))
          for op in ("all_gather", "reduce_scatter")}
-    speed = FLOAT8_SPEEDUP if plan.float8 else 1.0
+    speed = float8_speedup(plan)
     hidden = 0.0
     for op, forward, gemms in fused_pairs(plan, tokens, d.tp):
         m = sum(count * gemm_seconds(cl, plan, *shape) for *shape, count in gemms) / speed

@@ -217,6 +217,11 @@ AC_MODES = ("none", "selective", "full", "titan-op")
 # Which attention kernel the activations assume: flash (SDPA's fused kernels, the default: no s x s
 # matrix is kept) or eager (softmax(QK^T)V as separate ops: its probabilities are kept for backward).
 ATTENTION = ("flash", "eager")
+# Float8 recipes, by torchtitan's --float8.recipe_name: tensorwise (one scale per tensor: its Float8
+# when no recipe is named, as its December 2024 H100 benchmark ran it) and rowwise (one scale per row:
+# --float8.recipe_name="rowwise" in its June 2025 Async TP benchmark's commands). Each plans with its
+# own measured speed-up (published_check.FLOAT8_SPEEDUPS).
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
 # What the planner plans for; plan.py turns anything outside into one ``error:`` line. The floor:
@@ -279,8 +284,9 @@ class Plan:
     activations assume (:data:`ATTENTION`; flash by default), ``compile`` / ``float8`` whether the
     job runs torch.compile'd blocks / Float8 linear layers (measured factors on the compute rate and
     the blocks' saved activations: :func:`~.published_check.technique_speedup`,
-    :func:`~.published_check.memory_factor`), ``compiled_loss`` whether the loss (the cast to fp32,
-    log-softmax and NLL) runs as one compiled function (:func:`~.costs.head_working_set`),
+    :func:`~.published_check.memory_factor`), ``float8_recipe`` which Float8 (:data:`FLOAT8_RECIPES`:
+    the recipes speed up by different measured ratios), ``compiled_loss`` whether the loss (the cast
+    to fp32, log-softmax and NLL) runs as one compiled function (:func:`~.costs.head_working_set`),
     ``async_tp`` whether TP's all-gathers and reduce-scatters run micro-pipelined with their matmuls
     (torch's Async TP, a torch.compile pass: :mod:`.async_tp`)."""
 
@@ -297,13 +303,15 @@ class Plan:
     attention: str = "flash"
     compile: bool = False
     float8: bool = False
+    float8_recipe: str = "tensorwise"
     compiled_loss: bool = False
     async_tp: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
                                      ("optimizer", self.optimizer, OPTIMIZERS), ("ac", self.ac, AC_MODES),
-                                     ("attention", self.attention, ATTENTION)):
+                                     ("attention", self.attention, ATTENTION),
+                                     ("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)):
             if value not in allowed:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.global_batch < 1 or self.micro_batch < 1:
@@ -314,6 +322,9 @@ class Plan:
         if self.float8 and self.precision != "bf16":
             raise UsageError("--float8 runs the linear layers of a bf16 job in Float8 (as its measured factors "
                              f"were); drop --precision {self.precision}")
+        if self.float8_recipe != "tensorwise" and not self.float8:
+            raise UsageError(f"float8_recipe {self.float8_recipe!r} is a recipe of Float8 linear layers: set float8 "
+                             f"too (plan.py --float8 {self.float8_recipe})")
         if self.async_tp and not self.compile:
             raise UsageError("--async-tp is a torch.compile pass (Inductor's micro-pipeline TP; torchtitan: \"Async TP "
                              "requires --training.compile\"); add --compile")

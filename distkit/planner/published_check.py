@@ -14,7 +14,9 @@ What is fitted and what is measured, each from its source:
   runs on both GPUs; no A100 row is fitted on);
 * ``torch.compile`` and Float8 as measured factors (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`):
   the ratios of Table 1's rows (the same 8B job with and without each), on the compute rate, as
-  ``plan.py --compile --float8`` plans any job (Table 1's job is compute-bound);
+  ``plan.py --compile --float8`` plans any job (Table 1's job is compute-bound); Float8 rowwise by
+  its own ratio on the same kind of job (:data:`FLOAT8_ROWWISE_SPEEDUP`: no calibration file measures
+  it), and with tensorwise's memory factor;
 * communication, overlap, the bubble and the CP ring: :mod:`.nd`'s terms with the link speeds of
   :data:`~.inputs.GPUS` (their sources there), nothing fitted; the rows that ran AsyncTP (Tables 4
   to 6, and the AsyncTP file's) as ``plan.py --async-tp`` plans any job (:mod:`.async_tp`, nothing
@@ -27,8 +29,8 @@ What is fitted and what is measured, each from its source:
   (:func:`memory_factors`), fitted on Table 1's memory column (the same three rows as the
   speed-ups); the H200 rows check the memory model out of sample.
 
-The rows the planner cannot express (:data:`~.published.NOT_PLANNED`) are listed with their reason and
-counted in no error."""
+The rows counted in no error (:data:`~.published.EXCLUDED`) are planned and listed with their errors
+and the reason, and summed apart, so that the table shows what including them would do."""
 from __future__ import annotations
 
 import math
@@ -40,12 +42,27 @@ from .dims import ParallelDims
 from .gemm import matmul_factor
 from .inputs import A100_VS_H100, GiB, Plan, cluster
 from .nd import estimate_dims
-from .published import CALIBRATION, H100_FILE, MODELS, NOT_PLANNED, VALIDATION, Row
+from .published import CALIBRATION, EXCLUDED, H100_FILE, MODELS, VALIDATION, Row
 
 # Measured factors, H100_FILE Table 1 (Llama 3.1 8B, FSDP 8, local batch 2): FSDP 5,762 tokens/s per
 # GPU, + torch.compile 6,667, + Float8 8,532.
 COMPILE_SPEEDUP = 6667 / 5762
 FLOAT8_SPEEDUP = 8532 / 6667
+# Float8 rowwise, measured on top of compile: pytorch/torchtitan commit 3537666a ("[not for land yet]
+# example of float8 with rowwise scaling", authored 2025-01-27, branch 20250127_float8_rowwise_example),
+# its message's runs of Llama 3 8B on 8 H100s with train_configs/llama3_8b.toml and --training.compile:
+# bf16 5,760 tokens/s per GPU, rowwise 6,424 with the torchao change the message links (6,412 on
+# torchao's main branch), tensorwise with Float8 all-gathers 7,186. That config then (at 3ef63e81,
+# 2025-01-23): FSDP over the 8 GPUs, local batch 1, seq_len 8192, selective op AC, and train.py
+# leaves the loss eager. Its memory, 47.65 GiB = 50.16%, puts the GPUs at 95.0 GiB: Table 1's 96 GB
+# H100s (the power limit is not stated). So it is Table 1's job at local batch 1, and the ratio is
+# taken to carry to any job as Table 1's do, turned into a factor outside attention with Table 1's
+# attention share (linear_speedup; at batch 1 the share is 0.2034 against 0.2039, which moves the
+# planned ratio on that job by 0.01%). torchtitan b4ca1ee3 (2025-02-06) measured 6,420-6,429 on the
+# same job, and 60e7129, the recipe as it landed, 6,468.
+FLOAT8_ROWWISE_SPEEDUP = 6424 / 5760
+# The whole-step ratio of each Float8 recipe (inputs.FLOAT8_RECIPES), both measured over compile.
+FLOAT8_SPEEDUPS = {"tensorwise": FLOAT8_SPEEDUP, "rowwise": FLOAT8_ROWWISE_SPEEDUP}
 # Goals for the validation rows (tokens/s median / worst, memory median / worst).
 GOALS = {"tps": (0.15, 0.30), "memory": (0.10, 0.20)}
 
@@ -53,13 +70,14 @@ GOALS = {"tps": (0.15, 0.30), "memory": (0.10, 0.20)}
 def row_plan(row: Row) -> tuple[Plan, ParallelDims]:
     """The job and layout of a row: its model at its sequence length, ``local_batch`` sequences per
     batch rank (one micro-batch; under a pipeline as many micro-batches as stages, torchtitan's
-    default), bf16 AdamW, its AC, its torch.compile, Float8 and AsyncTP (as ``plan.py --compile
-    --float8 --async-tp`` plans them) and whether its loss was compiled."""
+    default), bf16 AdamW, its AC, its torch.compile, Float8 (and recipe) and AsyncTP (as ``plan.py
+    --compile --float8 RECIPE --async-tp`` plans them) and whether its loss was compiled."""
     cfg = replace(MODELS[row.model], seq_len=row.seq_len)
     dims = ParallelDims(**row.dims, schedule=row.schedule)
     micro = row.local_batch // dims.pp if dims.pp > 1 else row.local_batch
     plan = Plan(cfg, global_batch=row.local_batch * dims.batch_ranks, micro_batch=micro, ac=row.ac,
-                compile=row.compile, float8=row.float8, compiled_loss=row.compiled_loss, async_tp=row.async_tp)
+                compile=row.compile, float8=row.float8, float8_recipe=row.float8_recipe,
+                compiled_loss=row.compiled_loss, async_tp=row.async_tp)
     return plan, dims
 
 
@@ -74,7 +92,10 @@ def _table1(compile_: bool, float8: bool) -> Row:
 # saves lies inside the blocks; the table does not say which of the blocks' tensors, and the planner
 # takes it off their saved activations. The rows were measured with selective AC and no published
 # pair measures full AC, under which a block keeps only its input (the checkpoint's input, which
-# neither technique changes): no factor there.
+# neither technique changes): no factor there. Float8 rowwise gets tensorwise's factor: torchtitan
+# b4ca1ee3 (2025-02-06; per op AC no longer saves abs's output, which had kept a gathered weight's
+# abs for backward under rowwise) measured both on FLOAT8_ROWWISE_SPEEDUP's job at 47.77 GiB, bf16
+# at 47.65 (3537666a's 58.55 for rowwise was before that change).
 _MEMORY_FACTORS: dict = {}
 
 
@@ -126,18 +147,25 @@ def calibrate_reserve(rows=CALIBRATION) -> float:
 def memory_factor(job: Row | Plan) -> float:
     """The factor on the blocks' saved activations of ``job``'s techniques (:func:`memory_factors`);
     1 for eager runs and under full AC (the comment above :func:`memory_factors` says why). ``job``:
-    a published row, or a plan (``plan.py --compile/--float8``, through :func:`~.costs.activation_bytes`)."""
+    a published row, or a plan (``plan.py --compile/--float8``, through :func:`~.costs.activation_bytes`).
+    Both Float8 recipes keep the same factor (the comment above :func:`memory_factors`)."""
     if job.ac == "full" or not (job.compile or job.float8):
         return 1.0
     f = memory_factors()
     return (f["compile"] if job.compile else 1.0) * (f["float8"] if job.float8 else 1.0)
 
 
+def float8_speedup(job: Row | Plan) -> float:
+    """The measured whole-step ratio of ``job``'s Float8 recipe over its compiled bf16 run
+    (:data:`FLOAT8_SPEEDUPS`); 1 without Float8."""
+    return FLOAT8_SPEEDUPS[job.float8_recipe] if job.float8 else 1.0
+
+
 def technique_speedup(job: Row | Plan) -> float:
-    """What ``job``'s torch.compile and Float8 multiplied Table 1's whole step's speed by
-    (:data:`COMPILE_SPEEDUP`, :data:`FLOAT8_SPEEDUP`); 1 for an eager job. The planner applies it to
-    the FLOPs outside attention as :func:`linear_speedup`."""
-    return (COMPILE_SPEEDUP if job.compile else 1.0) * (FLOAT8_SPEEDUP if job.float8 else 1.0)
+    """What ``job``'s torch.compile and Float8 multiplied a whole step's speed by where they were
+    measured (:data:`COMPILE_SPEEDUP` and its recipe's :func:`float8_speedup`); 1 for an eager job.
+    The planner applies it to the FLOPs outside attention as :func:`linear_speedup`."""
+    return (COMPILE_SPEEDUP if job.compile else 1.0) * float8_speedup(job)
 
 
 _ATTENTION_SHARE: dict = {}
@@ -145,7 +173,7 @@ _ATTENTION_SHARE: dict = {}
 
 def linear_speedup(job: Row | Plan) -> float:
     """What ``job``'s torch.compile and Float8 multiply the speed of the FLOPs outside attention by
-    (:func:`~.costs.compute_seconds`): Table 1's whole-step ratio S (:func:`technique_speedup`) with
+    (:func:`~.costs.compute_seconds`): the whole-step ratio S (:func:`technique_speedup`) with
     attention, a share A of that job's compute time, left at its eager speed: (1 - A) / (1 / S - A).
     A is attention's FLOPs over them all, the others counted at the fraction f of the large-matrix
     rate their GEMMs reach on that job's GPUs (:func:`~.gemm.matmul_factor`, 0.997 there), so that
@@ -202,21 +230,19 @@ def _fit(rows) -> float:
 
 
 def compare(efficiency: float | None = None) -> list[dict]:
-    """Every row predicted at the calibrated efficiency (or the one given): source, label, role,
-    measured and predicted tokens/s and memory, their relative errors; the rows the planner cannot
-    express (:data:`~.published.NOT_PLANNED`, role "not planned") with no prediction and the reason."""
+    """Every row predicted at the calibrated efficiency (or the one given): role (calibration,
+    validation, or excluded: :data:`~.published.EXCLUDED`, with its ``reason``), source, label,
+    measured and predicted tokens/s and memory, their relative errors."""
     eff = calibrate() if efficiency is None else efficiency
     out = []
-    for role, rows in (("calibration", CALIBRATION), ("validation", VALIDATION)):
+    for role, rows in (("calibration", CALIBRATION), ("validation", VALIDATION), ("excluded", EXCLUDED)):
         for row in rows:
             tps, mem = predict(row, eff)
             out.append({"role": role, "source": row.source, "label": row.label, "efficiency": eff,
                         "tps": row.tps, "tps_pred": tps, "tps_err": tps / row.tps - 1,
                         "memory_gib": row.memory_gib, "memory_pred": mem,
-                        "memory_err": None if row.memory_gib is None else mem / row.memory_gib - 1})
-    out += [{"role": "not planned", "source": row.source, "label": row.label, "efficiency": eff, "tps": row.tps,
-             "tps_pred": None, "tps_err": None, "memory_gib": None, "memory_pred": None, "memory_err": None,
-             "reason": row.not_planned} for row in NOT_PLANNED]
+                        "memory_err": None if row.memory_gib is None else mem / row.memory_gib - 1,
+                        **({"reason": row.excluded} if role == "excluded" else {})})
     return out
 
 
@@ -224,7 +250,8 @@ def summary(rows: list[dict]) -> dict:
     """Median and worst absolute error: tokens/s of the calibration and of the validation rows, and
     memory of each, over the rows that publish it but the two that :func:`memory_factors` is fitted
     on (Table 1's compile rows: their predicted drop from the eager row is the measured one by
-    construction)."""
+    construction). The excluded rows count in none of these; ``tps_with_excluded`` is the
+    validation's tokens/s with them, so what leaving them out changes is in plain view."""
     def stats(errors):
         errors = [abs(e) for e in errors]
         return (statistics.median(errors), max(errors), len(errors)) if errors else (math.nan, math.nan, 0)
@@ -234,6 +261,7 @@ def summary(rows: list[dict]) -> dict:
                      if r["role"] == role and r["memory_err"] is not None and not _memory_fitted(r))
     return {"tps_calibration": stats(r["tps_err"] for r in rows if r["role"] == "calibration"),
             "tps_validation": stats(r["tps_err"] for r in rows if r["role"] == "validation"),
+            "tps_with_excluded": stats(r["tps_err"] for r in rows if r["role"] in ("validation", "excluded")),
             "memory_calibration": memory("calibration"), "memory_validation": memory("validation")}
 
 
@@ -242,30 +270,33 @@ def _memory_fitted(r: dict) -> bool:
 
 
 def published_table(rows: list[dict] | None = None) -> str:
-    """Markdown: one line per row (calibration first), then the summary against :data:`GOALS`."""
+    """Markdown: one line per row (calibration first, the excluded rows last), then the summary
+    against :data:`GOALS`, and the validation's tokens/s with the excluded rows too."""
     rows = compare() if rows is None else rows
     lines = [f"efficiency fitted on the {sum(r['role'] == 'calibration' for r in rows)} calibration rows: "
              f"{rows[0]['efficiency']:.4f} of the bf16 peak (x{A100_VS_H100} on an A100: MosaicML's A100/H100 "
              f"MFU ratio); compile x{COMPILE_SPEEDUP:.3f}, Float8 "
-             f"x{FLOAT8_SPEEDUP:.3f} (Table 1's ratios); their memory: x{memory_factors()['compile']:.3f}, "
-             f"x{memory_factors()['float8']:.4f} of the blocks' activations outside full AC (Table 1's)", "",
+             f"x{FLOAT8_SPEEDUP:.3f} (Table 1's ratios), Float8 rowwise x{FLOAT8_ROWWISE_SPEEDUP:.3f} (torchtitan "
+             f"3537666a's); their memory: x{memory_factors()['compile']:.3f}, "
+             f"x{memory_factors()['float8']:.4f} (either recipe) of the blocks' activations outside full AC "
+             "(Table 1's)", "",
              "| role | source | run | tok/s/GPU meas | pred | err | memory GiB meas | pred | err |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         src = r["source"].replace(H100_FILE, "H100 202412").replace("pytorch/torchtitan ", "")
-        if r["tps_pred"] is None:
-            lines.append(f"| {r['role']} | {src} | {r['label']} | {r['tps']:,.0f} | - | - | - | - | - |")
-            continue
         mem = ("-", f"{r['memory_pred']:.1f}", "-") if r["memory_gib"] is None else \
             (f"{r['memory_gib']:.1f}", f"{r['memory_pred']:.1f}", f"{r['memory_err']:+.1%}")
         lines.append(f"| {r['role']} | {src} | {r['label']} | {r['tps']:,.0f} | {r['tps_pred']:,.0f} | "
                      f"{r['tps_err']:+.1%} | {' | '.join(mem)} |")
-    reasons = sorted({r["reason"] for r in rows if r["tps_pred"] is None})
-    if reasons:
-        lines += ["", "not planned (in no error below): " + "; ".join(reasons)]
     s = summary(rows)
+    excluded = [r for r in rows if r["role"] == "excluded"]
+    if excluded:
+        lines += ["", f"excluded: {len(excluded)} rows, planned, counted only in the figures \"with the excluded "
+                  "rows\" below: " + "; ".join(sorted({r["reason"] for r in excluded}))]
     lines += ["", "tokens/s: calibration median {:.1%}, worst {:.1%} ({} rows); validation median {:.1%}, worst {:.1%} "
-              "({} rows), goal {:.0%} / {:.0%}".format(*s["tps_calibration"], *s["tps_validation"], *GOALS["tps"]),
+              "({} rows), goal {:.0%} / {:.0%}".format(*s["tps_calibration"], *s["tps_validation"], *GOALS["tps"])
+              + ("; with the excluded rows: median {:.1%}, worst {:.1%} ({} rows)".format(*s["tps_with_excluded"])
+                 if excluded else ""),
               "memory, the allocator's peak (Table 1's 2 compile rows, which fit compile and Float8, left out): "
               "calibration median {:.1%}, worst {:.1%} ({} rows); validation median {:.1%}, worst {:.1%} ({} rows), "
               "goal {:.0%} / {:.0%}".format(*s["memory_calibration"], *s["memory_validation"], *GOALS["memory"])]

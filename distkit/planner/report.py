@@ -29,7 +29,8 @@ def describe(plan: Plan, cl: Cluster) -> str:
             f"global batch {plan.global_batch} ({plan.tokens_per_step:,} tokens), micro-batch {plan.micro_batch}, "
             f"{plan.precision}, {plan.optimizer}, AC {plan.ac}"
             + (" (eager attention)" if plan.attention == "eager" else "")
-            + "".join(f", {t}" for t, on in (("torch.compile", plan.compile), ("Float8", plan.float8),
+            + "".join(f", {t}" for t, on in (("torch.compile", plan.compile),
+                                             (f"Float8 {plan.float8_recipe}", plan.float8),
                                              ("compiled loss", plan.compiled_loss), ("async TP", plan.async_tp)) if on)
             + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
@@ -37,14 +38,17 @@ def describe(plan: Plan, cl: Cluster) -> str:
 
 def _factors_text(cl, plan) -> str:
     """The measured factors on top of the efficiency, where any is not 1 (the GPU type's, compile's
-    and Float8's on the FLOPs outside attention)."""
+    and Float8's on the FLOPs outside attention), and where the whole-step ratio was measured."""
     from .published_check import linear_speedup, technique_speedup
 
     parts = [f"x {cl.gpu.compute_factor:.3g} for the {cl.gpu.name}"] if cl.gpu.compute_factor != 1 else []
     if plan.compile or plan.float8:
-        on = "+".join(t for t, flag in (("compile", plan.compile), ("Float8", plan.float8)) if flag)
+        on = "+".join(t for t, flag in (("compile", plan.compile), (f"Float8 {plan.float8_recipe}", plan.float8))
+                      if flag)
+        where = ("Table 1's and torchtitan 3537666a's" if plan.float8 and plan.float8_recipe == "rowwise"
+                 else "Table 1's")
         parts.append(f"x {linear_speedup(plan):.3g} outside attention for {on}, "
-                     f"Table 1's x {technique_speedup(plan):.3g} on its whole step")
+                     f"{where} x {technique_speedup(plan):.3g} on its whole step")
     return "".join(f" {p}" for p in parts)
 
 
@@ -142,7 +146,8 @@ def report_json(plan: Plan, cl: Cluster, estimates: list[Estimate], rec: Recomme
         "plan": {"model": {"arch": cfg.arch, **cfg.to_dict()}, "global_batch": plan.global_batch,
                  "micro_batch": plan.micro_batch, "precision": plan.precision, "optimizer": plan.optimizer,
                  "activation_checkpointing": plan.ac, "offload": plan.offload,
-                 "compile": plan.compile, "float8": plan.float8, "compiled_loss": plan.compiled_loss},
+                 "compile": plan.compile, "float8": plan.float8,
+                 "float8_recipe": plan.float8_recipe if plan.float8 else None, "compiled_loss": plan.compiled_loss},
         "cluster": {"gpu": cl.gpu.name, "gpus": cl.gpus, "gpus_per_node": cl.gpus_per_node,
                     "memory_bytes": cl.gpu.memory_bytes, "usable_bytes": cl.capacity_bytes,
                     "efficiency": cl.efficiency, "source": cl.gpu.source},
