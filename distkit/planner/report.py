@@ -31,7 +31,8 @@ def describe(plan: Plan, cl: Cluster) -> str:
             + (" (eager attention)" if plan.attention == "eager" else "")
             + "".join(f", {t}" for t, on in (("torch.compile", plan.compile),
                                              (f"Float8 {plan.float8_recipe}", plan.float8),
-                                             ("compiled loss", plan.compiled_loss), ("async TP", plan.async_tp)) if on)
+                                             ("compiled loss", plan.compiled_loss),
+                                             ("async TP (N-D layouts with TP and SP)", plan.async_tp)) if on)
             + f" | {cl.gpus} x {cl.gpu.name} "
             f"({cl.nodes} node{'s' if cl.nodes > 1 else ''} of {cl.gpus_per_node})")
 
