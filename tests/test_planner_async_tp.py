@@ -161,7 +161,9 @@ def test_async_tp_shortens_a_pinned_tp_layout_and_the_search(capsys):
     steps = {}
     for extra in ([], ["--async-tp"]):
         plan_main(plan, [*JOB, "--compile", "--layout", "dp_shard=4,tp=2", *extra, "--json"])
-        (nd,) = json.loads(capsys.readouterr().out)["strategies"]
+        out = json.loads(capsys.readouterr().out)
+        assert out["plan"]["async_tp"] is bool(extra)  # the JSON names the job's Async TP, as the header does
+        (nd,) = out["strategies"]
         steps[bool(extra)] = nd["step_time_s"], nd["times_s"]["tp_hidden_s"]
     assert steps[False][1] == 0 < steps[True][1]
     assert steps[True][0] == pytest.approx(steps[False][0] - steps[True][1], rel=1e-9)
