@@ -489,6 +489,70 @@ def test_memory_tracker_notes_the_activations_high_water_mark():
     assert peak["activations_high_water"] >= peak["activations"]
 
 
+def _tracked_steps(walk: bool = False, unindexed: bool = False) -> list:
+    """Two steps of the tiny GPT, each running forward twice (gradient accumulation: the step tracker
+    forgets the model's first statistics), under :func:`memory_tracker`; per step, the peak by
+    category and every module's peaks and peak snapshots' totals. ``walk``: torch's own update
+    (every tracked module visited after each op) instead of the by-name lookup. ``unindexed``: a
+    broken index that keeps each name's first statistics."""
+    import torch.distributed._tools.mem_tracker as torch_tracker
+
+    from distkit import memory
+    from distkit.models import build_model, lm_loss, model_config
+
+    memory._step_trackers.cache_clear()
+    step_tracker, _ = memory._step_trackers()
+    tracking = next(c for c in step_tracker.__mro__ if c.__name__ == "StepTracking")
+    if walk:
+        def update(self, peak_state):
+            torch_tracker.MemTracker._update_peak_stats(self, peak_state)
+            for device, snapshot in self._curr_mem_snap.items():
+                size = sum(snapshot.get(kind, 0) for kind in memory.MEMORY_CATEGORIES["activations"])
+                self.activations_high_water[device] = max(size, self.activations_high_water.get(device, 0))
+        tracking._update_peak_stats = update
+    if unindexed:  # a name keeps its first statistics: the ones made after a forget are never found
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        index = type(step_tracker().memory_tracking)
+        index.__setitem__ = lambda self, module, stats: (WeakIdKeyDictionary.__setitem__(self, module, stats),
+                                                         self.by_fqn.setdefault(stats.mod_fqn, [stats]))
+        index.__delitem__ = WeakIdKeyDictionary.__delitem__
+    torch.manual_seed(0)
+    cfg = model_config("gpt", "tiny")
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, cfg.vocab_size, (4, 32))
+    seen = []
+    for _ in range(2):
+        tracker = memory.memory_tracker(model, optimizer)
+        with tracker:
+            for _ in range(2):
+                lm_loss(model(tokens), tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        modules = {stats.mod_fqn: (dict(stats.local_peak), {state: [{d: snap["Total"] for d, snap in per.items()}
+                                                                       for per in snaps]
+                                                              for state, snaps in stats.snapshots.items()})
+                   for stats in tracker.memory_tracking.values()}
+        seen.append((memory.peak_by_category(tracker), modules))
+    memory._step_trackers.cache_clear()
+    return seen
+
+
+def test_the_step_tracker_looks_up_the_running_modules_by_name_with_torchs_result():
+    """The step tracker raises the peaks of the modules running now by looking them up by name
+    (``distkit.memory``'s ``StatsByName``), where torch's tracker walks every module it has seen after
+    each op: the same peak by category, and the same peaks and snapshots for every module, over two
+    steps that run forward twice. Negative control: an index that keeps a name's first statistics
+    never finds those made after the step forgets the first forward's: their peaks differ."""
+    ours, torchs = _tracked_steps(), _tracked_steps(walk=True)
+    assert ours == torchs
+    assert ours[0][0]["total"] > 0 and len(ours[0][1]) > 5
+    broken = _tracked_steps(unindexed=True)
+    assert [step[0] for step in broken] == [step[0] for step in torchs]  # the step's own peak is not per module
+    assert [step[1] for step in broken] != [step[1] for step in torchs]
+
+
 def test_a_records_script_is_the_file_that_built_its_harness(tmp_path):
     """``config.script`` is derived, not typed: the file of the code that built the harness, also when
     that code runs under another file's name (a wrapper, a mutant compiled with the script's path).
