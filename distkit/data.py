@@ -108,10 +108,11 @@ def _parsed_sample(sample: str, size: int, mtime_ns: int) -> torch.Tensor:
     with gzip.open(sample, "rt") as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
     try:
-        values = numpy.fromstring(",".join(lines), sep=",") if lines else numpy.zeros(0)
+        values = numpy.fromstring(",".join(lines), sep=",")
     except ValueError:  # text that is not numbers
-        values = numpy.full(1, 0.5)
-    if not lines or values.size != len(lines) * 785 or not numpy.array_equal(values, numpy.round(values)):
+        values = None
+    if (not lines or values is None or values.size != len(lines) * 785
+            or not numpy.array_equal(values, numpy.round(values))):
         columns = len(lines[0].split(",")) if lines else 0
         raise UsageError(f"{sample} does not look like the MNIST sample (expected {len(lines)} rows of 785 "
                          f"whole numbers, the first row has {columns} columns)", every_rank=False)

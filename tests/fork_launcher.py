@@ -325,8 +325,9 @@ def serve(path: str) -> None:
         print(f"fork server: cannot import transformers: {exc}", file=sys.stderr, flush=True)
     try:  # the offline MNIST sample, parsed once here (distkit.data keeps it) instead of in every MNIST job
         data = importlib.import_module("distkit.data")
-        if data.offline_sample_path() is not None:
-            data.read_offline_sample(data.offline_sample_path())
+        sample = data.offline_sample_path()
+        if sample is not None:
+            data.read_offline_sample(sample)
     except Exception as exc:  # noqa: BLE001 - a job then reads (and fails on) it itself
         print(f"fork server: cannot read the MNIST sample: {exc}", file=sys.stderr, flush=True)
     listener.settimeout(1.0)
