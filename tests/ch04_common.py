@@ -1,13 +1,13 @@
 """What chapter 04's tests share (the CPU suite and the GPU suite): the README's commands and which
-test runs each, the bus factors counted by the ring model, torchrun's failure summary, the process
-check after a failing job, and argparse errors checked in this process.
+test runs each, the bus factors counted by the ring model, torchrun's failure summary, the reader's play of
+the README's commands (tests/spine.py), and argparse errors checked in this process.
 """
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from launch import REPO, command_argv, readme_command
+from spine import Form
 from workers import ch04_ring_model as ring_model
 
 CHAPTER = REPO / "04-nccl-operations"
@@ -27,6 +27,19 @@ LOOKUPS = {
     "debug_lab:crash": (("debug_lab.py", "--scenario crash"), None),
 }
 
+# How the reader's play (tests/spine.py) runs each command, so that tests/test_ch04_readme.py can check
+# what it printed and wrote: quick sizes and short timeouts; the debug lab under the real torchrun
+# (what torchrun shows when a job fails is its lesson), its logs under the command's own folder
+LAB = Form(("--log-dir", "{out}/lab"), launcher="torchrun")
+PLAY = {
+    LOOKUPS["point_to_point"]: Form(("--numel", "10001", "--deadlock-timeout-s", "2")),
+    LOOKUPS["bandwidth_test"]: Form(("--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
+                                     "--p2p-bytes", "8K", "--plot", "{out}/bw.png")),
+    LOOKUPS["debug_lab:mismatch"]: Form(("--timeout-s", "3", *LAB.flags), launcher="torchrun"),
+    LOOKUPS["debug_lab:missing-rank"]: Form(("--timeout-s", "2", *LAB.flags), launcher="torchrun"),
+    LOOKUPS["debug_lab:crash"]: Form(("--timeout-s", "3", *LAB.flags), launcher="torchrun"),
+}
+
 # The nccl-tests bus factors, not written out again but counted: tests/workers/ch04_ring_model.py runs
 # each collective's bandwidth-optimal algorithm on simulated ranks (checking it computes the
 # definition) and divides the most bytes any rank sent by the collective's size S.
@@ -42,17 +55,3 @@ def readme_argv(name: str, nproc: int | None = None, launcher: str = "fork") -> 
     workers instead of the README's where given (``launcher``: see tests/launch.py)."""
     needles, without = LOOKUPS[name]
     return command_argv(readme_command(README, *needles, without=without), nproc=nproc, launcher=launcher)
-
-
-def own_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention ``marker`` (a path only this test uses)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in text:
-            found.append(text)
-    return found
-

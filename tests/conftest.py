@@ -208,3 +208,17 @@ def first_command_run(tmp_path_factory, worker_id):
             done_file.write_text(json.dumps({"args": done.args, "stdout": done.stdout}))
     saved = json.loads(done_file.read_text())
     return folder / "clone", subprocess.CompletedProcess(saved["args"], 0, saved["stdout"], "")
+
+
+@pytest.fixture(scope="session")
+def reader(first_command_run, tmp_path_factory, worker_id):
+    """The reader played once for the whole suite (tests/spine.py): the quick start's clone, the folder
+    the session's workers share, and this worker's fork server for the clone's jobs. Chapters are
+    played on demand: ``spine.play_chapter(chapter, reader)``."""
+    from spine import Reader, clone_server
+
+    clone, quick_start = first_command_run
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    with clone_server(clone, tmp_path_factory.mktemp("clone_server")) as env:
+        yield Reader(clone, shared, env, quick_start)

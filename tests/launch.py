@@ -63,20 +63,28 @@ def forked_from_server(socket_path: str, script_name: str) -> int:
     return log.count(f"{script_name} as one python process")
 
 
-@contextlib.contextmanager
-def fork_server(folder: Path):
-    """Run the fork launcher's server (``tests/fork_launcher.py --serve``) while the block runs: it
-    imports torch and distkit once, and every fork-launched job of this process and its children
-    forks from it (``$FORK_LAUNCHER_SERVER`` names its socket) instead of importing them again."""
+def start_fork_server(folder: Path, env: dict[str, str] | None = None):
+    """Start the fork launcher's server (``tests/fork_launcher.py --serve``) with ``env`` (default
+    :func:`job_env`'s; it forks only the jobs whose import-time environment equals it); returns the
+    process, its socket's path and its log file, once it listens."""
     socket_path = str(Path(folder) / "fork.sock")
     log = open(Path(folder) / "fork_server.log", "w")
-    server = subprocess.Popen([sys.executable, str(FORK_LAUNCHER), "--serve", socket_path], env=job_env(),
+    server = subprocess.Popen([sys.executable, str(FORK_LAUNCHER), "--serve", socket_path], env=env or job_env(),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(socket_path):  # it listens before importing torch: a second at most
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the fork server did not start: see {log.name}")
         time.sleep(0.05)
+    return server, socket_path, log
+
+
+@contextlib.contextmanager
+def fork_server(folder: Path):
+    """Run the fork launcher's server while the block runs: it imports torch and distkit once, and
+    every fork-launched job of this process and its children forks from it (``$FORK_LAUNCHER_SERVER``
+    names its socket) instead of importing them again."""
+    server, socket_path, log = start_fork_server(folder)
     os.environ["FORK_LAUNCHER_SERVER"] = socket_path
     try:
         yield socket_path
@@ -438,3 +446,16 @@ def job(jobs: dict, name: str):
     if isinstance(result, BaseException):
         raise result
     return folder, result
+
+
+def own_processes(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (a path only this test uses)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in text:
+            found.append(text)
+    return found

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ch04_common import NCCL_TESTS_FACTOR, ROOT_CAUSE, own_processes, readme_argv
+from ch04_common import NCCL_TESTS_FACTOR, ROOT_CAUSE, readme_argv
 from distkit.harness import read_records
-from launch import assert_one_line_error, job_env, require_gpus, run
+from launch import assert_one_line_error, job_env, own_processes, require_gpus, run
 
 pytestmark = pytest.mark.gpu
 NCCL = ["--backend", "nccl"]

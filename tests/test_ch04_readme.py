@@ -7,20 +7,20 @@ from __future__ import annotations
 import copy
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from ch04_common import BANDWIDTH_RECORD, LOOKUPS, NCCL_TESTS_FACTOR, README, ROOT_CAUSE, own_processes, readme_argv
-from launch import assert_readme_covered, job_env, readme_command, run
+from ch04_common import BANDWIDTH_RECORD, LOOKUPS, NCCL_TESTS_FACTOR, README, ROOT_CAUSE
+from launch import assert_readme_covered, readme_command
+from spine import play_chapter
 
 # busbw/algbw is one multiplication, exact to ~1e-16; the closest wrong factor (1 instead of (n-1)/n,
 # or (n-1)/n instead of 2(n-1)/n) is off by 1/(n-1) or more relative, 14% even at 8 ranks.
 FACTOR_RTOL = 1e-9
 
 
-def check_collective_ops(out: str, tmp_path: Path) -> None:
+def check_collective_ops(out: str, folder: Path, clone: Path) -> None:
     passes = re.findall(r"^   PASS (\S+)", out, flags=re.M)
     assert len(passes) == 15 and "FAIL" not in out and "SKIP" not in out, out[-3000:]
     assert "15 passed, 0 failed, 0 skipped" in out
@@ -37,7 +37,7 @@ def result_lines(out: str, demo: str) -> list[list[int]]:
     return [[int(x) for x in values.split(", ")] for _, values in found]
 
 
-def check_collective_ops_subset(out: str, tmp_path: Path) -> None:
+def check_collective_ops_subset(out: str, folder: Path, clone: Path) -> None:
     passes = re.findall(r"^   PASS (\S+)", out, flags=re.M)
     assert passes == ["reduce(SUM)", "reduce_scatter(list)", "reduce_scatter_single", "all_to_all(even)",
                       "all_to_all(uneven)"], out[-3000:]
@@ -52,7 +52,7 @@ def check_collective_ops_subset(out: str, tmp_path: Path) -> None:
                                                     for d in range(4)]
 
 
-def check_point_to_point(out: str, tmp_path: Path) -> None:
+def check_point_to_point(out: str, folder: Path, clone: Path) -> None:
     assert out.count(" PASS") == 3 * 4 - 2 + 4, out[-3000:]  # send/recv: 2 receivers; rings: 4+4; ring AR: 4
     assert "FAIL" not in out
     ring = re.findall(r"max \|ring - all_reduce\| = (\S+) \(tolerance (\S+)\) PASS \| sent (\d+) B = (\S+) x size",
@@ -76,8 +76,10 @@ def assert_busbw_is_the_counted_factor(records: list[dict]) -> None:
             assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9)
 
 
-def check_bandwidth(out: str, tmp_path: Path) -> None:
-    records = [json.loads(line) for line in (tmp_path / "bw.jsonl").read_text().splitlines()]
+def check_bandwidth(out: str, folder: Path, clone: Path) -> None:
+    # the README's own --results path, in the clone
+    results = clone / "runs" / "bandwidth_cpu_gloo_4ranks.jsonl"
+    records = [json.loads(line) for line in results.read_text().splitlines()]
     by_strategy = {r["strategy"]: r for r in records}
     assert set(by_strategy) == {f"bandwidth_{c}" for c in NCCL_TESTS_FACTOR} | {"bandwidth_p2p_matrix"}
     assert_busbw_is_the_counted_factor([r for r in records if "collective" in r])
@@ -93,7 +95,7 @@ def check_bandwidth(out: str, tmp_path: Path) -> None:
         assert all(row["wrong"] == 0 for row in record["rows"])
     matrix = by_strategy["bandwidth_p2p_matrix"]["matrix_GBps"]
     assert all((value > 0) == (i != j) for i, row in enumerate(matrix) for j, value in enumerate(row))
-    png = (tmp_path / "bw.png").read_bytes()
+    png = (folder / "bw.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "#       size         count      type   redop    root       time    algbw    busbw  #wrong" in out
     assert "7 collectives, 0 wrong elements" in out
@@ -129,17 +131,17 @@ def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
         assert_busbw_is_the_counted_factor(broken)
 
 
-def check_mismatch(out: str, tmp_path: Path) -> None:
+def check_mismatch(out: str, folder: Path, clone: Path) -> None:
     assert "error: collective mismatch: rank 0 runs ALLREDUCE [4]; rank 3 runs ALLREDUCE [3]" in out, out[-3000:]
     assert "Without it (debug level OFF)" in out
 
 
-def check_missing_rank(out: str, tmp_path: Path) -> None:
+def check_missing_rank(out: str, folder: Path, clone: Path) -> None:
     assert "rank 0: all_reduce timed out after" in out, out[-3000:]
     assert "Ranks 3 failed to pass monitoredBarrier" in out
 
 
-def check_crash(out: str, tmp_path: Path) -> None:
+def check_crash(out: str, folder: Path, clone: Path) -> None:
     assert "[rank 3] step 3: simulated crash" in out, out[-3000:]
     # rank 3 reached step 3 only after rank 0 finished step 2, so rank 0 had logged step 1 by then
     assert "[rank 0] step 1: all_reduce ok" in out
@@ -151,22 +153,20 @@ def check_crash(out: str, tmp_path: Path) -> None:
     assert ROOT_CAUSE.search(out) and ROOT_CAUSE.search(out).groups() == ("3", "3"), out[-2500:]
 
 
-# README command -> (flags appended to keep it quick and inside tmp_path, expected exit, checker)
+# README command -> (expected exit, checker); the flags the play appends: ch04_common.PLAY
 CASES = {
-    "collective_ops": ([], 0, check_collective_ops),
-    "collective_ops:only": ([], 0, check_collective_ops_subset),
-    "point_to_point": (["--numel", "10001", "--deadlock-timeout-s", "2"], 0, check_point_to_point),
-    "bandwidth_test": (["--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
-                        "--p2p-bytes", "8K", "--results", "{tmp}/bw.jsonl", "--plot", "{tmp}/bw.png"], 0,
-                       check_bandwidth),
-    "debug_lab:mismatch": (["--timeout-s", "3", "--log-dir", "{tmp}/lab"], 1, check_mismatch),
-    "debug_lab:missing-rank": (["--timeout-s", "2", "--log-dir", "{tmp}/lab"], 1, check_missing_rank),
-    "debug_lab:crash": (["--timeout-s", "3", "--log-dir", "{tmp}/lab"], 1, check_crash),
+    "collective_ops": (0, check_collective_ops),
+    "collective_ops:only": (0, check_collective_ops_subset),
+    "point_to_point": (0, check_point_to_point),
+    "bandwidth_test": (0, check_bandwidth),
+    "debug_lab:mismatch": (1, check_mismatch),
+    "debug_lab:missing-rank": (1, check_missing_rank),
+    "debug_lab:crash": (1, check_crash),
 }
 
 
 def test_readme_commands_are_all_covered():
-    """Every README command is found by exactly one lookup, and each lookup is a case run below."""
+    """Every README command is found by exactly one lookup, and each lookup is a case checked below."""
     assert_readme_covered(README, list(LOOKUPS.values()))
     assert sorted(LOOKUPS) == sorted(CASES)
     for needles, without in LOOKUPS.values():  # as the README writes them: 4 ranks, a private rendezvous
@@ -174,19 +174,19 @@ def test_readme_commands_are_all_covered():
         assert command.startswith("torchrun --standalone --nproc_per_node=4 "), command
 
 
+@pytest.fixture(scope="module")
+def played(reader):
+    return play_chapter("04-nccl-operations", reader)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_readme_command(name: str, tmp_path: Path):
-    extra, expected_rc, check = CASES[name]
-    # the debug lab teaches what torchrun shows when a job fails: run it under the real torchrun
-    launcher = "torchrun" if name.startswith("debug_lab") else "fork"
-    argv = readme_argv(name, launcher=launcher) + [a.replace("{tmp}", str(tmp_path)) for a in extra]
-    start = time.perf_counter()
-    # the lab scenarios must end by themselves well inside this limit (timeouts of 2-3 s)
-    result = run(argv, timeout=180, env=job_env(tmp_path), check=False)
-    elapsed = time.perf_counter() - start
-    assert result.returncode == expected_rc, f"exit {result.returncode} after {elapsed:.0f}s\n{result.stdout[-4000:]}"
-    check(result.stdout, tmp_path)
+def test_readme_command(name: str, played):
+    """The command as the reader's play ran it (tests/spine.py). The lab's scenarios end by themselves
+    (timeouts of 2-3 s) and leave no rank behind."""
+    expected_rc, check = CASES[name]
+    run = played.of(LOOKUPS[name])
+    assert run["returncode"] == expected_rc, f"exit {run['returncode']}\n{run['stdout'][-4000:]}"
+    check(run["stdout"], run["out"], played.clone)
     if expected_rc:  # a failing job must not leave a rank behind (the lab's stuck rank included)
-        time.sleep(0.5)
-        assert not own_processes(str(tmp_path)), own_processes(str(tmp_path))
-        assert sorted(p.name for p in (tmp_path / "lab").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
+        assert run["left_running"] == [], run["left_running"]
+        assert sorted(p.name for p in (run["out"] / "lab").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
