@@ -3,7 +3,10 @@ share: where benchmarks/ lives, the bars for theory vs measurement, loading a be
 script by path, and running a script's argument parser in this process."""
 from __future__ import annotations
 
-from launch import REPO
+import shlex
+
+from launch import REPO, launcher_argv
+from spine import Form
 
 BENCH = REPO / "benchmarks"
 README = BENCH / "README.md"
@@ -23,3 +26,14 @@ PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gi
                    "plan_validation": (("plan.py", "--validate"), "--only-misses"),
                    "plan_validation_repeat": ("plan.py", "--validate", "--only-misses")}
 
+# How the reader's play (tests/spine.py) runs the README's commands that tests/test_benchmarks.py and
+# tests/test_parity.py check: the quick matrix's cells through the suite's fork launcher (not
+# torchrun); the bigger matrices planned (--dry-run: the quick matrix runs their cells' code); parity
+# for 20 steps with held-out losses every 10; one short round of the harness overhead.
+FORK_CELLS = shlex.join([*launcher_argv("fork"), "--standalone"]) + " --nproc_per_node={nproc}"
+PARITY_STEPS, PARITY_EVERY = 20, 10
+PLAY = {"distributed_benchmarks.py --quick": Form(("--launcher", FORK_CELLS)),
+        **{lookup: Form(("--dry-run",)) for lookup in [("distributed_benchmarks.py", f"--results runs/{name}.jsonl")
+                                                         for name in ("full_cpu", "gpu", "one_gpu")]},
+        "benchmarks/parity.py": Form(("--steps", str(PARITY_STEPS), "--held-out-every", str(PARITY_EVERY))),
+        "harness_overhead.py": Form(("--rounds", "1", "--steps", "2"))}

@@ -1,5 +1,5 @@
 """Loss-curve parity, the short version: benchmarks/README.md's ``python benchmarks/parity.py`` with
-``--steps 20`` (the full run is recorded, not run here).
+``--steps 20``, as the reader's play runs it (tests/spine.py; the full run is recorded, not run here).
 
 * ``test_every_strategy_follows_one_process_and_the_control_leaves_the_band``: DDP, FSDP (full,
   grad-op, hybrid), ZeRO-1/2/3, TP+SP, PP (1F1B), FSDP x TP and CP each recorded a loss at every step,
@@ -19,30 +19,31 @@
 from __future__ import annotations
 
 import json
-import shlex
-import sys
+import subprocess
 
 import pytest
 import torch
 
+from benchmarks_common import PARITY_EVERY, PARITY_STEPS
 from distkit.models import build_model, lm_loss, model_config
 from distkit.text import TextTask
-from launch import REPO, job_env, launcher_argv, load_script, readme_command, run
+from launch import REPO, load_script
+from spine import play_chapter
 
-STEPS, EVERY = 20, 10
+STEPS, EVERY = PARITY_STEPS, PARITY_EVERY
 PARITY = load_script(REPO / "benchmarks" / "parity.py")
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("parity")
-    env = job_env(folder, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")))
-    command = readme_command(REPO / "benchmarks" / "README.md", "benchmarks/parity.py")
-    assert command == "python benchmarks/parity.py"
-    done = run([sys.executable, "benchmarks/parity.py", "--steps", str(STEPS), "--held-out-every", str(EVERY),
-                "--results", str(folder / "parity.jsonl")], env=env, timeout=600)
-    rows = [json.loads(line) for line in (folder / "parity.jsonl").read_text().splitlines()]
-    return done, {row["strategy"]: row for row in rows}
+def parity(reader):
+    """``python benchmarks/parity.py`` as the reader's play ran it (tests/spine.py), for STEPS steps with
+    held-out losses every EVERY (benchmarks_common.PLAY), its records where the README's command
+    writes them."""
+    run = play_chapter("benchmarks", reader).of("benchmarks/parity.py")
+    assert run["command"] == "python benchmarks/parity.py"
+    assert run["returncode"] == 0, run["stdout"][-3000:]
+    rows = [json.loads(line) for line in (reader.clone / "runs" / "parity.jsonl").read_text().splitlines()]
+    return subprocess.CompletedProcess(run["argv"], 0, run["stdout"], ""), {row["strategy"]: row for row in rows}
 
 
 def test_every_strategy_follows_one_process_and_the_control_leaves_the_band(parity):
