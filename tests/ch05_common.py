@@ -16,6 +16,7 @@ from distkit.models import TokenTask, build_model, lm_loss, model_config
 from distkit.runtime import seed_everything
 from launch import REPO, torchrun
 from launch import readme_command as find_command
+from spine import Form
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "05-advanced"
@@ -44,6 +45,41 @@ LOOKUPS = {"tp": (("tensor_parallel.py",), "--sequence-parallel"),
            "ep_2ranks": (("expert_parallel.py", "nproc_per_node=2"), None),
            "ep_4ranks": (("expert_parallel.py", "nproc_per_node=4"), None)}
 QUICK = ("--model-size", "tiny", "--steps", STEPS, "--optimizer", "sgd", "--lr", LR, "--warmup-steps", "1")
+CP_QUICK = (*QUICK, "--seq-len", 32)  # the tiny GPT's length: 2 x 4 chunks of 4 tokens at cp = 4
+# activation_checkpointing.py: 4 sequences per rank, as activation_bytes_per_layer's micro-batch
+AC_FLAGS = (*QUICK, "--warmup-steps", 2, "--global-batch-size", 8)
+OUT_RESULTS = ("--results", "{out}/r.jsonl")  # for the commands whose README line names no --results
+
+
+def _form(*flags, nproc=None) -> Form:
+    return Form(tuple(map(str, flags)), nproc=nproc)
+
+
+# How the reader's play (tests/spine.py) runs each README command, so that the chapter's tests check
+# what it printed and wrote: the equivalence settings (QUICK: plain SGD, 3 steps), the weights saved
+# under the command's own folder. The activation-checkpointing command runs FSDP2 on 2 ranks, full AC,
+# eager and compiled (one graph: tests/test_ch05_ac.py says why), instead of three AC modes compiled.
+PLAY = {LOOKUPS["tp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{strategy}.pt"),
+        LOOKUPS["tp_sp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{strategy}.pt"),
+        LOOKUPS["tp_llama_sp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS,
+                                      "--save", "{out}/{strategy}.pt"),
+        LOOKUPS["pipeline"]: _form(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
+                                   "--save", "{out}/{schedule}_m{microbatches}.pt"),
+        LOOKUPS["pipeline_2ranks"]: _form(*QUICK, "--global-batch-size", 16, "--microbatches", 2, 4,
+                                          "--save", "{out}/{schedule}_m{microbatches}.pt"),
+        LOOKUPS["2d"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
+        LOOKUPS["hsdp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
+        LOOKUPS["accumulation"]: _form(*QUICK, "--grad-accum-steps", 4, "--micro-batch-size", 2, *OUT_RESULTS,
+                                       "--save", "{out}/{sync}.pt"),
+        LOOKUPS["overlap"]: _form("--layers", 16, "--steps", 3, "--warmup-steps", 1, "--bucket-cap-mb", 0.02, 25,
+                                  "--async-mib", 1, "--trace", "{out}/trace.json"),
+        LOOKUPS["activation_checkpointing"]: _form(*AC_FLAGS, "--strategy", "fsdp", "--ac", "full", "--compile",
+                                                   "off", "on", "--save", "{out}/{ac}_{compile}.pt", nproc=2),
+        LOOKUPS["cp_2ranks"]: _form(*CP_QUICK, "--save", "{out}/{layout}.pt"),
+        LOOKUPS["cp_4ranks"]: _form(*CP_QUICK, "--save", "{out}/{layout}.pt"),
+        LOOKUPS["cp_torch_on_cpu"]: _form(*CP_QUICK, "--save", "none"),
+        LOOKUPS["ep_2ranks"]: _form(*QUICK, "--save", "{out}/ep.pt"),
+        LOOKUPS["ep_4ranks"]: _form(*QUICK, "--save", "{out}/ep.pt")}
 
 
 def reference(global_batch: int, arch: str = "gpt", **overrides) -> tuple[dict, list[float]]:

@@ -171,10 +171,16 @@ class Played:
         ``run["out"]`` is its folder in the clone (absolute)."""
         found = [r for r in self.runs if matches(r["command"], lookup)]
         assert len(found) == 1, f"{self.chapter}: {len(found)} played commands match {lookup}"
-        return {**found[0], "out": self.clone / found[0]["out"]}
+        return {**found[0], "out": self.clone / found[0]["out"], "clone": self.clone}
 
     def problems(self) -> list[str]:
         return [f"{self.chapter}: {shlex.join(r['argv'][-12:])}: {r['problem']}" for r in self.runs if r["problem"]]
+
+
+def flag_path(run: dict, flag: str) -> Path:
+    """The path a played run's last ``flag`` names (argparse keeps the last), in the clone."""
+    argv = run["argv"]
+    return run["clone"] / argv[len(argv) - argv[::-1].index(flag)]
 
 
 @dataclass

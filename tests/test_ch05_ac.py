@@ -32,10 +32,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ch05_common import CHAPTER, LOOKUPS, LR, QUICK, STEPS, TOLERANCE, launch, reference
+from ch05_common import AC_FLAGS, CHAPTER, LOOKUPS, LR, STEPS, TOLERANCE, launch, reference
 from distkit.harness import read_records
 from distkit.models import TinyGPT, TokenTask, build_model, gpt_config, lm_loss, model_config
 from launch import assert_one_line_error, load_script, parse_args_result
+from spine import flag_path, play_chapter
 from workers.mutation import mutated_source
 from workers.reference import train_one_process
 
@@ -43,7 +44,8 @@ SCRIPT = CHAPTER / "activation_checkpointing.py"
 LOOKUP = LOOKUPS["activation_checkpointing"]  # the README command every launch here starts from
 AC_TOLERANCE, WIDE = 1e-6, 100
 BATCH = 8  # global batch: 4 sequences per rank, as activation_bytes_per_layer's micro-batch
-FLAGS = (*QUICK, "--warmup-steps", 2, "--global-batch-size", BATCH)
+FLAGS = AC_FLAGS
+assert FLAGS[FLAGS.index("--global-batch-size") + 1] == BATCH
 
 
 def run(tmp_path, *flags):
@@ -60,8 +62,12 @@ def ddp_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("fsdp"), "--strategy", "fsdp", "--ac", "full", "--compile", "off", "on")
+def fsdp_run(reader):
+    """The README's command as the reader's play ran it (tests/spine.py, ch05_common.PLAY): FSDP2 on 2
+    ranks, full AC, eager and compiled; its records where the README's command writes them."""
+    played = play_chapter("05-advanced", reader).of(LOOKUP)
+    assert played["returncode"] == 0, played["stdout"][-3000:]
+    return played["stdout"], read_records(flag_path(played, "--results")), played["out"]
 
 
 def weights(folder, ac, compiled="off"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
+import subprocess
 
 import pytest
 import torch
@@ -28,7 +28,8 @@ import torch
 from ch05_common import CHAPTER, LOOKUPS, QUICK, README, TOLERANCE, launch, reference
 from distkit import compare
 from distkit.harness import read_records
-from launch import assert_one_line_error, assert_readme_covered, load_script, parse_args_result, python, readme_command
+from launch import assert_one_line_error, assert_readme_covered, load_script, parse_args_result
+from spine import flag_path, play_chapter
 
 
 def run_readme(name: str, tmp_path, extra=(), check=True):
@@ -45,38 +46,42 @@ def assert_matches(checkpoint, expected: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory):
-    """The README's 4-rank pipeline command at the equivalence settings: (records file, folder)."""
-    tmp_path = tmp_path_factory.mktemp("pipeline")
-    results = tmp_path / "r.jsonl"
-    run_readme("pipeline", tmp_path, extra=(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
-                                            "--results", results, "--save", tmp_path / "{schedule}_m{microbatches}.pt"))
-    return results, tmp_path
+def played(reader):
+    """The README's commands as the reader's play ran them (tests/spine.py; the flags it appends:
+    ch05_common.PLAY)."""
+    return play_chapter("05-advanced", reader)
+
+
+def played_run(played, name: str) -> dict:
+    run = played.of(LOOKUPS[name])
+    assert run["returncode"] == 0, run["stdout"][-3000:]
+    return run
 
 
 @pytest.fixture(scope="module")
-def overlap_run(tmp_path_factory):
+def pipeline_run(played):
+    """The README's 4-rank pipeline command at the equivalence settings: (records file, folder)."""
+    run = played_run(played, "pipeline")
+    return flag_path(run, "--results"), run["out"]
+
+
+@pytest.fixture(scope="module")
+def overlap_run(played):
     """The README's communication_overlap command, small: (records file, stdout, trace file)."""
-    tmp_path = tmp_path_factory.mktemp("overlap")
-    results, trace = tmp_path / "r.jsonl", tmp_path / "trace.json"
-    out = run_readme("overlap", tmp_path, extra=("--layers", 16, "--steps", 3, "--warmup-steps", 1,
-                                                 "--bucket-cap-mb", 0.02, 25, "--async-mib", 1,
-                                                 "--results", results, "--trace", trace))
-    return results, out.stdout, trace
+    run = played_run(played, "overlap")
+    return flag_path(run, "--results"), run["stdout"], run["out"] / "trace.json"
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_tensor_parallel_matches_single_process(sequence_parallel, tmp_path):
-    results = tmp_path / "r.jsonl"
-    out = run_readme("tp_sp" if sequence_parallel else "tp", tmp_path,
-                     extra=(*QUICK, "--global-batch-size", 16, "--results", results,
-                            "--save", tmp_path / "{strategy}.pt"))
-    assert "local per rank: r0 (16, 64)" in out.stdout  # q_proj weight: 64 output rows / 4 ranks
+def test_tensor_parallel_matches_single_process(sequence_parallel, played):
+    run = played_run(played, "tp_sp" if sequence_parallel else "tp")
+    results, folder, stdout = flag_path(run, "--results"), run["out"], run["stdout"]
+    assert "local per rank: r0 (16, 64)" in stdout  # q_proj weight: 64 output rows / 4 ranks
 
     expected, losses = reference(16)
     (record,) = read_records(results)
     assert record["strategy"] == ("tp_sp" if sequence_parallel else "tp")
-    assert_matches(tmp_path / f"{record['strategy']}.pt", expected)  # --save's {strategy} filled in
+    assert_matches(folder / f"{record['strategy']}.pt", expected)  # --save's {strategy} filled in
     assert record["losses"] == pytest.approx(losses, abs=1e-5)
     # the record (schema 2): the model's configuration in its one place, the whole model's size
     assert record["model"]["arch"] == "gpt" and record["model"]["n_layer"] == 2
@@ -90,7 +95,7 @@ def test_tensor_parallel_matches_single_process(sequence_parallel, tmp_path):
         assert comm["all_reduce"]["bytes"] == 4 * 2 * activation
         # printed next to Megatron's formula from distkit.theory: the same 8 calls and bytes
         mib = f"{4 * 2 * activation / 2**20:8.2f} MiB"
-        assert f"{'all_reduce':<15} {8:>4} calls {mib}   vs   {8:>4} calls {mib}" in out.stdout, out.stdout[-3000:]
+        assert f"{'all_reduce':<15} {8:>4} calls {mib}   vs   {8:>4} calls {mib}" in stdout, stdout[-3000:]
     else:  # each all-reduce became reduce-scatter + all-gather; plus embeddings/head ones
         assert "all_reduce" not in comm or comm["all_reduce"]["bytes"] < activation
         for name in ("all_gather", "reduce_scatter"):
@@ -117,12 +122,10 @@ def test_pipeline_schedules_match_single_process(pipeline_run):
         assert record["model"]["n_layer"] == 8 and record["param_count"] == sum(t.numel() for t in expected.values())
 
 
-def test_two_rank_pipeline_matches_single_process(tmp_path):
+def test_two_rank_pipeline_matches_single_process(played):
     """The README's 2-rank comparison run (no CPU oversubscription), at the equivalence settings."""
-    results = tmp_path / "r.jsonl"
-    run_readme("pipeline_2ranks", tmp_path, extra=(*QUICK, "--global-batch-size", 16, "--microbatches", 2, 4,
-                                                   "--results", results,
-                                                   "--save", tmp_path / "{schedule}_m{microbatches}.pt"))
+    run = played_run(played, "pipeline_2ranks")
+    results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, losses = reference(16, n_layer=8)
     records = read_records(results)
     assert [(r["world_size"], r["config"]["microbatches"]) for r in records] == [(2, 2), (2, 4)]
@@ -134,10 +137,9 @@ def test_two_rank_pipeline_matches_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["2d", "hsdp"])
-def test_hybrid_parallelism_matches_single_process(mode, tmp_path):
-    results = tmp_path / "r.jsonl"
-    run_readme(mode, tmp_path, extra=(*QUICK, "--global-batch-size", 16, "--results", results,
-                                      "--save", tmp_path / "{mode}.pt"))
+def test_hybrid_parallelism_matches_single_process(mode, played):
+    run = played_run(played, mode)
+    results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, losses = reference(16)
     assert_matches(tmp_path / f"{mode}.pt", expected)
     (record,) = read_records(results)
@@ -179,15 +181,18 @@ def assert_predicted(record) -> None:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_tensor_parallel_llama_matches_single_process(sequence_parallel, tmp_path):
+def test_tensor_parallel_llama_matches_single_process(sequence_parallel, played, tmp_path):
     """TP of the Llama by its Hugging Face names (GQA: k/v_proj split into one kv head per rank);
     with SP, the RMSNorms, embed_tokens and lm_head too, and the rotary positions of the whole
     sequence (the bug this catches: positions computed from a sequence shard's length)."""
-    results = tmp_path / "r.jsonl"
-    name, extra = ("tp_llama_sp", ()) if sequence_parallel else ("tp", LLAMA)
-    out = run_readme(name, tmp_path, extra=(*QUICK, *extra, "--global-batch-size", 16, "--results", results,
-                                            "--save", tmp_path / "{strategy}.pt"))
-    assert re.search(r"k_proj\.weight +full \(32, 64\) +local per rank: r0 \(8, 64\)", out.stdout), out.stdout[-3000:]
+    if sequence_parallel:  # the README's Llama command, as the play ran it
+        run = played_run(played, "tp_llama_sp")
+        results, tmp_path, stdout = flag_path(run, "--results"), run["out"], run["stdout"]
+    else:
+        results = tmp_path / "r.jsonl"
+        stdout = run_readme("tp", tmp_path, extra=(*QUICK, *LLAMA, "--global-batch-size", 16, "--results", results,
+                                                   "--save", tmp_path / "{strategy}.pt")).stdout
+    assert re.search(r"k_proj\.weight +full \(32, 64\) +local per rank: r0 \(8, 64\)", stdout), stdout[-3000:]
     expected, losses = reference(16, arch="llama")
     (record,) = read_records(results)
     assert record["strategy"] == ("tp_sp" if sequence_parallel else "tp")
@@ -271,15 +276,15 @@ def test_llama_tensor_parallel_needs_kv_heads_divisible():
     tp.check_divisible(model_config("llama", "tiny"), 4, sequence_parallel=True)  # 8 q, 4 kv heads: fine
 
 
-def test_mesh_that_does_not_match_world_size_is_one_clear_error(tmp_path):
-    result = run_readme("mesh_error", tmp_path, check=False)
+def test_mesh_that_does_not_match_world_size_is_one_clear_error(played):
+    run = played.of(LOOKUPS["mesh_error"])
+    result = subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
     assert_one_line_error(result, "the mesh axes must multiply to the world size")
 
 
-def test_gradient_accumulation_equals_large_batch_and_no_sync_saves_k(tmp_path):
-    results, k = tmp_path / "r.jsonl", 4
-    run_readme("accumulation", tmp_path, extra=(*QUICK, "--grad-accum-steps", k, "--micro-batch-size", 2,
-                                                "--results", results, "--save", tmp_path / "{sync}.pt"))
+def test_gradient_accumulation_equals_large_batch_and_no_sync_saves_k(played):
+    run, k = played_run(played, "accumulation"), 4  # ch05_common.PLAY: --grad-accum-steps 4
+    results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, _ = reference(2 * k * 4)  # one k-times larger batch over 4 ranks
     assert_matches(tmp_path / "no_sync.pt", expected)
     assert_matches(tmp_path / "every_micro_batch.pt", expected)
@@ -357,15 +362,17 @@ def test_overlap_fraction_is_rank_0s_trace(overlap_run):
         check_overlap_line(moved, out)
 
 
-def test_readme_plot_command_draws_both_plots(pipeline_run, overlap_run, tmp_path):
-    """The README's plot command, pointed at the records of the two runs above."""
-    command = readme_command(README, *LOOKUPS["plot"][0])
-    assert command.startswith("python 05-advanced/plot_results.py")
-    out = python(CHAPTER / "plot_results.py", *shlex.split(command)[2:], "--results", pipeline_run[0],
-                 overlap_run[0], "--out-dir", tmp_path, tmp_path=tmp_path).stdout
-    assert f"wrote {tmp_path / 'pipeline_bubble.png'}" in out and f"wrote {tmp_path / 'bucket_sweep.png'}" in out
+def test_readme_plot_command_draws_both_plots(pipeline_run, overlap_run, played):
+    """The README's plot command as the play ran it, after the two runs above: it draws their records
+    (its default --results are the README's pipeline and overlap records)."""
+    run = played_run(played, "plot")
+    assert run["command"] == "python 05-advanced/plot_results.py --out-dir runs/plots"
+    assert [pipeline_run[0], overlap_run[0]] == [played.clone / "runs" / "pipeline.jsonl",
+                                                 played.clone / "runs" / "overlap.jsonl"]
+    out, plots = run["stdout"], flag_path(run, "--out-dir")
+    assert "wrote runs/plots/pipeline_bubble.png" in out and "wrote runs/plots/bucket_sweep.png" in out, out
     for png in ("pipeline_bubble.png", "bucket_sweep.png"):
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (plots / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_overlap_is_measured_on_one_timeline():

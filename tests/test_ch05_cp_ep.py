@@ -30,23 +30,36 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from ch05_common import CHAPTER, LOOKUPS, QUICK, TOLERANCE, launch, readme_command, reference
+from ch05_common import CHAPTER, CP_QUICK, LOOKUPS, QUICK, TOLERANCE, launch, readme_command, reference
 from distkit import UsageError, compare, theory
 from distkit.harness import read_records
 from distkit.models import model_config
 from distkit.runtime import seed_everything
 from launch import REPO, WORKERS, assert_one_line_error, job, load_script, parse_args_result, run_jobs, torchrun
+from spine import flag_path, play_chapter
 from workers.moe_reference import loop_moe_model, train_moe_one_process
 
 LAYER_TOLERANCE = 1e-4
 WIDE = 100  # a bug must miss by at least this factor times the tolerance
-CP_QUICK = (*QUICK, "--seq-len", 32)  # the tiny GPT's length: 2 x 4 chunks of 4 tokens at cp = 4
 EP = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_weight=0.01, batch=16)  # the script's defaults
+
+
+@pytest.fixture(scope="module")
+def played(reader):
+    """Chapter 05's README commands as the reader's play ran them (tests/spine.py, ch05_common.PLAY)."""
+    return play_chapter("05-advanced", reader)
+
+
+def played_run(played, name: str) -> dict:
+    run = played.of(LOOKUPS[name])
+    assert run["returncode"] == 0, run["stdout"][-3000:]
+    return run
 
 
 def run_readme(name: str, tmp_path, extra=(), **kwargs):
@@ -108,15 +121,16 @@ def test_moe_layer_equals_one_process_and_conserves_tokens(layers):
 
 # ---------------------------------------------------------------------------- context parallel
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
-    """The README's 2- and 4-rank commands at the quick settings, and the 2-rank one on 1 rank (cp = 1):
-    {cp: (records by layout, folder)}."""
-    runs = {}
-    for cp, name in ((1, "cp_2ranks"), (2, "cp_2ranks"), (4, "cp_4ranks")):
-        folder = tmp_path_factory.mktemp(f"cp{cp}")
-        run_readme(name, folder, nproc=cp, extra=(*CP_QUICK, "--results", folder / "r.jsonl",
-                                                  "--save", folder / "{layout}.pt"))
-        runs[cp] = {r["config"]["layout"]: r for r in read_records(folder / "r.jsonl")}, folder
+def cp_runs(tmp_path_factory, played):
+    """The README's 2- and 4-rank commands at the quick settings, as the reader's play ran them, and
+    the 2-rank one on 1 rank (cp = 1): {cp: (records by layout, folder)}."""
+    folder = tmp_path_factory.mktemp("cp1")
+    run_readme("cp_2ranks", folder, nproc=1, extra=(*CP_QUICK, "--results", folder / "r.jsonl",
+                                                    "--save", folder / "{layout}.pt"))
+    runs = {1: ({r["config"]["layout"]: r for r in read_records(folder / "r.jsonl")}, folder)}
+    for cp, name in ((2, "cp_2ranks"), (4, "cp_4ranks")):
+        run = played_run(played, name)
+        runs[cp] = {r["config"]["layout"]: r for r in read_records(flag_path(run, "--results"))}, run["out"]
     return runs
 
 
@@ -236,10 +250,11 @@ def test_context_parallel_activations_fall_as_1_over_cp(cp_runs):
             assert value * cp == pytest.approx(one, rel=0.02), (cp, kept)
 
 
-def test_torch_context_parallel_on_cpu_is_one_line(tmp_path):
+def test_torch_context_parallel_on_cpu_is_one_line(played):
     """PyTorch's context_parallel() needs SDPA's CUDA kernels: on CPU the README command stops with
-    one line (run on one rank: the check does not depend on the ranks)."""
-    result = run_readme("cp_torch_on_cpu", tmp_path, nproc=1, check=False, extra=(*CP_QUICK, "--save", "none"))
+    one line (as the play ran it)."""
+    run = played.of(LOOKUPS["cp_torch_on_cpu"])
+    result = subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
     assert_one_line_error(result, "--impl torch: PyTorch's context_parallel() runs SDPA's CUDA kernels only")
 
 
@@ -259,14 +274,14 @@ def test_context_parallel_bad_input_is_one_line():
 
 # ----------------------------------------------------------------------------- expert parallel
 @pytest.fixture(scope="module")
-def ep_runs(tmp_path_factory):
-    """The README's 2- and 4-rank commands at the quick settings: {ranks: (record, folder)}."""
+def ep_runs(played):
+    """The README's 2- and 4-rank commands at the quick settings, as the reader's play ran them:
+    {ranks: (record, folder)}."""
     runs = {}
     for nproc, name in ((2, "ep_2ranks"), (4, "ep_4ranks")):
-        folder = tmp_path_factory.mktemp(f"ep{nproc}")
-        run_readme(name, folder, extra=(*QUICK, "--results", folder / "r.jsonl", "--save", folder / "ep.pt"))
-        (record,) = read_records(folder / "r.jsonl")
-        runs[nproc] = record, folder
+        run = played_run(played, name)
+        (record,) = read_records(flag_path(run, "--results"))
+        runs[nproc] = record, run["out"]
     return runs
 
 
