@@ -8,6 +8,7 @@ import torch
 from distkit import theory
 from distkit.models import build_model, model_config
 from launch import REPO
+from spine import Form
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "03-deepspeed"
@@ -20,6 +21,29 @@ WEIGHT_TOL = 5e-5
 LR = 3e-3
 SMALL = ["--model-size", "tiny", "--global-batch-size", "16"]
 STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+
+# The README's commands, as the lookups that find them (launch.readme_command)
+TRAIN = ("torchrun", "deepspeed_train.py")
+RESUME = ("deepspeed --num_gpus", "deepspeed_train.py")
+INFERENCE = "deepspeed_inference.py"
+OFFLOAD = "zero_offload.py"
+MEMORY = "zero_memory.py"
+
+# How the reader's play (tests/spine.py) runs them, so that tests/test_ch03_deepspeed.py checks what
+# they printed and wrote. ZeRO-3 trains 6 steps on 2 ranks with a checkpoint every 3 (torchrun); the
+# deepspeed launcher resumes from the step-3 checkpoint to step 6 again, into the same records
+# (TRAINED: their shared folder); inference loads the uninterrupted run's consolidated weights.
+TRAINED = "runs/played/03_deepspeed/trained"
+_TRAIN_COMMON = (*SMALL, "--lr", str(LR), "--checkpoint-dir", f"{TRAINED}/ckpt",
+                 "--results", f"{TRAINED}/results.jsonl")
+PLAY = {TRAIN: Form((*_TRAIN_COMMON, "--steps", "6", "--save-every", "3", "--save", f"{TRAINED}/straight_fp32.pt"),
+                    nproc=2),
+        RESUME: Form((*_TRAIN_COMMON, "--steps", "6", "--resume", f"{TRAINED}/ckpt/step3",
+                      "--save", f"{TRAINED}/resumed_fp32.pt"), nproc=2),
+        INFERENCE: Form(("--load", f"{TRAINED}/straight_fp32.pt", "--new-tokens", "8", "--prompts", "2")),
+        OFFLOAD: Form((*SMALL, "--steps", "3", "--warmup-steps", "1", "--results", "{out}/results.jsonl"), nproc=2),
+        MEMORY: Form((*SMALL, "--steps", "4", "--lr", str(LR), "--save", "{out}/params/{strategy}.pt",
+                      "--results", "{out}/results.jsonl"))}
 
 
 def reference_weights(steps: int, batch: int, lr: float = LR, arch: str = "gpt") -> dict[str, torch.Tensor]:

@@ -62,6 +62,7 @@ LEFT_OUT = {"srun ": "SLURM", "sbatch ": "SLURM", "--nnodes=2": "two terminals",
             "records run": "maintainer", "records render": "maintainer"}
 FAILS_BY_DESIGN = ("debug_lab.py",)
 PLAYED = "runs/played"  # where the flags a test adds write, in the clone
+EXTENSIONS = f"{PLAYED}/torch_extensions"  # DeepSpeed's JIT-compiled ops would land here
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,11 @@ class Reader:
 
 def reader_env(clone: Path, scratch: Path) -> dict:
     """The environment of every played job: the clone's distkit, the suite's launcher for jobs that
-    scripts start, tests/bin's torchrun first on ``PATH``, and every README's exports (a reader who
-    exported once keeps them)."""
-    env = torchrun_on_path(job_env(scratch, PYTHONPATH=str(clone), DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork"))))
+    scripts start, tests/bin's torchrun first on ``PATH``, an empty folder for DeepSpeed's compiled
+    ops (an op it built would show there), and every README's exports (a reader who exported once
+    keeps them)."""
+    env = torchrun_on_path(job_env(scratch, PYTHONPATH=str(clone), DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")),
+                                   TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS)))
     for chapter in CHAPTERS:
         env.update(exports(REPO / chapter / "README.md"))
     return env

@@ -39,7 +39,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch03_common import CHAPTER, LR, README, SMALL, STRATEGIES, WEIGHT_TOL, expected_state, max_diff, reference_weights
+from ch03_common import (
+    CHAPTER,
+    INFERENCE,
+    MEMORY,
+    OFFLOAD,
+    README,
+    RESUME,
+    STRATEGIES,
+    TRAIN,
+    WEIGHT_TOL,
+    expected_state,
+    max_diff,
+    reference_weights,
+)
 from distkit import UsageError, theory
 from distkit import deepspeed as dk
 from distkit.checkpoint import load_model_state, safe_load
@@ -48,33 +61,28 @@ from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 from launch import (
     assert_one_line_error,
     assert_readme_covered,
-    command_argv,
     free_port,
     job_env,
     load_script,
-    readme_command,
     run,
 )
-
-TRAIN = ("torchrun", "deepspeed_train.py")
-RESUME = ("deepspeed --num_gpus", "deepspeed_train.py")
-INFERENCE = "deepspeed_inference.py"
-OFFLOAD = "zero_offload.py"
-MEMORY = "zero_memory.py"
+from spine import EXTENSIONS, flag_path, play_chapter
 
 
-def run_readme(lookup, extra: list, tmp_path: Path, nproc: int | None = None, timeout: float = 400):
-    """Run the README command ``lookup`` finds, as the reader would, with ``extra`` flags appended
-    (the last value of a repeated flag wins) and, with ``nproc``, that many ranks instead of the
-    command's. torchrun gets --standalone and the deepspeed launcher a free port, so tests running
-    side by side never share a rendezvous port."""
-    needles = (lookup,) if isinstance(lookup, str) else lookup
-    env = job_env(tmp_path, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
-    argv = command_argv(readme_command(README, *needles), nproc)
-    result = run([*argv, *map(str, extra)], timeout=timeout, env=env)
-    built = list((tmp_path / "torch_extensions").glob("*"))
+@pytest.fixture(scope="module")
+def played(reader):
+    """The README's commands as the reader's play ran them (tests/spine.py; ch03_common.PLAY). The
+    play gives DeepSpeed an empty extension folder: a JIT-compiled op would show there."""
+    played = play_chapter("03-deepspeed", reader)
+    built = list((reader.clone / EXTENSIONS).glob("*"))
     assert not built, f"DeepSpeed JIT-compiled ops {built}: a fresh CI machine would build them"
-    return result
+    return played
+
+
+def played_run(played, lookup) -> dict:
+    run = played.of(lookup)
+    assert run["returncode"] == 0, run["stdout"][-3000:]
+    return run
 
 
 def test_every_readme_command_is_run_by_a_test():
@@ -85,13 +93,10 @@ def test_every_readme_command_is_run_by_a_test():
 # zero_memory.py: ZeRO 0, 1, 2, 3 and 3 + offload in one job
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def zero_memory(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("zero_memory")
-    params, results, record_file = tmp_path / "params", tmp_path / "results.jsonl", tmp_path / "zero_memory.jsonl"
-    output = run_readme(MEMORY, [*SMALL, "--steps", 4, "--lr", LR, "--record", record_file,
-                                 "--save", params / "{strategy}.pt", "--results", results], tmp_path).stdout
-    return {"tmp": tmp_path, "output": output, "params": params, "records": read_records(results),
-            "record_file": record_file}
+def zero_memory(played, tmp_path_factory):
+    run = played_run(played, MEMORY)
+    return {"tmp": tmp_path_factory.mktemp("zero_memory"), "output": run["stdout"], "params": run["out"] / "params",
+            "records": read_records(flag_path(run, "--results")), "record_file": flag_path(run, "--record")}
 
 
 def test_zero_stages_train_the_single_process_model(zero_memory):
@@ -157,20 +162,16 @@ def test_zero_memory_record_renders_the_readme_section(zero_memory):
 # deepspeed_train.py (torchrun, then the deepspeed launcher resuming) and deepspeed_inference.py
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(played):
     """ZeRO-3 via torchrun on 2 ranks: 6 steps with a checkpoint at step 3; then the deepspeed
-    launcher resumes from the step-3 checkpoint's path and trains to step 6 again."""
-    tmp_path = tmp_path_factory.mktemp("train")
-    checkpoints, results = tmp_path / "ckpt", tmp_path / "results.jsonl"
-    straight, resumed = tmp_path / "straight_fp32.pt", tmp_path / "resumed_fp32.pt"
-    common = [*SMALL, "--lr", LR, "--checkpoint-dir", checkpoints, "--results", results]
-    run_readme(TRAIN, [*common, "--steps", 6, "--save-every", 3, "--save", straight], tmp_path, nproc=2)
-    latest = (checkpoints / "latest").read_text().strip()
-    resume_out = run_readme(RESUME, [*common, "--steps", 6, "--resume", checkpoints / "step3",
-                                     "--save", resumed], tmp_path, nproc=2).stdout
-    return {"tmp": tmp_path, "checkpoints": checkpoints, "latest_after_first": latest,
-            "straight": straight, "resumed": resumed, "resume_out": resume_out,
-            "records": read_records(results)}
+    launcher resumes from the step-3 checkpoint's path and trains to step 6 again (as the play ran
+    them: ch03_common.PLAY)."""
+    first, resume = played_run(played, TRAIN), played_run(played, RESUME)
+    checkpoints = flag_path(first, "--checkpoint-dir")
+    assert checkpoints == flag_path(resume, "--checkpoint-dir")
+    return {"checkpoints": checkpoints, "latest_after_first": (checkpoints / "latest").read_text().strip(),
+            "straight": flag_path(first, "--save"), "resumed": flag_path(resume, "--save"),
+            "resume_out": resume["stdout"], "records": read_records(flag_path(first, "--results"))}
 
 
 def test_resume_continues_the_same_run(trained):
@@ -186,7 +187,7 @@ def test_resume_continues_the_same_run(trained):
     assert all(r["param_count"] == sum(v.numel() for v in first["model"].values()) for r in records)
 
 
-def test_consolidated_weights_match_single_process_and_generate(trained):
+def test_consolidated_weights_match_single_process_and_generate(trained, played):
     """The consolidated fp32 state dict loads into the plain model, matches single-process training
     and reproduces the engine's eval loss; the inference script generates from it."""
     straight = trained["straight"]
@@ -207,7 +208,9 @@ def test_consolidated_weights_match_single_process_and_generate(trained):
         plain_loss = lm_loss(model(inputs), targets).item()
     assert abs(plain_loss - first["eval_loss"]) < 1e-5, (plain_loss, first["eval_loss"])
 
-    out = run_readme(INFERENCE, ["--load", straight, "--new-tokens", 8, "--prompts", 2], trained["tmp"]).stdout
+    inference = played_run(played, INFERENCE)
+    assert flag_path(inference, "--load") == straight
+    out = inference["stdout"]
     assert f"eval loss {plain_loss:.4f}" in out
     assert "valid transitions in generated tokens:" in out
 
@@ -230,12 +233,10 @@ def test_resume_that_finds_nothing_is_one_line(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # zero_offload.py
 # ------------------------------------------------------------------------------------------------
-def test_offload_trains_the_same_model_and_reports_placement(tmp_path):
-    results = tmp_path / "results.jsonl"
-    n = 2
-    out = run_readme(OFFLOAD, [*SMALL, "--steps", 3, "--warmup-steps", 1, "--results", results], tmp_path,
-                     nproc=n).stdout
-    base, offload = read_records(results)
+def test_offload_trains_the_same_model_and_reports_placement(played):
+    run, n = played_run(played, OFFLOAD), 2
+    out = run["stdout"]
+    base, offload = read_records(flag_path(run, "--results"))
     assert (base["strategy"], offload["strategy"]) == ("zero3", "zero3_offload")
     assert offload["config"]["offload"] == {"offload_optimizer": "cpu", "offload_param": "cpu"}
     assert abs(base["final_loss"] - offload["final_loss"]) < 1e-5
