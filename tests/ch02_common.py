@@ -21,6 +21,7 @@ import torch
 
 from distkit.models import TinyGPT, build_model, gpt_config, model_config
 from launch import REPO, command_argv, job_env, lookup_command, run
+from spine import Form
 from workers.reference import train_one_process
 
 CHAPTER = REPO / "02-fsdp"
@@ -50,6 +51,14 @@ HF_CHECKPOINT = ("fsdp_hf_checkpoint.py",)  # test_ch02_hf.py
 LORA = ("fsdp_lora.py",)  # test_ch02_lora.py
 TEXT = ("--data text",)  # test_text_data.py
 LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, HF_CHECKPOINT, LORA, TEXT]
+
+# How the reader's play (tests/spine.py) runs the commands tests/test_ch02_fsdp.py checks there: the
+# tiny GPT with a vocabulary of 65, 4 AdamW steps, the trained weights saved under the command's own
+# folder; the strategies sweep into the README's records, which the table command then reads.
+_KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
+PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
+        SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
+        OFFLOAD: _KNOB, BF16: _KNOB}
 
 
 def command(lookup) -> str:

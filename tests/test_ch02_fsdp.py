@@ -60,6 +60,7 @@ from distkit import UsageError
 from distkit.harness import read_records
 from distkit.models import GPTConfig, TinyGPT, gpt_config
 from launch import WORKERS, assert_one_line_error, assert_readme_covered, launcher_argv, load_script
+from spine import flag_path, play_chapter
 
 
 def model_of(record: dict) -> GPTConfig:
@@ -71,19 +72,30 @@ def model_of(record: dict) -> GPTConfig:
 # ------------------------------------------------------------------------------ the strategies sweep
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def played(reader):
+    """The README's commands as the reader's play ran them (tests/spine.py; ch02_common.PLAY)."""
+    return play_chapter("02-fsdp", reader)
+
+
+def played_run(played, lookup) -> tuple[dict, subprocess.CompletedProcess]:
+    run = played.of(lookup)
+    return run, subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
+
+
+@pytest.fixture(scope="module")
+def sweep(played):
     """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each
-    (2 warm-up steps: DDP re-broadcasts its bucket layout in step 2, then the counted step 3)."""
-    tmp = tmp_path_factory.mktemp("ch02_strategies")
-    result = run_readme(SWEEP, tmp, *TINY, "--steps", STEPS, "--log-every", "1",
-                        "--results", tmp / "records.jsonl", "--save", tmp / "params" / "{strategy}.pt")
-    return tmp, result
+    (2 warm-up steps: DDP re-broadcasts its bucket layout in step 2, then the counted step 3), its
+    records where the README writes them: (folder, records file, result)."""
+    run, result = played_run(played, SWEEP)
+    check_ok(result)
+    return run["out"], flag_path(run, "--results"), result
 
 
 def test_every_strategy_matches_single_process_training(sweep):
     """Bug caught (FP32_ATOL): gradients summed instead of averaged, a rank's gradient shard lost,
     HSDP replicas not all-reduced (test_ch02_negative.py: all 200x above the tolerance)."""
-    tmp, _ = sweep
+    tmp, _, _ = sweep
     initial, reference = reference_state(STEPS)
     moved = max_diff(initial, reference)
     assert moved > 50 * FP32_ATOL  # the check below is not vacuous: training really moved the weights
@@ -93,8 +105,8 @@ def test_every_strategy_matches_single_process_training(sweep):
 
 
 def test_measured_bytes_match_the_formulas(sweep):
-    tmp, result = sweep
-    records = {r["strategy"]: r for r in read_records(tmp / "records.jsonl")}
+    tmp, records_file, result = sweep
+    records = {r["strategy"]: r for r in read_records(records_file)}
     assert set(records) == {RECORD[s] for s in STRATEGIES}
     tiny = gpt_config("tiny", vocab_size=65)
     for strategy in STRATEGIES:
@@ -265,10 +277,13 @@ def test_committed_hsdp_row_peak_step_and_bus_vs_ddp_are_recomputed():
         check_hsdp_table_cells(ddp_ratio, hsdp, ddp)
 
 
-def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, capsys):
-    records, _ = sweep
-    plots = tmp_path / "plots"
-    result = run_readme(TABLE, tmp_path, "--results", records / "records.jsonl", "--plots-dir", plots)
+def test_table_script_prints_the_table_and_draws_the_plots(sweep, played, tmp_path, capsys):
+    """The README's table command, as the play ran it right after the sweep, on the sweep's records."""
+    _, records_file, _ = sweep
+    run, result = played_run(played, TABLE)
+    check_ok(result)
+    assert flag_path(run, "--results") == records_file
+    plots = flag_path(run, "--plots-dir")
     assert "| fsdp_full_shard |" in result.stdout and "| ddp |" in result.stdout
     assert "| peak memory MiB (max rank, MemTracker) |" in result.stdout  # CPU records: MemTracker's peak
     assert "Measured on " in result.stdout  # the caption says where it ran
@@ -279,7 +294,7 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
 
     # the printed HSDP row's peak, step ms and bus vs DDP, recomputed from this run's records;
     # control: the record with one rank's peak 4 MiB higher fails the same check
-    swept = {r["strategy"]: r for r in read_records(records / "records.jsonl")}
+    swept = {r["strategy"]: r for r in read_records(records_file)}
     hsdp, ddp = swept[RECORD["hybrid_shard"]], swept[RECORD["ddp"]]
     row = table_row(result.stdout, RECORD["hybrid_shard"])
     check_hsdp_table_cells(row, hsdp, ddp)
@@ -293,7 +308,7 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
     # labelled as the GPU allocator's figure, never "peak RSS" and never mixed with the CPU rows.
     # (The script's main, in this process: the README command itself ran above.)
     mixed = tmp_path / "mixed.jsonl"
-    lines = (records / "records.jsonl").read_text().splitlines()
+    lines = records_file.read_text().splitlines()
     gpu_like = []
     for line in lines:
         record = json.loads(line)
@@ -302,7 +317,8 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
             record["metrics"]["peak_memory_kind"] = "cuda_max_allocated"
             gpu_like.append(json.dumps(record))
     mixed.write_text("\n".join(lines + gpu_like) + "\n")
-    load_script(CHAPTER / "make_strategies_table.py").main(["--results", str(mixed), "--plots-dir", str(plots)])
+    load_script(CHAPTER / "make_strategies_table.py").main(["--results", str(mixed), "--plots-dir",
+                                                          str(tmp_path / "plots")])
     text = capsys.readouterr().out
     assert "| peak GPU memory allocated MiB (max rank) |" in text and "peak RSS" not in text
     assert "| fsdp_full_shard |" in text and "| ddp |" in text and "| fsdp_no_shard |" not in text
@@ -311,16 +327,15 @@ def test_table_script_prints_the_table_and_draws_the_plots(sweep, tmp_path, caps
 # ------------------------------------------------------------------------------------- the knobs
 
 @pytest.fixture(scope="module")
-def knobs(tmp_path_factory):
-    """The README's two knob commands (4 ranks, as the negative controls), side by side."""
-    tmp = tmp_path_factory.mktemp("ch02_knobs")
-    jobs = {name: readme_argv(lookup, *TINY, "--steps", STEPS, "--results", tmp / f"{name}.jsonl",
-                              "--save", tmp / name / "{strategy}.pt")
-            for name, lookup in (("offload", OFFLOAD), ("bf16", BF16))}
-    results = run_all(jobs, tmp)
-    for result in results.values():
+def knobs(played):
+    """The README's two knob commands (4 ranks, as the negative controls), as the play ran them:
+    {name: folder} (the records in r.jsonl, the weights as {strategy}.pt)."""
+    folders = {}
+    for name, lookup in (("offload", OFFLOAD), ("bf16", BF16)):
+        run, result = played_run(played, lookup)
         check_ok(result)
-    return tmp
+        folders[name] = run["out"]
+    return folders
 
 
 def test_knobs_keep_training_equal(knobs):
@@ -330,10 +345,10 @@ def test_knobs_keep_training_equal(knobs):
     Bugs caught: under offload, gradients summed or a shard dropped (FP32_ATOL, 200x); under bf16, a
     gradient shard dropped (BF16_RELATIVE, 3.6x) (test_ch02_negative.py)."""
     initial, reference = reference_state(STEPS)
-    saved = sorted((knobs / "offload").glob("*.pt"))
+    saved = sorted(knobs["offload"].glob("*.pt"))
     assert [p.name for p in saved] == ["full_shard.pt"]
     assert max_diff(torch.load(saved[0], weights_only=True), reference) <= FP32_ATOL
-    record = read_records(knobs / "offload.jsonl")[0]
+    record = read_records(knobs["offload"] / "r.jsonl")[0]
     assert record["config"]["activation_checkpointing"] and record["config"]["cpu_offload"]
     assert record["config"]["wrap"] == "root"
     # one unit for the whole model: it is the root, so gathered once per step
@@ -341,12 +356,12 @@ def test_knobs_keep_training_equal(knobs):
     # the script's prediction models the single unit too (distkit.theory, wrap="root")
     assert record["predicted"]["comm_bytes"] == {k: v["bytes"] for k, v in record["metrics"]["comm_per_step"].items()}
 
-    trained = torch.load(knobs / "bf16" / "full_shard.pt", weights_only=True)
+    trained = torch.load(knobs["bf16"] / "full_shard.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in trained.values())  # fp32 master weights are kept
     bf16_error = relative_error(trained, reference, initial)
     print(f"bf16 vs fp32 reference: relative error {bf16_error:.3f}, max {max_diff(trained, reference):.2e}")
     assert bf16_error <= BF16_RELATIVE
-    record = read_records(knobs / "bf16.jsonl")[0]
+    record = read_records(knobs["bf16"] / "r.jsonl")[0]
     # parameters are gathered in bf16 (half the bytes), gradients reduced in fp32
     expected = expected_bytes("full_shard", world=4, shard_size=2, gather_bytes=2)["comm"]
     for collective, value in expected.items():
@@ -529,11 +544,13 @@ def test_dcp_checkpoint_of_another_model_is_one_line(checkpoints, failures):
 
 # --------------------------------------------------------------------------------------- basics
 
-def test_basics_shows_shards_and_the_step_trace(tmp_path):
-    """The README command (tiny GPT, 4 ranks, 4 steps): the shards, the traced step, and the trained
-    weights (--save) equal single-process training within FP32_ATOL (measured 1.0e-5)."""
-    result = run_readme(BASICS, tmp_path, *TINY, "--steps", "4", "--results", tmp_path / "b.jsonl",
-                        "--save", tmp_path / "basics.pt")
+def test_basics_shows_shards_and_the_step_trace(played):
+    """The README command (tiny GPT, 4 ranks, 4 steps; as the play ran it): the shards, the traced
+    step, and the trained weights (--save) equal single-process training within FP32_ATOL (measured
+    1.0e-5)."""
+    run, result = played_run(played, BASICS)
+    check_ok(result)
+    tmp_path = run["out"]
     for rank in range(4):
         assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout
     assert "tok_emb.weight               full (65, 64)   -> my shard (17, 64)" in result.stdout  # padded
