@@ -11,6 +11,7 @@ from distkit import seed_everything
 from distkit.checkpoint import safe_load
 from distkit.models import build_model, model_config
 from launch import REPO, command_argv, job_env, readme_command
+from spine import Form
 
 CHAPTER = REPO / "01-ddp-basics"
 README = CHAPTER / "README.md"
@@ -52,6 +53,22 @@ def training_flags(folder: Path) -> list[str]:
     return [*TINY, "--find-unused-parameters", "--grad-accum-steps", "2", "--checkpoint-every", "2",
             "--log-every", "2", "--checkpoint-dir", str(folder / "ck"), "--log-dir", str(folder / "logs"),
             "--results", str(folder / "results.jsonl")]
+
+
+def _played_training(*flags: str, launcher: str = "fork") -> Form:
+    return Form((*map(str, training_flags(Path("{out}"))), *flags), launcher=launcher)
+
+
+# How the reader's play (tests/spine.py) runs the README commands tests/test_ch01_ddp.py and
+# tests/test_ch01_tools.py check there: the tiny training run of training_flags (its files under the
+# command's own folder); rank 2 killed at step 5 and rank 0 dying inside the step-6 checkpoint, each
+# under the real torchrun, which restarts the workers; the scaling benchmark at 1 and 2 ranks.
+PLAY = {"--config": _played_training(),
+        "ddp_from_scratch.py": Form((*TINY, "--save", "{out}/scratch.pt", "--results", "{out}/scratch.jsonl")),
+        "--crash-at-step": _played_training("--crash-at-step", "5", "--crash-rank", "2", launcher="torchrun"),
+        "--crash-in-checkpoint-at-step": _played_training("--crash-in-checkpoint-at-step", "6", launcher="torchrun"),
+        "ddp_benchmark.py": Form(("--world-sizes", "1", "2", "--model-size", "tiny", "--per-rank-batch", "4",
+                                  "--steps", "4", "--results", "{out}/bench.jsonl", "--plot", "{out}/scaling.png"))}
 
 
 def restart_env(folder: Path) -> dict:

@@ -33,7 +33,7 @@ import re
 import shlex
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from launch import (
@@ -68,12 +68,12 @@ EXTENSIONS = f"{PLAYED}/torch_extensions"  # DeepSpeed's JIT-compiled ops would 
 @dataclass(frozen=True)
 class Form:
     """How the play runs one README command: ``flags`` appended to it (``{out}`` is the command's own
-    folder under ``runs/played/``, relative to the clone's root), under ``launcher`` (tests/launch.py's
-    names), with ``nproc`` ranks instead of the README's where given."""
+    folder under the clone's ``runs/played/``, as an absolute path, as the tests name their temporary
+    folders), under ``launcher`` (tests/launch.py's names), with ``nproc`` ranks instead of the
+    README's where given."""
     flags: tuple = ()
     launcher: str = "fork"
     nproc: int | None = None
-    extra_env: dict = field(default_factory=dict)
 
 
 def exports(readme: Path) -> dict[str, str]:
@@ -243,15 +243,15 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
             continue
         form = form_of(chapter, command)
         if form is None:
-            words, launcher, nproc, extra_env = small(command), "fork", None, {}
+            words, launcher, nproc = small(command), "fork", None
         else:
-            words = shlex.split(command) + [str(f).replace("{out}", out) for f in form.flags]
-            launcher, nproc, extra_env = form.launcher, form.nproc, form.extra_env
+            words = shlex.split(command) + [str(f).replace("{out}", str(reader.clone / out)) for f in form.flags]
+            launcher, nproc = form.launcher, form.nproc
         argv = command_argv(shlex.join(words), nproc=nproc, launcher=launcher)
         (reader.clone / out).mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            done = subprocess.run(argv, cwd=reader.clone, env={**reader.env, **extra_env}, stdout=subprocess.PIPE,
+            done = subprocess.run(argv, cwd=reader.clone, env=reader.env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=900)
             code, stdout = done.returncode, done.stdout
         except subprocess.TimeoutExpired as exc:

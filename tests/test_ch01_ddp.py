@@ -2,8 +2,9 @@
 a torn checkpoint and a two-agent (multi-node) job all end where an uninterrupted run ends.
 
 Every job is launched from the command the chapter README shows (so the README cannot rot), with
-small flags appended (argparse keeps the last value of a repeated flag). The five jobs run once, two
-at a time, in one module fixture; each test asserts on the jobs it names.
+small flags appended (argparse keeps the last value of a repeated flag): four of them are the
+README's own commands, which the reader's play runs once (tests/spine.py); the two agents run here.
+Each test asserts on the jobs it names.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from ch01_common import (
 from distkit.checkpoint import safe_load
 from distkit.harness import read_records
 from launch import forked_workers, free_port, job, job_env, load_script, readme_command, run, run_jobs
+from spine import play_chapter
 
 
 def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
@@ -74,11 +76,19 @@ def two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> dict[str, tuple[Path, object]]:
-    """Every job of this file, two at a time: ``{name: (folder, result or the exception it raised)}``."""
-    specs = {"uninterrupted": uninterrupted, "scratch": scratch, "killed_rank": killed_rank,
-             "torn_checkpoint": torn_checkpoint, "two_agents": two_agents}
-    return run_jobs(specs, tmp_path_factory)
+def jobs(tmp_path_factory, reader) -> dict[str, tuple[Path, object]]:
+    """Every job of this file: ``{name: (folder, result or the exception it raised)}``. The README's
+    own commands as the reader's play ran them (tests/spine.py; ch01_common.PLAY: the same flags as
+    the functions above), the two agents here."""
+    played = play_chapter("01-ddp-basics", reader)
+    found = {}
+    for name, lookup in (("uninterrupted", "--config"), ("scratch", "ddp_from_scratch.py"),
+                         ("killed_rank", "--crash-at-step"), ("torn_checkpoint", "--crash-in-checkpoint-at-step")):
+        run_ = played.of(lookup)
+        done = subprocess.CompletedProcess(run_["argv"], run_["returncode"], run_["stdout"], "")
+        found[name] = run_["out"], (done if done.returncode == 0 else AssertionError(
+            f"exit {done.returncode}: {done.args}\n{done.stdout[-6000:]}"))
+    return {**found, **run_jobs({"two_agents": two_agents}, tmp_path_factory)}
 
 
 def test_ddp_and_ddp_from_scratch_match_single_process(jobs):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -34,12 +33,12 @@ from launch import (
     forked_from_server,
     free_port,
     job_env,
-    launcher_argv,
     load_script,
     python,
     run,
     torchrun_on_path,
 )
+from spine import play_chapter
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,8 +55,16 @@ def test_every_readme_command_is_run_by_a_test():
     assert_readme_covered(README, README_LOOKUPS)
 
 
-def test_validate_distributed(tmp_path):
-    out = run(readme_argv("validate_distributed.py"), env=job_env(tmp_path), timeout=600)
+@pytest.fixture(scope="module")
+def played(reader):
+    """The README's commands as the reader's play ran them (tests/spine.py; ch01_common.PLAY)."""
+    return play_chapter("01-ddp-basics", reader)
+
+
+def test_validate_distributed(played):
+    run_ = played.of("validate_distributed.py")
+    assert run_["returncode"] == 0, run_["stdout"][-3000:]
+    out = SimpleNamespace(stdout=run_["stdout"])
     lines = out.stdout.splitlines()
     for check in ("process group", "device binding", "backend gloo", "all_reduce", "all_gather", "broadcast"):
         assert any(line.startswith("PASS") and check in line for line in lines), (check, out.stdout)
@@ -65,11 +72,11 @@ def test_validate_distributed(tmp_path):
     assert "MASTER_ADDR=" in out.stdout and "all checks passed" in out.stdout
 
 
-def test_scaling_benchmark(tmp_path):
-    results, png = tmp_path / "bench.jsonl", tmp_path / "scaling.png"
-    out = run([*readme_argv("ddp_benchmark.py"), "--world-sizes", "1", "2", "--model-size", "tiny",
-               "--per-rank-batch", "4", "--steps", "4", "--results", str(results), "--plot", str(png)],
-              env=job_env(tmp_path, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork"))), timeout=600)
+def test_scaling_benchmark(played):
+    """The README's benchmark command at 1 and 2 ranks (ch01_common.PLAY), as the play ran it."""
+    run_ = played.of("ddp_benchmark.py")
+    assert run_["returncode"] == 0, run_["stdout"][-3000:]
+    results, png, out = run_["out"] / "bench.jsonl", run_["out"] / "scaling.png", SimpleNamespace(stdout=run_["stdout"])
     records = read_records(results)
     assert sorted((r["config"]["scaling"], r["world_size"]) for r in records) == [
         ("strong", 1), ("strong", 2), ("weak", 1), ("weak", 2)]
