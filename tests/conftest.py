@@ -86,7 +86,7 @@ def gpu_rank(nodeid: str) -> int:
 # order): a long file left for the end would run alone while the other worker idles. A file missing
 # here runs last; a stale figure costs only time.
 CPU_FILE_SECONDS = {
-    "test_notebooks.py": 153, "test_benchmarks.py": 140, "test_ch05_advanced.py": 117, "test_slurm.py": 116,
+    "test_reader_play.py": 200, "test_benchmarks.py": 140, "test_ch05_advanced.py": 117, "test_slurm.py": 116,
     "test_offline_install.py": 107, "test_ch03_deepspeed.py": 86, "test_ch01_tools.py": 73,
     "test_ch04_readme.py": 59, "test_ch02_fsdp.py": 59, "test_ch01_lesson.py": 57, "test_parity.py": 50,
     "test_ddp_mnist.py": 49, "test_ch01_ddp.py": 48, "test_ch05_cp_ep.py": 41, "test_ch02_ch05_more_lessons.py": 39,

@@ -1,38 +1,88 @@
-"""The reader, played: every README's commands, in one fresh clone (tests/spine.py).
+"""The reader, played: every README's commands in one fresh clone, then the clone as the reader
+leaves it (tests/spine.py plays them; each chapter's tests assert on what its commands printed and
+wrote).
 
-Chapter by chapter, the play runs each README's bash commands as written, with the README's
-``export`` lines, at the size the chapter's tests check them (tests/spine.py's forms, or its generic
-small size); each chapter's tests assert on what its commands printed and wrote. Here, the whole
-play: each command ended well (exit 0, or one distinct ``error:`` line and no traceback from the
-repository's files: the promise for bad input; the README shows a few refusals on purpose; the debug
-lab's scenarios fail by design and only have to end), the clone's ``git status`` is empty afterwards
-(every output lies where git ignores it) and ``records check`` passes in it.
+Here, the whole play, chapter by chapter in the reader's order, the top README last:
 
-``pytest -m reader`` plays the chapters whose tests are not yet written against the play.
+* every README command was played once (but those tests/spine.py leaves out, each run by its own
+  test) and ended well: exit 0, or one distinct ``error:`` line and no traceback from the
+  repository's files (the promise for bad input; the READMEs show a few refusals on purpose; the
+  debug lab's scenarios fail by design and only have to end);
+* the clone's ``git status`` is empty afterwards: every output lies where git ignores it;
+* the top README's ``python -m distkit.records check``, played last, passed in the clone: the
+  committed records, tables and plots still match after everything the reader ran;
+* every chapter notebook still executes in the clone, with the clone's distkit, and shows the same
+  kinds of output in the same cells as its committed run (tests/test_notebooks.py checks the
+  committed notebooks themselves).
 
 Negative controls: a command that ends in a traceback from a repository file fails the check a played
-command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`).
+command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`); a file the reader's run left
+where git does not ignore it shows in the clone's status (tests/test_reader_path.py).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 
 import pytest
 
-from launch import REPO, changed_files, job_env
-from spine import CHAPTERS, ended_well, exports, play_chapter
+from distkit import notebooks
+from launch import REPO, changed_files, forked_from_server, launcher_argv, readme_commands
+from spine import CHAPTERS, LEFT_OUT, ended_well, exports, play_chapter
+from test_notebooks import IDS, IPYKERNEL_LAUNCHER, SOURCES, _formats, _output_kinds
 
 
-@pytest.mark.reader
-def test_every_readme_played_in_order_in_a_fresh_clone(reader, tmp_path):
-    problems = [problem for chapter in CHAPTERS for problem in play_chapter(chapter, reader).problems()]
+@pytest.fixture(scope="module")
+def whole_play(reader):
+    """Every chapter played (by this worker, or read back from the one that played it), in order: the
+    top README's last, so its ``records check`` runs after every other command."""
+    return {chapter: play_chapter(chapter, reader) for chapter in CHAPTERS}
+
+
+def test_every_readme_command_was_played_and_ended_well(whole_play):
+    for chapter, played in whole_play.items():
+        expected = [c for c in readme_commands(REPO / chapter / "README.md") if not any(n in c for n in LEFT_OUT)]
+        assert [run["command"] for run in played.runs] == expected, chapter
+    problems = [problem for played in whole_play.values() for problem in played.problems()]
     assert problems == [], "\n".join(problems)
+
+
+def test_the_clone_is_left_as_the_reader_found_it(whole_play, reader):
     assert changed_files(reader.clone) == []
-    check = subprocess.run([sys.executable, "-m", "distkit.records", "check"], cwd=reader.clone,
-                           env=job_env(tmp_path, PYTHONPATH=str(reader.clone)), capture_output=True, text=True,
-                           timeout=600)
-    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    assert (reader.clone / "runs" / "fsdp_strategies.jsonl").is_file()  # the reader's runs wrote there
+
+
+def test_records_check_passes_after_the_reader(whole_play):
+    run = whole_play["."].of((("-m distkit.records check",), "check benchmarks"))
+    assert run["returncode"] == 0, run["stdout"][-3000:]
+    assert "every generated part matches its record" in run["stdout"], run["stdout"][-3000:]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_notebook_still_runs_after_the_reader(source, whole_play, reader, tmp_path, monkeypatch):
+    """The clone's notebook, executed headless in the clone as a reader would run it (its kernel and
+    its jobs forked from the play's fork server, which imported the clone's distkit: the kernel is
+    ipykernel's launcher run with ``--python``, the jobs start through ``$DISTKIT_TORCHRUN``)."""
+    jupytext, nbformat = _formats()
+    for name, value in reader.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
+    spec = tmp_path / "jupyter" / "kernels" / "python3" / "kernel.json"
+    spec.parent.mkdir(parents=True)
+    spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", IPYKERNEL_LAUNCHER, "-f",
+                                         "{connection_file}"], "display_name": "Python 3", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    in_clone = reader.clone / source.relative_to(REPO)
+    server = reader.env["FORK_LAUNCHER_SERVER"]
+    kernels = forked_from_server(server, "ipykernel_launcher.py")
+    executed = notebooks.execute(in_clone)         # raises NotebookError naming the failed cell
+    assert forked_from_server(server, "ipykernel_launcher.py") == kernels + 1
+    committed = nbformat.read(in_clone.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
+    key = notebooks.METADATA_KEY
+    assert executed.metadata[key]["source_sha256"] == committed.metadata.get(key, {}).get("source_sha256")
+    assert _output_kinds(executed) == _output_kinds(committed), (
+        "a fresh run shows other outputs than the committed notebook: run python -m distkit.records render "
+        f"{source.parent.relative_to(REPO)}")
 
 
 def test_a_command_ending_in_a_traceback_is_seen(tmp_path):
