@@ -54,11 +54,15 @@ LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL
 
 # How the reader's play (tests/spine.py) runs the commands tests/test_ch02_fsdp.py checks there: the
 # tiny GPT with a vocabulary of 65, 4 AdamW steps, the trained weights saved under the command's own
-# folder; the strategies sweep into the README's records, which the table command then reads.
+# folder; the strategies sweep into the README's records, which the table command then reads; the LoRA
+# fine-tune for 4 steps (tests/test_ch02_lora.py).
 _KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
+LORA_STEPS, LORA_BATCH = 4, 8  # tests/test_ch02_lora.py's run of the README's LoRA command
 PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
         SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
-        OFFLOAD: _KNOB, BF16: _KNOB}
+        OFFLOAD: _KNOB, BF16: _KNOB,
+        LORA: Form(("--steps", str(LORA_STEPS), "--global-batch-size", str(LORA_BATCH), "--log-every", "1",
+                    "--results", "{out}/records.jsonl", "--save", "{out}/adapters.pt"))}
 
 
 def command(lookup) -> str:

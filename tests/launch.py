@@ -152,6 +152,17 @@ QUICK_START_FILES = {"results": "runs/results.jsonl", "model": "checkpoints/ddp_
                "data": "data"}
 
 
+def quick_start_record(clone: Path) -> dict:
+    """The quick start's record in the clone it ran in (conftest.first_command_run): the first line of
+    its results file. The reader's play (tests/spine.py) runs later commands in the same clone, and
+    those that keep the default ``--results`` append theirs after it, as they would for a reader."""
+    from distkit.harness import read_records
+
+    record = read_records(clone / QUICK_START_FILES["results"])[0]
+    assert record["command"].split()[:1] == ["01-ddp-basics/ddp_mnist.py"], record["command"]
+    return record
+
+
 def fresh_clone(dest: Path) -> Path:
     """What ``git clone`` of this working tree gives a reader: its tracked files and the files git
     does not ignore, as they are now (uncommitted edits included), committed in a new repository at

@@ -59,7 +59,7 @@ from distkit.checkpoint import safe_load
 from distkit.data import MNIST_MEAN, MNIST_STD, import_torchvision
 from distkit.harness import read_records
 from distkit.models import MnistCNN, model_config
-from launch import QUICK_START_FILES, REPO, job
+from launch import QUICK_START_FILES, REPO, job, quick_start_record
 from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls, slowest_median
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
@@ -278,7 +278,7 @@ def test_logged_train_and_test_numbers_are_the_observed_logits(runs):
 
 def test_final_accuracy_is_what_one_process_computes_from_the_checkpoint(first_command_run, runs):
     folder, done = first_command_run
-    (record,) = read_records(folder / QUICK_START_FILES["results"])
+    record = quick_start_record(folder)
     check_numbers_from_checkpoint(folder, folder / QUICK_START_FILES["model"], record, done.stdout)
     folder, done = job(runs, "eval_not_reduced")
     with pytest.raises(AssertionError):
@@ -287,7 +287,7 @@ def test_final_accuracy_is_what_one_process_computes_from_the_checkpoint(first_c
 
 def test_throughput_is_the_recorded_step_times(first_command_run, runs):
     folder, done = first_command_run
-    (record,) = read_records(folder / QUICK_START_FILES["results"])
+    record = quick_start_record(folder)
     n_train = len(mnist(folder)[0])
     # the script's defaults: --batch-size 64, --epochs 3, whole epochs
     check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, 64, 3, None))

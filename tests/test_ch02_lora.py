@@ -1,12 +1,12 @@
 """Chapter 02, fsdp_lora.py: LoRA adapters trained on a frozen base sharded with FSDP2.
 
-Three launches, two at a time, shared by every test (module fixture):
+Three launches shared by every test (module fixture), the worker's two at a time here:
 
 * the worker tests/workers/ch02_lora.py on 4 ranks: the script's own functions as they are
   (``correct``) and two mutants of them (negative controls), 4 steps each;
 * the same worker on 2 ranks, ``correct`` only;
-* the README command on 4 ranks at tiny size (4 steps, global batch 8): its harness record and its
-  adapter-only checkpoint.
+* the README command on 4 ranks at tiny size (4 steps, global batch 8), as the reader's play ran it
+  (tests/spine.py): its harness record and its adapter-only checkpoint.
 
 The expected values come from this file, not from the script: the single-process LoRA reference is
 built here with peft directly and trained by tests/workers/reference.py, the frozen base is rebuilt
@@ -26,13 +26,14 @@ import warnings
 import pytest
 import torch
 
-from ch02_common import CHAPTER, LORA, README, check_ok, command, readme_argv, run_all
+from ch02_common import CHAPTER, LORA, LORA_BATCH, LORA_STEPS, README, check_ok, command, run_all
 from distkit.harness import MEMORY_CATEGORIES, read_records
 from distkit.models import build_model, import_transformers, model_config
 from launch import WORKERS, assert_one_line_error, launcher_argv, load_script, parse_args_result
+from spine import play_chapter
 from workers.reference import train_one_process
 
-STEPS, BATCH, LR, R, ALPHA, TARGETS = 4, 8, 1e-2, 8, 16, ("q_proj", "v_proj")
+STEPS, BATCH, LR, R, ALPHA, TARGETS = LORA_STEPS, LORA_BATCH, 1e-2, 8, 16, ("q_proj", "v_proj")
 ADAPTER_ATOL = 1e-5
 MUTANTS = ["base_trained", "same_batch"]
 CFG = model_config("llama", "tiny")
@@ -64,7 +65,9 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(tmp_path_factory, reader):
+    """The two worker launches here, and the README's command as the reader's play ran it
+    (tests/spine.py; ch02_common.PLAY): (the README run's folder, the workers' results, its output)."""
     tmp = tmp_path_factory.mktemp("ch02_lora")
     worker = [*launcher_argv("fork"), "--standalone"]
     jobs = {
@@ -72,14 +75,14 @@ def launches(tmp_path_factory):
                    "--steps", STEPS, "--variants", "correct", *MUTANTS],
         "ranks2": [*worker, "--nproc_per_node=2", WORKERS / "ch02_lora.py", "--out", tmp / "ranks2.pt",
                    "--steps", STEPS],
-        "readme": readme_argv(LORA, "--steps", STEPS, "--global-batch-size", BATCH, "--log-every", 1,
-                              "--results", tmp / "records.jsonl", "--save", tmp / "adapters.pt"),
     }
     results = run_all(jobs, tmp, parallel=2, timeout=600)
     for result in results.values():
         check_ok(result)
     workers = {n: torch.load(tmp / f"ranks{n}.pt", weights_only=True) for n in (4, 2)}
-    return tmp, workers, results["readme"].stdout
+    readme = play_chapter("02-fsdp", reader).of(LORA)
+    assert readme["returncode"] == 0, readme["stdout"][-3000:]
+    return readme["out"], workers, readme["stdout"]
 
 
 def test_every_adapter_gets_a_gradient_on_every_rank(launches):

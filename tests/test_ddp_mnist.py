@@ -14,7 +14,7 @@ from ch01_common import README
 from distkit.checkpoint import safe_load
 from distkit.harness import bus_factor, read_records
 from distkit.models import MnistCNN
-from launch import QUICK_START_FILES, REPO, python, readme_command, torchrun
+from launch import QUICK_START_FILES, REPO, python, quick_start_record, readme_command, torchrun
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 
@@ -26,14 +26,14 @@ def test_ddp_mnist_readme_command_on_offline_sample(first_command_run):
     chapter = readme_command(README, "ddp_mnist.py", without="srun").replace("--standalone ", "")
     assert chapter == readme_command(REPO / "README.md", "ddp_mnist.py")
     folder, done = first_command_run
-    results, checkpoint = folder / QUICK_START_FILES["results"], folder / QUICK_START_FILES["model"]
+    checkpoint = folder / QUICK_START_FILES["model"]
     out = done.stdout
     assert "5k offline sample" in out
     accuracy = float(re.search(r"done: test accuracy ([\d.]+)%", out).group(1))
     assert accuracy >= 90.0, out[-2000:]
     assert re.search(r"world size 4 \| backend gloo \(cpu\)", out)
 
-    (record,) = read_records(results)
+    record = quick_start_record(folder)
     assert record["strategy"] == "ddp" and record["world_size"] == 4 and record["backend"] == "gloo"
     assert record["model"] == {"arch": "mnist_cnn"} and "model" not in record["config"]
     param_count = sum(p.numel() for p in MnistCNN().parameters())

@@ -22,6 +22,7 @@ import contextlib
 import io
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,13 +153,22 @@ def test_the_quick_start_in_a_fresh_clone_leaves_it_as_it_was(first_command_run)
     assert "done: test accuracy" in done.stdout
     assert all((clone / path).exists() for path in QUICK_START_FILES.values()), sorted(p.name for p in clone.iterdir())
     assert changed_files(clone) == []
-    # negative control: an output written beside the script instead of under runs/
-    stray = clone / "01-ddp-basics" / "results.jsonl"
-    stray.write_text("{}\n")
-    try:
-        assert changed_files(clone) == ["?? 01-ddp-basics/results.jsonl"]
-    finally:
-        stray.unlink()
+
+
+def test_a_file_left_where_git_does_not_ignore_shows_in_the_status(tmp_path):
+    """Negative control of the clone's check (here and in tests/test_reader_play.py), in a repository
+    of its own with this one's .gitignore (the played clone is shared by the session's workers): an
+    output written beside the script instead of under runs/ shows; one under runs/ does not."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(tmp_path)]
+    shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "results.jsonl").write_text("{}\n")
+    assert changed_files(tmp_path) == []
+    (tmp_path / "01-ddp-basics").mkdir()
+    (tmp_path / "01-ddp-basics" / "results.jsonl").write_text("{}\n")
+    assert changed_files(tmp_path) == ["?? 01-ddp-basics/results.jsonl"]
 
 
 def test_the_session_check_sees_what_a_run_leaves_behind(tmp_path):
