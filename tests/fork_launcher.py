@@ -425,7 +425,8 @@ def _through_server(path: str, nproc: int, script: str, args: list[str], worker:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # allow_abbrev off: a script flag after the script (ddp_spawn.py --nproc) is never taken for ours
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--serve", metavar="SOCKET", help="run the fork server on this Unix socket")
     parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int)
     parser.add_argument("--python", action="store_true",

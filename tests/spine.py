@@ -12,10 +12,11 @@ instead of launching the command again, and tests/test_reader_play.py checks the
 command ended well, ``git status`` of the clone is empty, ``records check`` passes in it and every
 notebook still runs there.
 
-Chapters are played in parallel (the suite's two workers each play the chapters their test files
+Chapters are played side by side (the suite's two workers each play the chapters their test files
 need, one lock per chapter in the session's shared folder; a chapter played once is read back by
-every other worker). That equals one reader going through them in order because no chapter reads or
-writes a path another chapter's commands name: tests/test_reader_play.py checks that too.
+every other worker). That equals one reader going through them in order because what a command reads
+is committed or written above it in its own README (tests/test_reader_path.py) and no two chapters
+write the same file (tests/test_reader_play.py).
 
 The jobs start as the suite's others do, forked from a fork server (tests/fork_launcher.py), but a
 server of their own that imported the clone's ``distkit`` (:func:`clone_server`, one per worker);
@@ -238,7 +239,7 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
         out = f"{PLAYED}/{slug}/{index:02d}"
         if "01-ddp-basics/ddp_mnist.py" in command and "srun" not in command:  # the quick start: the clone's own run
             done = reader.quick_start
-            runs.append({"command": command, "argv": list(done.args), "returncode": done.returncode,
+            runs.append({"command": command, "played": None, "argv": list(done.args), "returncode": done.returncode,
                          "stdout": done.stdout, "seconds": None, "out": out, "problem": None, "left_running": []})
             continue
         form = form_of(chapter, command)
@@ -265,6 +266,7 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
             problem = None
         else:
             problem = ended_well(code, stdout, reader.clone)
-        runs.append({"command": command, "argv": argv, "returncode": code, "stdout": stdout, "seconds": seconds,
+        runs.append({"command": command, "played": shlex.join(words), "argv": argv, "returncode": code,
+                     "stdout": stdout, "seconds": seconds,
                      "out": out, "problem": problem, "left_running": left_running(reader.clone / out, code)})
     return runs

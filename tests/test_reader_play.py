@@ -9,6 +9,7 @@ Here, the whole play, chapter by chapter in the reader's order, the top README l
   repository's files (the promise for bad input; the READMEs show a few refusals on purpose; the
   debug lab's scenarios fail by design and only have to end);
 * the clone's ``git status`` is empty afterwards: every output lies where git ignores it;
+* no two chapters wrote the same file, so playing them side by side equals playing them in order;
 * the top README's ``python -m distkit.records check``, played last, passed in the clone: the
   committed records, tables and plots still match after everything the reader ran;
 * every chapter notebook still executes in the clone, with the clone's distkit, and shows the same
@@ -16,19 +17,23 @@ Here, the whole play, chapter by chapter in the reader's order, the top README l
   committed notebooks themselves).
 
 Negative controls: a command that ends in a traceback from a repository file fails the check a played
-command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`); a file the reader's run left
-where git does not ignore it shows in the clone's status (tests/test_reader_path.py).
+command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`); two chapters keeping the same
+``--results`` are seen; a file the reader's run left where git does not ignore it shows in the
+clone's status (tests/test_reader_path.py).
 """
 from __future__ import annotations
 
 import json
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 from distkit import notebooks
 from launch import REPO, changed_files, forked_from_server, launcher_argv, readme_commands
-from spine import CHAPTERS, LEFT_OUT, ended_well, exports, play_chapter
+from spine import CHAPTERS, LEFT_OUT, Played, ended_well, exports, play_chapter
 from test_notebooks import IDS, IPYKERNEL_LAUNCHER, SOURCES, _formats, _output_kinds
+from test_reader_path import outputs, parsed_flags, script_and_args
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +54,40 @@ def test_every_readme_command_was_played_and_ended_well(whole_play):
 def test_the_clone_is_left_as_the_reader_found_it(whole_play, reader):
     assert changed_files(reader.clone) == []
     assert (reader.clone / "runs" / "fsdp_strategies.jsonl").is_file()  # the reader's runs wrote there
+
+
+def shared_outputs(plays: dict) -> dict[str, list[str]]:
+    """The files that commands of two or more chapters wrote (each command's flags as played, parsed
+    by its script's own parser, defaults included; folders left out: two chapters may put files of
+    different names in ``runs/plots/``), with the chapters. A refusal writes nothing; the quick start
+    is one run, shared by chapter 01 and the top README (its "played" is None)."""
+    owners = defaultdict(set)
+    for chapter, played in plays.items():
+        for run in played.runs:
+            found = script_and_args(run["played"]) if run["played"] and run["returncode"] == 0 else None
+            if found is None:
+                continue
+            for path in outputs(parsed_flags(*found), found[0].name):
+                if not path.endswith("/."):
+                    owners[str(Path(path).relative_to(played.clone) if Path(path).is_absolute() else path)].add(chapter)
+    return {path: sorted(chapters) for path, chapters in owners.items() if len(chapters) > 1}
+
+
+def test_no_two_chapters_write_the_same_file(whole_play):
+    """Chapters are played side by side (tests/spine.py). That equals one reader going through them in
+    order because what a command reads is committed or written above it in its own README
+    (tests/test_reader_path.py) and no file is written by two chapters. Negative control: two
+    chapters whose commands keep the same --results."""
+    assert shared_outputs(whole_play) == {}
+    clone = next(iter(whole_play.values())).clone
+
+    def played(chapter, command):
+        return Played(chapter, clone, [{"command": command, "played": command, "returncode": 0}])
+
+    sweep = "torchrun --nproc_per_node=4 02-fsdp/fsdp_transformer.py --results runs/r.jsonl"
+    overlap = "torchrun --nproc_per_node=4 05-advanced/communication_overlap.py --results runs/r.jsonl"
+    assert shared_outputs({"02-fsdp": played("02-fsdp", sweep), "05-advanced": played("05-advanced", overlap)}) == {
+        "runs/r.jsonl": ["02-fsdp", "05-advanced"]}
 
 
 def test_records_check_passes_after_the_reader(whole_play):
