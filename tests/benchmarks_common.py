@@ -33,6 +33,7 @@ PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gi
 FORK_CELLS = shlex.join([*launcher_argv("fork"), "--standalone"]) + " --nproc_per_node={nproc}"
 PARITY_STEPS, PARITY_EVERY = 20, 10
 PLAY = {"distributed_benchmarks.py --quick": Form(("--launcher", FORK_CELLS)),
+        ("plot.py", "runs/benchmarks.jsonl"): Form(), "distkit.records check benchmarks": Form(),
         **{lookup: Form(("--dry-run",)) for lookup in [("distributed_benchmarks.py", f"--results runs/{name}.jsonl")
                                                          for name in ("full_cpu", "gpu", "one_gpu")]},
         "benchmarks/parity.py": Form(("--steps", str(PARITY_STEPS), "--held-out-every", str(PARITY_EVERY))),

@@ -62,14 +62,12 @@ def _played_training(*flags: str, launcher: str = "fork") -> Form:
 # How the reader's play (tests/spine.py) runs the README commands tests/test_ch01_ddp.py and
 # tests/test_ch01_tools.py check there: the tiny training run of training_flags (its files under the
 # command's own folder); rank 2 killed at step 5 and rank 0 dying inside the step-6 checkpoint, each
-# under the real torchrun, which restarts the workers; the scaling benchmark at 1 and 2 ranks;
-# ddp_spawn.py on 2 processes.
+# under the real torchrun, which restarts the workers; the scaling benchmark at 1 and 2 ranks.
 PLAY = {"--config": _played_training(),
         "ddp_from_scratch.py": Form((*TINY, "--save", "{out}/scratch.pt", "--results", "{out}/scratch.jsonl")),
         "--crash-at-step": _played_training("--crash-at-step", "5", "--crash-rank", "2", launcher="torchrun"),
         "--crash-in-checkpoint-at-step": _played_training("--crash-in-checkpoint-at-step", "6", launcher="torchrun"),
-        # mp.spawn starts fresh interpreters (its lesson: no launcher): two of them, not four
-        "ddp_spawn.py": Form(("--nproc", "2", "--model-size", "tiny", "--steps", "2")),
+        "validate_distributed.py": Form(),
         "ddp_benchmark.py": Form(("--world-sizes", "1", "2", "--model-size", "tiny", "--per-rank-batch", "4",
                                   "--steps", "4", "--results", "{out}/bench.jsonl", "--plot", "{out}/scaling.png"))}
 

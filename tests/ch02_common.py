@@ -60,7 +60,7 @@ _KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--sav
 LORA_STEPS, LORA_BATCH = 4, 8  # tests/test_ch02_lora.py's run of the README's LoRA command
 PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
         SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
-        OFFLOAD: _KNOB, BF16: _KNOB,
+        TABLE: Form(), OFFLOAD: _KNOB, BF16: _KNOB,
         LORA: Form(("--steps", str(LORA_STEPS), "--global-batch-size", str(LORA_BATCH), "--log-every", "1",
                     "--results", "{out}/records.jsonl", "--save", "{out}/adapters.pt"))}
 

@@ -32,6 +32,8 @@ LOOKUPS = {
 # (what torchrun shows when a job fails is its lesson), its logs under the command's own folder
 LAB = Form(("--log-dir", "{out}/lab"), launcher="torchrun")
 PLAY = {
+    LOOKUPS["collective_ops"]: Form(),
+    LOOKUPS["collective_ops:only"]: Form(),
     LOOKUPS["point_to_point"]: Form(("--numel", "10001", "--deadlock-timeout-s", "2")),
     LOOKUPS["bandwidth_test"]: Form(("--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
                                      "--p2p-bytes", "8K", "--plot", "{out}/bw.png")),

@@ -69,10 +69,12 @@ PLAY = {LOOKUPS["tp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "-
                                           "--save", "{out}/{schedule}_m{microbatches}.pt"),
         LOOKUPS["2d"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
         LOOKUPS["hsdp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
+        LOOKUPS["mesh_error"]: Form(),  # refused before any work: as written
         LOOKUPS["accumulation"]: _form(*QUICK, "--grad-accum-steps", 4, "--micro-batch-size", 2, *OUT_RESULTS,
                                        "--save", "{out}/{sync}.pt"),
         LOOKUPS["overlap"]: _form("--layers", 16, "--steps", 3, "--warmup-steps", 1, "--bucket-cap-mb", 0.02, 25,
                                   "--async-mib", 1, "--trace", "{out}/trace.json"),
+        LOOKUPS["plot"]: Form(),
         LOOKUPS["activation_checkpointing"]: _form(*AC_FLAGS, "--strategy", "fsdp", "--ac", "full", "--compile",
                                                    "off", "on", "--save", "{out}/{ac}_{compile}.pt", nproc=2),
         LOOKUPS["cp_2ranks"]: _form(*CP_QUICK, "--save", "{out}/{layout}.pt"),

@@ -12,6 +12,11 @@ instead of launching the command again, and tests/test_reader_play.py checks the
 command ended well, ``git status`` of the clone is empty, ``records check`` passes in it and every
 notebook still runs there.
 
+The default run plays the commands the chapters' tests check (those their ``PLAY`` names: a launch
+each test made itself before, now made once in the clone); ``pytest -m reader``
+(tests/test_reader_play.py) plays every command, the top README's too, and then checks the clone as
+the reader leaves it.
+
 Chapters are played side by side (the suite's two workers each play the chapters their test files
 need, one lock per chapter in the session's shared folder; a chapter played once is read back by
 every other worker). That equals one reader going through them in order because what a command reads
@@ -92,8 +97,9 @@ def exports(readme: Path) -> dict[str, str]:
 
 def small(command: str) -> list[str]:
     """The command's words at the generic small size: step counts divided by 10 (at least 1), the tiny
-    model where the command names none, the offline MNIST sample, a few steps where it names none; the
-    matrices bigger than ``--quick`` planned (``--dry-run``: the quick matrix runs their cells' code)."""
+    model where the command names none, the offline MNIST sample, a few steps where it names none, two
+    spawned processes; the matrices bigger than ``--quick`` planned (``--dry-run``: the quick matrix
+    runs their cells' code)."""
     from test_reader_path import parsed_flags, script_and_args
 
     words, out = shlex.split(command), []
@@ -107,6 +113,8 @@ def small(command: str) -> list[str]:
     name = found[0].name
     if hasattr(namespace, "model_size") and "--model-size" not in given and getattr(namespace, "arch", "gpt") == "gpt":
         out += ["--model-size", "tiny"]
+    if name == "ddp_spawn.py":  # mp.spawn starts fresh interpreters (its lesson: no launcher): two, not four
+        out += ["--nproc", "2"]
     if name == "ddp_mnist.py":
         out += ["--offline", "--epochs", "1", "--max-steps", "4"]
     elif name == "distributed_benchmarks.py" and "--quick" not in given:
@@ -187,11 +195,14 @@ def flag_path(run: dict, flag: str) -> Path:
 
 @dataclass
 class Reader:
-    """The played clone, the folder the session's workers share, and the environment of its jobs."""
+    """The played clone, the folder the session's workers share, the environment of its jobs, and
+    whether the session plays every command (``pytest -m reader``) or only those the chapters' tests
+    check (the default run: the commands a chapter's ``PLAY`` names)."""
     clone: Path
     shared: Path
     env: dict
     quick_start: subprocess.CompletedProcess
+    every_command: bool = True
 
 
 def reader_env(clone: Path, scratch: Path) -> dict:
@@ -243,6 +254,8 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
                          "stdout": done.stdout, "seconds": None, "out": out, "problem": None, "left_running": []})
             continue
         form = form_of(chapter, command)
+        if form is None and not reader.every_command:
+            continue
         if form is None:
             words, launcher, nproc = small(command), "fork", None
         else:

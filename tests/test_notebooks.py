@@ -8,22 +8,26 @@ Each chapter's notebook is written as ``notebook.py`` (jupytext percent format) 
 (b) every code cell of the committed ``.ipynb`` was executed, and the outputs were produced by the
     current cells: the executed notebook stores the hash of the cells it ran, and a cell edited
     afterwards (without re-executing) fails the check, as the negative controls below show;
-(c) the notebook executes top to bottom, headless, as a reader would run it, in the reader's played
-    clone after every README command ran there (tests/test_reader_play.py, with the helpers below),
-    and shows the same kinds of output (text, figures) in the same cells as the committed one. The
-    notebooks assert the numbers they show (against their records or theory), so a wrong outcome
-    fails there as an error.
+(c) the notebook executes top to bottom, headless, as a reader would run it (its kernel and its jobs
+    started by the suite's fork launcher: the kernel as ipykernel's launcher run with ``--python``,
+    the jobs through ``$DISTKIT_TORCHRUN``), and shows the same
+    kinds of output (text, figures) in the same cells as the committed one. The notebooks assert
+    the numbers they show (against their records or theory), so a wrong outcome fails here as an
+    error. ``pytest -m reader`` executes them again in the reader's played clone, after every README
+    command ran there (tests/test_reader_play.py).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
+import shlex
 import shutil
 from pathlib import Path
 
 import pytest
 
 from distkit import notebooks
-from launch import REPO
+from launch import REPO, forked_from_server, launcher_argv
 
 SOURCES = notebooks.sources([str(REPO)])
 IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
@@ -75,6 +79,41 @@ def _output_kinds(nb) -> list[tuple[int, list[str]]]:
                 shown.add("+".join(sorted(out.get("data", {}))) or out["output_type"])
         kinds.append((index, sorted(shown)))
     return kinds
+
+
+def execute_and_compare(source: Path, server: str, tmp_path: Path, monkeypatch) -> None:
+    """Execute ``source`` headless as a reader would, its kernel and its jobs forked from the fork
+    server at ``server``, and compare it with its committed notebook: the cells it ran, and the kinds
+    of output each shows."""
+    jupytext, nbformat = _formats()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
+    # The notebooks' jobs start through the suite's fork launcher, as every other test's do (the
+    # committed outputs ran under torchrun: `python -m distkit.records render`)
+    monkeypatch.setenv("DISTKIT_TORCHRUN", shlex.join(launcher_argv("fork")))
+    monkeypatch.setenv("FORK_LAUNCHER_SERVER", server)
+    # ... and so does the kernel: the "python3" kernel found first on JUPYTER_PATH is ipykernel's own
+    # launcher run by the fork launcher (`--python`), which has torch and distkit imported already (the
+    # committed outputs came from a fresh kernel)
+    spec = tmp_path / "jupyter" / "kernels" / "python3" / "kernel.json"
+    spec.parent.mkdir(parents=True)
+    spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", IPYKERNEL_LAUNCHER, "-f",
+                                         "{connection_file}"], "display_name": "Python 3", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    kernels = forked_from_server(server, "ipykernel_launcher.py")
+    executed = notebooks.execute(source)         # raises NotebookError naming the failed cell
+    assert forked_from_server(server, "ipykernel_launcher.py") == kernels + 1
+    committed = nbformat.read(source.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
+    key = notebooks.METADATA_KEY
+    assert executed.metadata[key]["source_sha256"] == committed.metadata.get(key, {}).get("source_sha256")
+    assert _output_kinds(executed) == _output_kinds(committed), (
+        "a fresh run shows other outputs than the committed notebook: run python -m distkit.records render "
+        f"{source.parent.name}")
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch, fork_server):
+    execute_and_compare(source, fork_server, tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------- negative controls

@@ -2,7 +2,9 @@
 leaves it (tests/spine.py plays them; each chapter's tests assert on what its commands printed and
 wrote).
 
-Here, the whole play, chapter by chapter in the reader's order, the top README last:
+``pytest -m reader`` (not in the default run: about 5 minutes on 2 cores, one worker; the default run
+plays only the commands the chapters' tests check): the whole play, chapter by chapter in the
+reader's order, the top README last:
 
 * every README command was played once (but those tests/spine.py leaves out, each run by its own
   test) and ended well: exit 0, or one distinct ``error:`` line and no traceback from the
@@ -23,16 +25,14 @@ clone's status (tests/test_reader_path.py).
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from distkit import notebooks
-from launch import REPO, changed_files, forked_from_server, launcher_argv, readme_commands
+from launch import REPO, changed_files, readme_commands
 from spine import CHAPTERS, LEFT_OUT, Played, ended_well, exports, play_chapter
-from test_notebooks import IDS, IPYKERNEL_LAUNCHER, SOURCES, _formats, _output_kinds
+from test_notebooks import IDS, SOURCES, execute_and_compare
 from test_reader_path import outputs, parsed_flags, script_and_args
 
 
@@ -43,6 +43,7 @@ def whole_play(reader):
     return {chapter: play_chapter(chapter, reader) for chapter in CHAPTERS}
 
 
+@pytest.mark.reader
 def test_every_readme_command_was_played_and_ended_well(whole_play):
     for chapter, played in whole_play.items():
         expected = [c for c in readme_commands(REPO / chapter / "README.md") if not any(n in c for n in LEFT_OUT)]
@@ -51,6 +52,7 @@ def test_every_readme_command_was_played_and_ended_well(whole_play):
     assert problems == [], "\n".join(problems)
 
 
+@pytest.mark.reader
 def test_the_clone_is_left_as_the_reader_found_it(whole_play, reader):
     assert changed_files(reader.clone) == []
     assert (reader.clone / "runs" / "fsdp_strategies.jsonl").is_file()  # the reader's runs wrote there
@@ -73,6 +75,7 @@ def shared_outputs(plays: dict) -> dict[str, list[str]]:
     return {path: sorted(chapters) for path, chapters in owners.items() if len(chapters) > 1}
 
 
+@pytest.mark.reader
 def test_no_two_chapters_write_the_same_file(whole_play):
     """Chapters are played side by side (tests/spine.py). That equals one reader going through them in
     order because what a command reads is committed or written above it in its own README
@@ -90,38 +93,24 @@ def test_no_two_chapters_write_the_same_file(whole_play):
         "runs/r.jsonl": ["02-fsdp", "05-advanced"]}
 
 
+@pytest.mark.reader
 def test_records_check_passes_after_the_reader(whole_play):
     run = whole_play["."].of((("-m distkit.records check",), "check benchmarks"))
     assert run["returncode"] == 0, run["stdout"][-3000:]
     assert "every generated part matches its record" in run["stdout"], run["stdout"][-3000:]
 
 
+@pytest.mark.reader
 @pytest.mark.notebook
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_still_runs_after_the_reader(source, whole_play, reader, tmp_path, monkeypatch):
     """The clone's notebook, executed headless in the clone as a reader would run it (its kernel and
     its jobs forked from the play's fork server, which imported the clone's distkit: the kernel is
     ipykernel's launcher run with ``--python``, the jobs start through ``$DISTKIT_TORCHRUN``)."""
-    jupytext, nbformat = _formats()
     for name, value in reader.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's and its jobs' scratch
-    spec = tmp_path / "jupyter" / "kernels" / "python3" / "kernel.json"
-    spec.parent.mkdir(parents=True)
-    spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", IPYKERNEL_LAUNCHER, "-f",
-                                         "{connection_file}"], "display_name": "Python 3", "language": "python"}))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    in_clone = reader.clone / source.relative_to(REPO)
-    server = reader.env["FORK_LAUNCHER_SERVER"]
-    kernels = forked_from_server(server, "ipykernel_launcher.py")
-    executed = notebooks.execute(in_clone)         # raises NotebookError naming the failed cell
-    assert forked_from_server(server, "ipykernel_launcher.py") == kernels + 1
-    committed = nbformat.read(in_clone.with_name(notebooks.NOTEBOOK_NAME), as_version=4)
-    key = notebooks.METADATA_KEY
-    assert executed.metadata[key]["source_sha256"] == committed.metadata.get(key, {}).get("source_sha256")
-    assert _output_kinds(executed) == _output_kinds(committed), (
-        "a fresh run shows other outputs than the committed notebook: run python -m distkit.records render "
-        f"{source.parent.relative_to(REPO)}")
+    execute_and_compare(reader.clone / source.relative_to(REPO), reader.env["FORK_LAUNCHER_SERVER"], tmp_path,
+                        monkeypatch)
 
 
 def test_a_command_ending_in_a_traceback_is_seen(tmp_path):
