@@ -223,10 +223,14 @@ def reader(first_command_run, tmp_path_factory, worker_id, request):
     the session's workers share, and this worker's fork server for the clone's jobs. Chapters are
     played on demand: ``spine.play_chapter(chapter, reader)``; every command of each under ``pytest -m
     reader``, the commands the chapters' tests check otherwise."""
-    from spine import Reader, clone_server
+    from spine import Reader, clone_server, reader_env
 
     clone, quick_start = first_command_run
     base = tmp_path_factory.getbasetemp()
     shared = base if worker_id == "master" else base.parent
+    if not _plays_the_reader(request.config):  # the session's fork server (tests/spine.py says why)
+        yield Reader(clone, shared, reader_env(clone, tmp_path_factory.mktemp("played"), own_distkit=False),
+                     quick_start, every_command=False)
+        return
     with clone_server(clone, tmp_path_factory.mktemp("clone_server")) as env:
-        yield Reader(clone, shared, env, quick_start, every_command=_plays_the_reader(request.config))
+        yield Reader(clone, shared, env, quick_start)

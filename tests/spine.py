@@ -23,8 +23,10 @@ every other worker). That equals one reader going through them in order because 
 is committed or written above it in its own README (tests/test_reader_path.py) and no two chapters
 write the same file (tests/test_reader_play.py).
 
-The jobs start as the suite's others do, forked from a fork server (tests/fork_launcher.py), but a
-server of their own that imported the clone's ``distkit`` (:func:`clone_server`, one per worker);
+The jobs start as the suite's others do, forked from a fork server (tests/fork_launcher.py): under
+``pytest -m reader`` a server of their own that imported the clone's ``distkit`` (:func:`clone_server`,
+one per worker); in the default run the session's server, whose ``distkit`` is the working tree's,
+byte for byte the clone's (a second server per worker would cost 20 CPU-seconds);
 torchrun's restarts run under the real torchrun (``Form.launcher``), scripts that start torchrun
 themselves find tests/bin/torchrun first on ``PATH`` and jobs started by the benchmarks scripts go
 through ``$DISTKIT_TORCHRUN``, as in every other test.
@@ -205,13 +207,14 @@ class Reader:
     every_command: bool = True
 
 
-def reader_env(clone: Path, scratch: Path) -> dict:
-    """The environment of every played job: the clone's distkit, the suite's launcher for jobs that
-    scripts start, tests/bin's torchrun first on ``PATH``, an empty folder for DeepSpeed's compiled
-    ops (an op it built would show there), and every README's exports (a reader who exported once
-    keeps them)."""
-    env = torchrun_on_path(job_env(scratch, PYTHONPATH=str(clone), DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")),
-                                   TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS)))
+def reader_env(clone: Path, scratch: Path, own_distkit: bool = True) -> dict:
+    """The environment of every played job: the clone's distkit (``own_distkit``; else the working
+    tree's, which the session's fork server imported), the suite's launcher for jobs that scripts
+    start, tests/bin's torchrun first on ``PATH``, an empty folder for DeepSpeed's compiled ops (an op
+    it built would show there), and every README's exports (a reader who exported once keeps them)."""
+    own = {"PYTHONPATH": str(clone)} if own_distkit else {}
+    env = torchrun_on_path(job_env(scratch, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")),
+                                   TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS), **own))
     for chapter in CHAPTERS:
         env.update(exports(REPO / chapter / "README.md"))
     return env
