@@ -1,21 +1,18 @@
-"""The reader, played once for the whole suite: one fresh clone, every README command run once in it.
+"""The reader, played once for the whole suite: one fresh clone, each README command run once in it.
 
 The clone is the quick start's (``conftest.first_command_run``: a fresh clone of this working tree
 in which ``torchrun --nproc_per_node=4 01-ddp-basics/ddp_mnist.py`` ran as written). Each chapter's
 README commands then run in it in the README's order (:func:`play_chapter`), from the clone's root,
-with the clone's own ``distkit`` (``PYTHONPATH``) and every README's ``export`` lines, at the size the
-chapter's tests check them: a command that a chapter's ``*_common`` module gives a :class:`Form` gets
-that form's flags appended (outputs the README names stay where it names them; the flags that only
-a test adds write under ``runs/played/``), every other command the generic small size of
-:func:`small`. The chapter's tests assert on what the run printed and wrote (:class:`Played`)
-instead of launching the command again, and tests/test_reader_play.py checks the whole play: every
-command ended well, ``git status`` of the clone is empty, ``records check`` passes in it and every
-notebook still runs there.
+with every README's ``export`` lines, at the size the chapter's tests check them: a command that a
+chapter's ``*_common`` module gives a :class:`Form` in its ``PLAY`` gets that form's flags appended
+(outputs the README names stay where it names them; the flags that only a test adds write under
+``runs/played/``), every other command the generic small size of :func:`small`. The chapter's tests
+assert on what the run printed and wrote (:class:`Played`) instead of launching the command again.
 
-The default run plays the commands the chapters' tests check (those their ``PLAY`` names: a launch
-each test made itself before, now made once in the clone); ``pytest -m reader``
-(tests/test_reader_play.py) plays every command, the top README's too, and then checks the clone as
-the reader leaves it.
+The default run plays the commands a ``PLAY`` names (a launch each test made itself before, now
+made once in the clone); ``pytest -m reader`` (tests/test_reader_play.py) plays every command, the
+top README's too, and then checks the clone as the reader leaves it: every command ended well, its
+``git status`` is empty, ``records check`` passes in it and every notebook still runs there.
 
 Chapters are played side by side (the suite's two workers each play the chapters their test files
 need, one lock per chapter in the session's shared folder; a chapter played once is read back by
@@ -271,9 +268,8 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
             done = subprocess.run(argv, cwd=reader.clone, env=reader.env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=900)
             code, stdout = done.returncode, done.stdout
-        except subprocess.TimeoutExpired as exc:
-            code, stdout = None, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (
-                exc.stdout or "")
+        except subprocess.TimeoutExpired as exc:  # its output so far: bytes, whatever text= said
+            code, stdout = None, (exc.stdout or b"").decode(errors="replace")
         seconds = time.monotonic() - started
         print(f"{seconds:6.1f} s  {shlex.join(words)}", flush=True)  # pytest -s shows them
         if code is None:
