@@ -9,8 +9,9 @@ sharding and checkpoint code. Byte counts are compared exactly: the dim-0 paddin
 ranks) changes them by less than 0.2%, so a relative tolerance of even 1% would hide a formula that
 forgets it (test_measured_bytes_match_the_formulas shows that).
 
-Launches are shared: one strategies sweep (4 ranks) serves the equivalence, byte and table tests;
-the two knob commands run side by side; the three checkpoint commands run once, in order, and the
+Launches are shared: the README's basics, strategies sweep, table and knob commands run once in the
+reader's play (tests/spine.py; the flags appended: ch02_common.PLAY), one sweep (4 ranks) serving the
+equivalence, byte and table tests; the three checkpoint commands run once here, in order, and the
 failing launches (bad input, damaged or foreign checkpoints) run two at a time, on copies of that
 checkpoint. Flag errors that argparse or parse_args catch are checked in this process.
 """

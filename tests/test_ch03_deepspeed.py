@@ -14,17 +14,19 @@ with plain SGD, where such a bug multiplies every update by N (2 ranks: differen
 1.2e-7 for correct ZeRO 0-3), is in ``test_ch03_negative.py``, which proves that this tolerance fails
 for those bugs.
 
-Every job runs with ``TORCH_EXTENSIONS_DIR`` in the test's temp dir, and the tests assert that it
-stays empty: no DeepSpeed op was JIT-compiled (a fresh CI machine would spend 30-60 s per op).
+Every played job runs with ``TORCH_EXTENSIONS_DIR`` in an empty folder of the clone, and the tests
+assert that it stays empty: no DeepSpeed op was JIT-compiled (a fresh CI machine would spend 30-60 s
+per op).
 
-Each README command runs once per module (module-scoped fixtures); the tests that check what it
-produced share that run. zero_memory.py runs on the README's 4 ranks (its bytes are checked at
-N = 4, as the README's table shows them); the training, resume and offload commands run on 2 ranks
-(``--nproc_per_node=2`` / ``--num_gpus=2``): what they check (resume bit for bit, equivalence with
-one process, where offloaded state lives) does not depend on the rank count, and on a 2-core
-machine 4 ranks cost twice the start-up. Flag and config-file checks that end before any process group exists run
-in this process (``parse_args``, ``load_ds_config``), with one launched script per kind of error
-showing that the script turns it into one line.
+Each README command runs once per session, in the reader's play (tests/spine.py; the flags appended:
+ch03_common.PLAY); the tests that check what it produced share that run. zero_memory.py runs on the
+README's 4 ranks (its bytes are checked at N = 4, as the README's table shows them); the training,
+resume and offload commands run on 2 ranks (``--nproc_per_node=2`` / ``--num_gpus=2``): what they
+check (resume bit for bit, equivalence with one process, where offloaded state lives) does not depend
+on the rank count, and on a 2-core machine 4 ranks cost twice the start-up. Flag and config-file
+checks that end before any process group exists run in this process (``parse_args``,
+``load_ds_config``), with one launched script per kind of error showing that the script turns it
+into one line.
 
 The GPU versions of these checks are in ``test_ch03_gpu.py``.
 """

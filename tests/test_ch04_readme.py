@@ -1,7 +1,8 @@
-"""Chapter 04: every command in 04-nccl-operations/README.md runs (with flags that keep it quick) and
-does what the chapter says: collectives match their definitions on 4 ranks, the point-to-point ring
-all-reduce equals all_reduce, the bandwidth test reports nccl-tests factors with no wrong elements, and
-each debug-lab scenario ends on its own with the expected message and nothing left running."""
+"""Chapter 04: every command in 04-nccl-operations/README.md runs (with flags that keep it quick, once,
+in the reader's play: tests/spine.py) and does what the chapter says: collectives match their
+definitions on 4 ranks, the point-to-point ring all-reduce equals all_reduce, the bandwidth test
+reports nccl-tests factors with no wrong elements, and each debug-lab scenario ends on its own with
+the expected message and nothing left running."""
 from __future__ import annotations
 
 import copy

@@ -1,8 +1,9 @@
 """Chapter 05: every command in 05-advanced/README.md runs, and every strategy it shows trains the
 same model as single-process training.
 
-Each README command is launched as written (real torchrun subprocesses) with small flags appended
-(argparse keeps the last value of a repeated flag): the tiny GPT, 3 steps, plain SGD. TP, TP+SP,
+Each README command runs once, as written with small flags appended (argparse keeps the last value
+of a repeated flag), in the reader's play (tests/spine.py; the flags: ch05_common.PLAY): the tiny
+GPT, 3 steps, plain SGD. TP, TP+SP,
 1F1B pipeline, 2-D and HSDP also train the tiny Llama (--arch llama) at the same tolerance, and its
 measured model state and collectives must equal distkit.theory's predictions (section "the tiny
 Llama" below).
