@@ -30,16 +30,16 @@ LOOKUPS = {
 # How the reader's play (tests/spine.py) runs each command, so that tests/test_ch04_readme.py can check
 # what it printed and wrote: quick sizes and short timeouts; the debug lab under the real torchrun
 # (what torchrun shows when a job fails is its lesson), its logs under the command's own folder
-LAB = Form(("--log-dir", "{out}/lab"), launcher="torchrun")
+LAB = ("--log-dir", "{out}/lab")
 PLAY = {
     LOOKUPS["collective_ops"]: Form(),
     LOOKUPS["collective_ops:only"]: Form(),
     LOOKUPS["point_to_point"]: Form(("--numel", "10001", "--deadlock-timeout-s", "2")),
     LOOKUPS["bandwidth_test"]: Form(("--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",
                                      "--p2p-bytes", "8K", "--plot", "{out}/bw.png")),
-    LOOKUPS["debug_lab:mismatch"]: Form(("--timeout-s", "3", *LAB.flags), launcher="torchrun"),
-    LOOKUPS["debug_lab:missing-rank"]: Form(("--timeout-s", "2", *LAB.flags), launcher="torchrun"),
-    LOOKUPS["debug_lab:crash"]: Form(("--timeout-s", "3", *LAB.flags), launcher="torchrun"),
+    LOOKUPS["debug_lab:mismatch"]: Form(("--timeout-s", "3", *LAB), launcher="torchrun"),
+    LOOKUPS["debug_lab:missing-rank"]: Form(("--timeout-s", "2", *LAB), launcher="torchrun"),
+    LOOKUPS["debug_lab:crash"]: Form(("--timeout-s", "3", *LAB), launcher="torchrun"),
 }
 
 # The nccl-tests bus factors, not written out again but counted: tests/workers/ch04_ring_model.py runs

@@ -63,20 +63,25 @@ def forked_from_server(socket_path: str, script_name: str) -> int:
     return log.count(f"{script_name} as one python process")
 
 
-def start_fork_server(folder: Path, env: dict[str, str] | None = None):
-    """Start the fork launcher's server (``tests/fork_launcher.py --serve``) with ``env`` (default
-    :func:`job_env`'s; it forks only the jobs whose import-time environment equals it); returns the
-    process, its socket's path and its log file, once it listens."""
+@contextlib.contextmanager
+def running_fork_server(folder: Path, env: dict[str, str] | None = None):
+    """Run the fork launcher's server (``tests/fork_launcher.py --serve``) with ``env`` (default
+    :func:`job_env`'s; it forks only the jobs whose import-time environment equals it) while the
+    block runs; yields its socket's path once it listens."""
     socket_path = str(Path(folder) / "fork.sock")
     log = open(Path(folder) / "fork_server.log", "w")
     server = subprocess.Popen([sys.executable, str(FORK_LAUNCHER), "--serve", socket_path], env=env or job_env(),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(socket_path):  # it listens before importing torch: a second at most
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the fork server did not start: see {log.name}")
-        time.sleep(0.05)
-    return server, socket_path, log
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(socket_path):  # it listens before importing torch: a second at most
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server did not start: see {log.name}")
+            time.sleep(0.05)
+        yield socket_path
+    finally:
+        stop(server, grace_s=10)
+        log.close()
 
 
 @contextlib.contextmanager
@@ -84,14 +89,12 @@ def fork_server(folder: Path):
     """Run the fork launcher's server while the block runs: it imports torch and distkit once, and
     every fork-launched job of this process and its children forks from it (``$FORK_LAUNCHER_SERVER``
     names its socket) instead of importing them again."""
-    server, socket_path, log = start_fork_server(folder)
-    os.environ["FORK_LAUNCHER_SERVER"] = socket_path
-    try:
-        yield socket_path
-    finally:
-        os.environ.pop("FORK_LAUNCHER_SERVER", None)
-        stop(server, grace_s=10)
-        log.close()
+    with running_fork_server(folder) as socket_path:
+        os.environ["FORK_LAUNCHER_SERVER"] = socket_path
+        try:
+            yield socket_path
+        finally:
+            os.environ.pop("FORK_LAUNCHER_SERVER", None)
 
 
 def stop(proc: subprocess.Popen, grace_s: float) -> None:
@@ -364,6 +367,12 @@ def lookup_parts(lookup) -> tuple[tuple, str | None]:
     return tuple(lookup), None
 
 
+def lookup_matches(command: str, lookup) -> bool:
+    """Whether ``command`` holds every needle of a lookup (:func:`lookup_parts`) and not its ``without``."""
+    needles, without = lookup_parts(lookup)
+    return all(n in command for n in needles) and (without is None or without not in command)
+
+
 def lookup_command(readme: Path, lookup) -> str:
     """The one command of ``readme`` that a lookup (:func:`lookup_parts`) names."""
     needles, without = lookup_parts(lookup)
@@ -375,17 +384,13 @@ def assert_readme_covered(readme: Path, lookups: list) -> None:
     command. A lookup is a string (a needle), a tuple of needles, or ``(needles_tuple, without)``,
     exactly as the tests pass them to :func:`readme_command`; so a command added to a README without
     a test, or a lookup that no longer finds its command, fails."""
-    def matches(command, lookup):
-        needles, without = lookup_parts(lookup)
-        return all(n in command for n in needles) and (without is None or without not in command)
-
     commands = readme_commands(readme)
     assert commands, f"{readme} shows no command"
     for command in commands:
-        hits = [lookup for lookup in lookups if matches(command, lookup)]
+        hits = [lookup for lookup in lookups if lookup_matches(command, lookup)]
         assert len(hits) == 1, f"README command matched by {len(hits)} tests' lookups {hits}: {command}"
     for lookup in lookups:
-        hits = [command for command in commands if matches(command, lookup)]
+        hits = [command for command in commands if lookup_matches(command, lookup)]
         assert len(hits) == 1, f"lookup {lookup} finds {len(hits)} README commands: {hits}"
 
 

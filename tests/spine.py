@@ -46,11 +46,10 @@ from launch import (
     command_argv,
     job_env,
     launcher_argv,
-    lookup_parts,
+    lookup_matches,
     own_processes,
     readme_commands,
-    start_fork_server,
-    stop,
+    running_fork_server,
     torchrun_on_path,
 )
 
@@ -157,13 +156,8 @@ def forms(chapter: str) -> dict:
     return getattr(importlib.import_module(module), "PLAY", {}) if module else {}
 
 
-def matches(command: str, lookup) -> bool:
-    needles, without = lookup_parts(lookup)
-    return all(n in command for n in needles) and (without is None or without not in command)
-
-
 def form_of(chapter: str, command: str) -> Form | None:
-    found = [form for lookup, form in forms(chapter).items() if matches(command, lookup)]
+    found = [form for lookup, form in forms(chapter).items() if lookup_matches(command, lookup)]
     assert len(found) <= 1, f"{command}: {len(found)} forms"
     return found[0] if found else None
 
@@ -178,9 +172,20 @@ class Played:
     def of(self, lookup) -> dict:
         """The run of the one command ``lookup`` (a string, needles, or ``(needles, without)``) finds;
         ``run["out"]`` is its folder in the clone (absolute)."""
-        found = [r for r in self.runs if matches(r["command"], lookup)]
+        found = [r for r in self.runs if lookup_matches(r["command"], lookup)]
         assert len(found) == 1, f"{self.chapter}: {len(found)} played commands match {lookup}"
         return {**found[0], "out": self.clone / found[0]["out"], "clone": self.clone}
+
+    def ok(self, lookup) -> dict:
+        """:meth:`of`, for a command that must have exited 0."""
+        run = self.of(lookup)
+        assert run["returncode"] == 0, f"exit {run['returncode']}: {run['command']}\n{run['stdout'][-3000:]}"
+        return run
+
+    def completed(self, lookup) -> subprocess.CompletedProcess:
+        """:meth:`of` as a CompletedProcess (argv, exit code, output), for the checks that take one."""
+        run = self.of(lookup)
+        return subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
 
     def problems(self) -> list[str]:
         return [f"{self.chapter}: {shlex.join(r['argv'][-12:])}: {r['problem']}" for r in self.runs if r["problem"]]
@@ -222,12 +227,8 @@ def clone_server(clone: Path, folder: Path):
     """This worker's fork server for the clone's jobs (module docstring); yields their environment."""
     folder.mkdir(parents=True, exist_ok=True)
     env = reader_env(clone, folder)
-    server, socket_path, log = start_fork_server(folder, env)
-    try:
+    with running_fork_server(folder, env) as socket_path:
         yield {**env, "FORK_LAUNCHER_SERVER": socket_path}
-    finally:
-        stop(server, grace_s=10)
-        log.close()
 
 
 def play_chapter(chapter: str, reader: Reader) -> Played:
@@ -248,7 +249,7 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
         if any(needle in command for needle in LEFT_OUT):
             continue
         out = f"{PLAYED}/{slug}/{index:02d}"
-        if "01-ddp-basics/ddp_mnist.py" in command and "srun" not in command:  # the quick start: the clone's own run
+        if "01-ddp-basics/ddp_mnist.py" in command:  # the quick start: the clone's own run
             done = reader.quick_start
             runs.append({"command": command, "played": None, "argv": list(done.args), "returncode": done.returncode,
                          "stdout": done.stdout, "seconds": None, "out": out, "problem": None, "left_running": []})

@@ -15,7 +15,6 @@ import json
 import math
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -166,8 +165,7 @@ def played(reader):
 def quick_results(played):
     """The README's --quick matrix (its cells through the suite's fork launcher): the records it wrote
     where the README's next command reads them, and what it printed."""
-    run = played.of(QUICK)
-    assert run["returncode"] == 0, run["stdout"][-3000:]
+    run = played.ok(QUICK)
     return played.clone / "runs" / "benchmarks.jsonl", run["stdout"]
 
 
@@ -177,8 +175,7 @@ def records_check(played):
     README's render command would write, regenerated into a temporary folder and compared with what
     is committed (a test must not write into the repository, so the render command runs as this
     check too)."""
-    run = played.of(CHECK)
-    return subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
+    return played.completed(CHECK)
 
 
 def _check_bars(records):
@@ -314,8 +311,7 @@ def test_plot_draws_the_records_numbers(quick_results, played):
     argv = [command_argv(readme_command(README, *lookup)) for lookup in (PLOT, PLOT_GPU)]
     flags = [dict(zip(a[2::2], a[3::2])) for a in argv]  # plot.py takes --flag value pairs only
     assert argv[0][:2] == argv[1][:2] and set(flags[0]) | {"--out-dir"} == set(flags[1]), argv
-    run = played.of(PLOT)
-    assert run["returncode"] == 0, run["stdout"][-3000:]
+    run = played.ok(PLOT)
     plots = played.clone / "runs" / "plots"  # plot.py's default --out-dir
     plot = load_script(BENCH / "plot.py")
     for name in plot.PLOTS:
@@ -548,9 +544,9 @@ def test_readme_matrices_are_planned(played):
     the README says, every skipped cell with its reason."""
     bench = load_script(BENCH / "distributed_benchmarks.py")
     for lookup in DRY_RUNS:
-        run = played.of(lookup)
+        run = played.ok(lookup)
         flags = [*shlex.split(run["command"])[2:], "--dry-run"]
-        assert run["returncode"] == 0 and run["argv"][-len(flags):] == flags, run["argv"]
+        assert run["argv"][-len(flags):] == flags, run["argv"]
         out = run["stdout"].splitlines()
         cells, skipped = bench.plan_cells(bench.parse_args(flags), gpus=0)  # the jobs see no GPU
         results = flags[flags.index("--results") + 1]

@@ -84,9 +84,8 @@ def jobs(tmp_path_factory, reader) -> dict[str, tuple[Path, object]]:
     found = {}
     for name, lookup in (("uninterrupted", "--config"), ("scratch", "ddp_from_scratch.py"),
                          ("killed_rank", "--crash-at-step"), ("torn_checkpoint", "--crash-in-checkpoint-at-step")):
-        run_ = played.of(lookup)
-        done = subprocess.CompletedProcess(run_["argv"], run_["returncode"], run_["stdout"], "")
-        found[name] = run_["out"], (done if done.returncode == 0 else AssertionError(
+        done = played.completed(lookup)
+        found[name] = played.of(lookup)["out"], (done if done.returncode == 0 else AssertionError(
             f"exit {done.returncode}: {done.args}\n{done.stdout[-6000:]}"))
     return {**found, **run_jobs({"two_agents": two_agents}, tmp_path_factory)}
 

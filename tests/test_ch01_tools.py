@@ -62,28 +62,25 @@ def played(reader):
 
 
 def test_validate_distributed(played):
-    run_ = played.of("validate_distributed.py")
-    assert run_["returncode"] == 0, run_["stdout"][-3000:]
-    out = SimpleNamespace(stdout=run_["stdout"])
-    lines = out.stdout.splitlines()
+    out = played.ok("validate_distributed.py")["stdout"]
+    lines = out.splitlines()
     for check in ("process group", "device binding", "backend gloo", "all_reduce", "all_gather", "broadcast"):
-        assert any(line.startswith("PASS") and check in line for line in lines), (check, out.stdout)
+        assert any(line.startswith("PASS") and check in line for line in lines), (check, out)
     assert not any(line.startswith("FAIL") for line in lines)
-    assert "MASTER_ADDR=" in out.stdout and "all checks passed" in out.stdout
+    assert "MASTER_ADDR=" in out and "all checks passed" in out
 
 
 def test_scaling_benchmark(played):
     """The README's benchmark command at 1 and 2 ranks (ch01_common.PLAY), as the play ran it."""
-    run_ = played.of("ddp_benchmark.py")
-    assert run_["returncode"] == 0, run_["stdout"][-3000:]
-    results, png, out = run_["out"] / "bench.jsonl", run_["out"] / "scaling.png", SimpleNamespace(stdout=run_["stdout"])
+    run_ = played.ok("ddp_benchmark.py")
+    results, png = run_["out"] / "bench.jsonl", run_["out"] / "scaling.png"
     records = read_records(results)
     assert sorted((r["config"]["scaling"], r["world_size"]) for r in records) == [
         ("strong", 1), ("strong", 2), ("weak", 1), ("weak", 2)]
     for r in records:  # strong: the global batch is fixed; weak: the per-rank batch is
         expected = 8 if r["config"]["scaling"] == "strong" else 4 * r["world_size"]
         assert r["config"]["global_batch_size"] == expected and r["metrics"]["tokens_per_s"] > 0
-    assert "speedup" in out.stdout and png.stat().st_size > 10_000
+    assert "speedup" in run_["stdout"] and png.stat().st_size > 10_000
 
 
 def test_launchers(tmp_path, fork_server):

@@ -78,19 +78,13 @@ def played(reader):
     return play_chapter("02-fsdp", reader)
 
 
-def played_run(played, lookup) -> tuple[dict, subprocess.CompletedProcess]:
-    run = played.of(lookup)
-    return run, subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
-
-
 @pytest.fixture(scope="module")
 def sweep(played):
     """One 4-rank launch of the README's strategies command: all five strategies, 4 steps each
     (2 warm-up steps: DDP re-broadcasts its bucket layout in step 2, then the counted step 3), its
     records where the README writes them: (folder, records file, result)."""
-    run, result = played_run(played, SWEEP)
-    check_ok(result)
-    return run["out"], flag_path(run, "--results"), result
+    run = played.ok(SWEEP)
+    return run["out"], flag_path(run, "--results"), played.completed(SWEEP)
 
 
 def test_every_strategy_matches_single_process_training(sweep):
@@ -281,8 +275,7 @@ def test_committed_hsdp_row_peak_step_and_bus_vs_ddp_are_recomputed():
 def test_table_script_prints_the_table_and_draws_the_plots(sweep, played, tmp_path, capsys):
     """The README's table command, as the play ran it right after the sweep, on the sweep's records."""
     _, records_file, _ = sweep
-    run, result = played_run(played, TABLE)
-    check_ok(result)
+    run, result = played.ok(TABLE), played.completed(TABLE)
     assert flag_path(run, "--results") == records_file
     plots = flag_path(run, "--plots-dir")
     assert "| fsdp_full_shard |" in result.stdout and "| ddp |" in result.stdout
@@ -333,9 +326,7 @@ def knobs(played):
     {name: folder} (the records in r.jsonl, the weights as {strategy}.pt)."""
     folders = {}
     for name, lookup in (("offload", OFFLOAD), ("bf16", BF16)):
-        run, result = played_run(played, lookup)
-        check_ok(result)
-        folders[name] = run["out"]
+        folders[name] = played.ok(lookup)["out"]
     return folders
 
 
@@ -549,8 +540,7 @@ def test_basics_shows_shards_and_the_step_trace(played):
     """The README command (tiny GPT, 4 ranks, 4 steps; as the play ran it): the shards, the traced
     step, and the trained weights (--save) equal single-process training within FP32_ATOL (measured
     1.0e-5)."""
-    run, result = played_run(played, BASICS)
-    check_ok(result)
+    run, result = played.ok(BASICS), played.completed(BASICS)
     tmp_path = run["out"]
     for rank in range(4):
         assert f"[rank {rank}] blocks.0.attn.q_proj.weight  full (64, 64)   -> my shard (16, 64)" in result.stdout

@@ -81,12 +81,6 @@ def played(reader):
     return played
 
 
-def played_run(played, lookup) -> dict:
-    run = played.of(lookup)
-    assert run["returncode"] == 0, run["stdout"][-3000:]
-    return run
-
-
 def test_every_readme_command_is_run_by_a_test():
     assert_readme_covered(README, [TRAIN, RESUME, INFERENCE, OFFLOAD, MEMORY])
 
@@ -96,7 +90,7 @@ def test_every_readme_command_is_run_by_a_test():
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def zero_memory(played, tmp_path_factory):
-    run = played_run(played, MEMORY)
+    run = played.ok(MEMORY)
     return {"tmp": tmp_path_factory.mktemp("zero_memory"), "output": run["stdout"], "params": run["out"] / "params",
             "records": read_records(flag_path(run, "--results")), "record_file": flag_path(run, "--record")}
 
@@ -168,7 +162,7 @@ def trained(played):
     """ZeRO-3 via torchrun on 2 ranks: 6 steps with a checkpoint at step 3; then the deepspeed
     launcher resumes from the step-3 checkpoint's path and trains to step 6 again (as the play ran
     them: ch03_common.PLAY)."""
-    first, resume = played_run(played, TRAIN), played_run(played, RESUME)
+    first, resume = played.ok(TRAIN), played.ok(RESUME)
     checkpoints = flag_path(first, "--checkpoint-dir")
     assert checkpoints == flag_path(resume, "--checkpoint-dir")
     return {"checkpoints": checkpoints, "latest_after_first": (checkpoints / "latest").read_text().strip(),
@@ -210,7 +204,7 @@ def test_consolidated_weights_match_single_process_and_generate(trained, played)
         plain_loss = lm_loss(model(inputs), targets).item()
     assert abs(plain_loss - first["eval_loss"]) < 1e-5, (plain_loss, first["eval_loss"])
 
-    inference = played_run(played, INFERENCE)
+    inference = played.ok(INFERENCE)
     assert flag_path(inference, "--load") == straight
     out = inference["stdout"]
     assert f"eval loss {plain_loss:.4f}" in out
@@ -236,7 +230,7 @@ def test_resume_that_finds_nothing_is_one_line(tmp_path):
 # zero_offload.py
 # ------------------------------------------------------------------------------------------------
 def test_offload_trains_the_same_model_and_reports_placement(played):
-    run, n = played_run(played, OFFLOAD), 2
+    run, n = played.ok(OFFLOAD), 2
     out = run["stdout"]
     base, offload = read_records(flag_path(run, "--results"))
     assert (base["strategy"], offload["strategy"]) == ("zero3", "zero3_offload")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 import torch
@@ -53,29 +52,23 @@ def played(reader):
     return play_chapter("05-advanced", reader)
 
 
-def played_run(played, name: str) -> dict:
-    run = played.of(LOOKUPS[name])
-    assert run["returncode"] == 0, run["stdout"][-3000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def pipeline_run(played):
     """The README's 4-rank pipeline command at the equivalence settings: (records file, folder)."""
-    run = played_run(played, "pipeline")
+    run = played.ok(LOOKUPS["pipeline"])
     return flag_path(run, "--results"), run["out"]
 
 
 @pytest.fixture(scope="module")
 def overlap_run(played):
     """The README's communication_overlap command, small: (records file, stdout, trace file)."""
-    run = played_run(played, "overlap")
+    run = played.ok(LOOKUPS["overlap"])
     return flag_path(run, "--results"), run["stdout"], run["out"] / "trace.json"
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 def test_tensor_parallel_matches_single_process(sequence_parallel, played):
-    run = played_run(played, "tp_sp" if sequence_parallel else "tp")
+    run = played.ok(LOOKUPS["tp_sp" if sequence_parallel else "tp"])
     results, folder, stdout = flag_path(run, "--results"), run["out"], run["stdout"]
     assert "local per rank: r0 (16, 64)" in stdout  # q_proj weight: 64 output rows / 4 ranks
 
@@ -125,7 +118,7 @@ def test_pipeline_schedules_match_single_process(pipeline_run):
 
 def test_two_rank_pipeline_matches_single_process(played):
     """The README's 2-rank comparison run (no CPU oversubscription), at the equivalence settings."""
-    run = played_run(played, "pipeline_2ranks")
+    run = played.ok(LOOKUPS["pipeline_2ranks"])
     results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, losses = reference(16, n_layer=8)
     records = read_records(results)
@@ -139,7 +132,7 @@ def test_two_rank_pipeline_matches_single_process(played):
 
 @pytest.mark.parametrize("mode", ["2d", "hsdp"])
 def test_hybrid_parallelism_matches_single_process(mode, played):
-    run = played_run(played, mode)
+    run = played.ok(LOOKUPS[mode])
     results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, losses = reference(16)
     assert_matches(tmp_path / f"{mode}.pt", expected)
@@ -187,7 +180,7 @@ def test_tensor_parallel_llama_matches_single_process(sequence_parallel, played,
     with SP, the RMSNorms, embed_tokens and lm_head too, and the rotary positions of the whole
     sequence (the bug this catches: positions computed from a sequence shard's length)."""
     if sequence_parallel:  # the README's Llama command, as the play ran it
-        run = played_run(played, "tp_llama_sp")
+        run = played.ok(LOOKUPS["tp_llama_sp"])
         results, tmp_path, stdout = flag_path(run, "--results"), run["out"], run["stdout"]
     else:
         results = tmp_path / "r.jsonl"
@@ -278,13 +271,11 @@ def test_llama_tensor_parallel_needs_kv_heads_divisible():
 
 
 def test_mesh_that_does_not_match_world_size_is_one_clear_error(played):
-    run = played.of(LOOKUPS["mesh_error"])
-    result = subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
-    assert_one_line_error(result, "the mesh axes must multiply to the world size")
+    assert_one_line_error(played.completed(LOOKUPS["mesh_error"]), "the mesh axes must multiply to the world size")
 
 
 def test_gradient_accumulation_equals_large_batch_and_no_sync_saves_k(played):
-    run, k = played_run(played, "accumulation"), 4  # ch05_common.PLAY: --grad-accum-steps 4
+    run, k = played.ok(LOOKUPS["accumulation"]), 4  # ch05_common.PLAY: --grad-accum-steps 4
     results, tmp_path = flag_path(run, "--results"), run["out"]
     expected, _ = reference(2 * k * 4)  # one k-times larger batch over 4 ranks
     assert_matches(tmp_path / "no_sync.pt", expected)
@@ -366,7 +357,7 @@ def test_overlap_fraction_is_rank_0s_trace(overlap_run):
 def test_readme_plot_command_draws_both_plots(pipeline_run, overlap_run, played):
     """The README's plot command as the play ran it, after the two runs above: it draws their records
     (its default --results are the README's pipeline and overlap records)."""
-    run = played_run(played, "plot")
+    run = played.ok(LOOKUPS["plot"])
     assert run["command"] == "python 05-advanced/plot_results.py --out-dir runs/plots"
     assert [pipeline_run[0], overlap_run[0]] == [played.clone / "runs" / "pipeline.jsonl",
                                                  played.clone / "runs" / "overlap.jsonl"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,12 +53,6 @@ EP = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_weight=0.01, batch=1
 def played(reader):
     """Chapter 05's README commands as the reader's play ran them (tests/spine.py, ch05_common.PLAY)."""
     return play_chapter("05-advanced", reader)
-
-
-def played_run(played, name: str) -> dict:
-    run = played.of(LOOKUPS[name])
-    assert run["returncode"] == 0, run["stdout"][-3000:]
-    return run
 
 
 def run_readme(name: str, tmp_path, extra=(), **kwargs):
@@ -129,7 +122,7 @@ def cp_runs(tmp_path_factory, played):
                                                     "--save", folder / "{layout}.pt"))
     runs = {1: ({r["config"]["layout"]: r for r in read_records(folder / "r.jsonl")}, folder)}
     for cp, name in ((2, "cp_2ranks"), (4, "cp_4ranks")):
-        run = played_run(played, name)
+        run = played.ok(LOOKUPS[name])
         runs[cp] = {r["config"]["layout"]: r for r in read_records(flag_path(run, "--results"))}, run["out"]
     return runs
 
@@ -253,8 +246,7 @@ def test_context_parallel_activations_fall_as_1_over_cp(cp_runs):
 def test_torch_context_parallel_on_cpu_is_one_line(played):
     """PyTorch's context_parallel() needs SDPA's CUDA kernels: on CPU the README command stops with
     one line (as the play ran it)."""
-    run = played.of(LOOKUPS["cp_torch_on_cpu"])
-    result = subprocess.CompletedProcess(run["argv"], run["returncode"], run["stdout"], "")
+    result = played.completed(LOOKUPS["cp_torch_on_cpu"])
     assert_one_line_error(result, "--impl torch: PyTorch's context_parallel() runs SDPA's CUDA kernels only")
 
 
@@ -279,7 +271,7 @@ def ep_runs(played):
     {ranks: (record, folder)}."""
     runs = {}
     for nproc, name in ((2, "ep_2ranks"), (4, "ep_4ranks")):
-        run = played_run(played, name)
+        run = played.ok(LOOKUPS[name])
         (record,) = read_records(flag_path(run, "--results"))
         runs[nproc] = record, run["out"]
     return runs

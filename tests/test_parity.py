@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -39,11 +38,10 @@ def parity(reader):
     """``python benchmarks/parity.py`` as the reader's play ran it (tests/spine.py), for STEPS steps with
     held-out losses every EVERY (benchmarks_common.PLAY), its records where the README's command
     writes them."""
-    run = play_chapter("benchmarks", reader).of("benchmarks/parity.py")
-    assert run["command"] == "python benchmarks/parity.py"
-    assert run["returncode"] == 0, run["stdout"][-3000:]
+    played = play_chapter("benchmarks", reader)
+    assert played.ok("benchmarks/parity.py")["command"] == "python benchmarks/parity.py"
     rows = [json.loads(line) for line in (reader.clone / "runs" / "parity.jsonl").read_text().splitlines()]
-    return subprocess.CompletedProcess(run["argv"], 0, run["stdout"], ""), {row["strategy"]: row for row in rows}
+    return played.completed("benchmarks/parity.py"), {row["strategy"]: row for row in rows}
 
 
 def test_every_strategy_follows_one_process_and_the_control_leaves_the_band(parity):
