@@ -62,12 +62,15 @@ def _played_training(*flags: str, launcher: str = "fork") -> Form:
 # How the reader's play (tests/spine.py) runs the README commands tests/test_ch01_ddp.py and
 # tests/test_ch01_tools.py check there: the tiny training run of training_flags (its files under the
 # command's own folder); rank 2 killed at step 5 and rank 0 dying inside the step-6 checkpoint, each
-# under the real torchrun, which restarts the workers; the scaling benchmark at 1 and 2 ranks.
+# under the real torchrun, which restarts the workers; the scaling benchmark at 1 and 2 ranks; the
+# launcher script's tiny run (it starts torchrun itself: tests/bin/torchrun, first on PATH).
 PLAY = {"--config": _played_training(),
         "ddp_from_scratch.py": Form((*TINY, "--save", "{out}/scratch.pt", "--results", "{out}/scratch.jsonl")),
         "--crash-at-step": _played_training("--crash-at-step", "5", "--crash-rank", "2", launcher="torchrun"),
         "--crash-in-checkpoint-at-step": _played_training("--crash-in-checkpoint-at-step", "6", launcher="torchrun"),
         "validate_distributed.py": Form(),
+        "launch_ddp.sh": Form(("--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
+                               "--log-dir", "{out}/logs", "--results", "{out}/r.jsonl")),
         "ddp_benchmark.py": Form(("--world-sizes", "1", "2", "--model-size", "tiny", "--per-rank-batch", "4",
                                   "--steps", "4", "--results", "{out}/bench.jsonl", "--plot", "{out}/scaling.png"))}
 

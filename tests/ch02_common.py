@@ -54,13 +54,21 @@ LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL
 
 # How the reader's play (tests/spine.py) runs the commands tests/test_ch02_fsdp.py checks there: the
 # tiny GPT with a vocabulary of 65, 4 AdamW steps, the trained weights saved under the command's own
-# folder; the strategies sweep into the README's records, which the table command then reads; the LoRA
-# fine-tune for 4 steps (tests/test_ch02_lora.py).
+# folder; the strategies sweep into the README's records, which the table command then reads; the three
+# checkpoint commands in the README's folder, each resume dumping what it loaded (test_ch02_fsdp.py's
+# `checkpoints` says what each leaves there); the Hugging Face job for 4 steps, dumping its logits
+# (tests/test_ch02_hf.py); the LoRA fine-tune for 4 steps (tests/test_ch02_lora.py).
 _KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
 LORA_STEPS, LORA_BATCH = 4, 8  # tests/test_ch02_lora.py's run of the README's LoRA command
 PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
         SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
         TABLE: Form(), OFFLOAD: _KNOB, BF16: _KNOB,
+        SAVE: Form((*TINY, "--steps", "3", "--log-every", "1")),
+        RESUME_LATEST: Form((*TINY, "--steps", "6", "--log-every", "1", "--checkpoint-format", "full",
+                             "--dump-loaded", "{out}/loaded.pt")),
+        RESUME_FULL: Form((*TINY, "--steps", "9", "--checkpoint-format", "none", "--dump-loaded",
+                           "{out}/loaded_full.pt")),
+        HF_CHECKPOINT: Form((*TINY, "--steps", "4", "--log-every", "1", "--dump-logits", "{out}/logits.pt")),
         LORA: Form(("--steps", str(LORA_STEPS), "--global-batch-size", str(LORA_BATCH), "--log-every", "1",
                     "--results", "{out}/records.jsonl", "--save", "{out}/adapters.pt"))}
 

@@ -88,11 +88,12 @@ def gpu_rank(nodeid: str) -> int:
 # of its files to start (the longest: test_ch01_tools, test_ch02_fsdp, test_ch03_deepspeed,
 # test_ch04_readme, test_ch05_advanced, test_benchmarks), in place of the launches its tests made.
 CPU_FILE_SECONDS = {
-    "test_notebooks.py": 153, "test_benchmarks.py": 140, "test_ch05_advanced.py": 117, "test_slurm.py": 116,
+    "test_benchmarks.py": 140, "test_ch05_advanced.py": 117, "test_slurm.py": 116,
     "test_offline_install.py": 107, "test_ch03_deepspeed.py": 86, "test_ch01_tools.py": 73,
     "test_ch04_readme.py": 59, "test_ch02_fsdp.py": 59, "test_ch01_lesson.py": 57, "test_parity.py": 50,
     "test_ddp_mnist.py": 49, "test_ch01_ddp.py": 48, "test_ch05_cp_ep.py": 41, "test_ch02_ch05_more_lessons.py": 39,
-    "test_ch01_ch03_more_lessons.py": 38, "test_ch02_hf.py": 38, "test_ch05_negative.py": 33, "test_planner.py": 32,
+    "test_ch01_ch03_more_lessons.py": 38, "test_ch02_hf.py": 38, "test_notebooks.py": 36, "test_reader_play.py": 35,
+    "test_ch05_negative.py": 33, "test_planner.py": 32,
     "test_ch02_negative.py": 32, "test_ch05_lesson.py": 26, "test_gpu_check.py": 24, "test_llama_equivalence.py": 22,
     "test_bad_input.py": 21, "test_ch02_ch03_lesson.py": 17, "test_records.py": 17, "test_ch05_ac.py": 16,
     "test_text_data.py": 13, "test_output_paths.py": 9, "test_data_and_harness.py": 9, "test_ch02_lora.py": 8,
@@ -212,25 +213,14 @@ def first_command_run(tmp_path_factory, worker_id):
     return folder / "clone", subprocess.CompletedProcess(saved["args"], 0, saved["stdout"], "")
 
 
-def _plays_the_reader(config) -> bool:
-    markexpr = (config.getoption("markexpr", "") or "").replace(" ", "")
-    return "reader" in markexpr and "notreader" not in markexpr
-
-
 @pytest.fixture(scope="session")
-def reader(first_command_run, tmp_path_factory, worker_id, request):
+def reader(first_command_run, tmp_path_factory, worker_id):
     """The reader played once for the whole suite (tests/spine.py): the quick start's clone, the folder
-    the session's workers share, and this worker's fork server for the clone's jobs. Chapters are
-    played on demand: ``spine.play_chapter(chapter, reader)``; every command of each under ``pytest -m
-    reader``, the commands the chapters' tests check otherwise."""
-    from spine import Reader, clone_server, reader_env
+    the session's workers share and the environment of the played jobs. Chapters are played on
+    demand: ``spine.play_chapter(chapter, reader)``."""
+    from spine import Reader, reader_env
 
     clone, quick_start = first_command_run
     base = tmp_path_factory.getbasetemp()
     shared = base if worker_id == "master" else base.parent
-    if not _plays_the_reader(request.config):  # the session's fork server (tests/spine.py says why)
-        yield Reader(clone, shared, reader_env(clone, tmp_path_factory.mktemp("played"), own_distkit=False),
-                     quick_start, every_command=False)
-        return
-    with clone_server(clone, tmp_path_factory.mktemp("clone_server")) as env:
-        yield Reader(clone, shared, env, quick_start)
+    return Reader(clone, shared, reader_env(clone, tmp_path_factory.mktemp("played")), quick_start)

@@ -9,10 +9,9 @@ chapter's ``*_common`` module gives a :class:`Form` in its ``PLAY`` gets that fo
 ``runs/played/``), every other command the generic small size of :func:`small`. The chapter's tests
 assert on what the run printed and wrote (:class:`Played`) instead of launching the command again.
 
-The default run plays the commands a ``PLAY`` names (a launch each test made itself before, now
-made once in the clone); ``pytest -m reader`` (tests/test_reader_play.py) plays every command, the
-top README's too, and then checks the clone as the reader leaves it: every command ended well, its
-``git status`` is empty, ``records check`` passes in it and every notebook still runs there.
+tests/test_reader_play.py checks the clone as the reader leaves it: every command ended well, its
+``git status`` is empty, ``records check`` passes in it; tests/test_notebooks.py executes each
+chapter's notebook there after its chapter's commands.
 
 Chapters are played side by side (the suite's two workers each play the chapters their test files
 need, one lock per chapter in the session's shared folder; a chapter played once is read back by
@@ -20,17 +19,16 @@ every other worker). That equals one reader going through them in order because 
 is committed or written above it in its own README (tests/test_reader_path.py) and no two chapters
 write the same file (tests/test_reader_play.py).
 
-The jobs start as the suite's others do, forked from a fork server (tests/fork_launcher.py): under
-``pytest -m reader`` a server of their own that imported the clone's ``distkit`` (:func:`clone_server`,
-one per worker); in the default run the session's server, whose ``distkit`` is the working tree's,
-byte for byte the clone's (a second server per worker would cost 20 CPU-seconds);
-torchrun's restarts run under the real torchrun (``Form.launcher``), scripts that start torchrun
-themselves find tests/bin/torchrun first on ``PATH`` and jobs started by the benchmarks scripts go
-through ``$DISTKIT_TORCHRUN``, as in every other test.
+The jobs start as the suite's others do, forked from the session's fork server
+(tests/fork_launcher.py), whose ``distkit`` is the working tree's, byte for byte the clone's (a server
+of the clone's own would cost 20 CPU-seconds per worker; ``python`` commands that start a fresh
+interpreter from the clone's root import the clone's); torchrun's restarts run under the real
+torchrun (``Form.launcher``), scripts that start torchrun themselves find tests/bin/torchrun first on
+``PATH`` and jobs started by the benchmarks scripts go through ``$DISTKIT_TORCHRUN``, as in every
+other test.
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import math
@@ -49,7 +47,6 @@ from launch import (
     lookup_matches,
     own_processes,
     readme_commands,
-    running_fork_server,
     torchrun_on_path,
 )
 
@@ -199,36 +196,24 @@ def flag_path(run: dict, flag: str) -> Path:
 
 @dataclass
 class Reader:
-    """The played clone, the folder the session's workers share, the environment of its jobs, and
-    whether the session plays every command (``pytest -m reader``) or only those the chapters' tests
-    check (the default run: the commands a chapter's ``PLAY`` names)."""
+    """The played clone, the folder the session's workers share and the environment of its jobs."""
     clone: Path
     shared: Path
     env: dict
     quick_start: subprocess.CompletedProcess
-    every_command: bool = True
 
 
-def reader_env(clone: Path, scratch: Path, own_distkit: bool = True) -> dict:
-    """The environment of every played job: the clone's distkit (``own_distkit``; else the working
-    tree's, which the session's fork server imported), the suite's launcher for jobs that scripts
-    start, tests/bin's torchrun first on ``PATH``, an empty folder for DeepSpeed's compiled ops (an op
-    it built would show there), and every README's exports (a reader who exported once keeps them)."""
-    own = {"PYTHONPATH": str(clone)} if own_distkit else {}
+def reader_env(clone: Path, scratch: Path) -> dict:
+    """The environment of every played job: the session's fork server (module docstring), the suite's
+    launcher for jobs that scripts start, tests/bin's torchrun first on ``PATH``, an empty folder for
+    DeepSpeed's compiled ops (an op it built would show there), and every README's exports (a reader
+    who exported once keeps them)."""
     env = torchrun_on_path(job_env(scratch, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")),
-                                   TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS), **own))
+                                   TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS)))
     for chapter in CHAPTERS:
         env.update(exports(REPO / chapter / "README.md"))
+    env.pop("PYTEST_CURRENT_TEST", None)  # the test that asked first; each played job names its chapter
     return env
-
-
-@contextlib.contextmanager
-def clone_server(clone: Path, folder: Path):
-    """This worker's fork server for the clone's jobs (module docstring); yields their environment."""
-    folder.mkdir(parents=True, exist_ok=True)
-    env = reader_env(clone, folder)
-    with running_fork_server(folder, env) as socket_path:
-        yield {**env, "FORK_LAUNCHER_SERVER": socket_path}
 
 
 def play_chapter(chapter: str, reader: Reader) -> Played:
@@ -255,8 +240,6 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
                          "stdout": done.stdout, "seconds": None, "out": out, "problem": None, "left_running": []})
             continue
         form = form_of(chapter, command)
-        if form is None and not reader.every_command:
-            continue
         if form is None:
             words, launcher, nproc = small(command), "fork", None
         else:
@@ -266,7 +249,8 @@ def _play(chapter: str, reader: Reader) -> list[dict]:
         (reader.clone / out).mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            done = subprocess.run(argv, cwd=reader.clone, env=reader.env, stdout=subprocess.PIPE,
+            done = subprocess.run(argv, cwd=reader.clone, stdout=subprocess.PIPE,
+                                  env={**reader.env, "PYTEST_CURRENT_TEST": f"play {chapter}"},  # its job log line
                                   stderr=subprocess.STDOUT, text=True, timeout=900)
             code, stdout = done.returncode, done.stdout
         except subprocess.TimeoutExpired as exc:  # its output so far: bytes, whatever text= said

@@ -30,13 +30,11 @@ from distkit.harness import read_records
 from launch import (
     assert_one_line_error,
     assert_readme_covered,
-    forked_from_server,
     free_port,
     job_env,
     load_script,
     python,
     run,
-    torchrun_on_path,
 )
 from spine import play_chapter
 
@@ -83,19 +81,15 @@ def test_scaling_benchmark(played):
     assert "speedup" in run_["stdout"] and png.stat().st_size > 10_000
 
 
-def test_launchers(tmp_path, fork_server):
-    # launch_ddp.sh (the README command with 2 processes, tiny run). ddp_spawn.py, the README's other
-    # launcher, runs in tests/test_ch01_ch03_more_lessons.py, which also observes what each rank trained on.
-    argv = readme_argv("launch_ddp.sh")
-    argv[argv.index("--nproc") + 1] = "2"
-    script = [*argv, "--model-size", "tiny", "--steps", "3", "--global-batch-size", "4",
-              "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "logs"),
-              "--results", str(tmp_path / "r.jsonl")]
-    forked = forked_from_server(fork_server, "ddp_training.py")
-    launched = run(script, env=torchrun_on_path(job_env(tmp_path)), timeout=600)
-    assert "--standalone --nproc_per_node=2" in launched.stdout and "done: loss" in launched.stdout
-    # the torchrun it called (tests/bin/torchrun, first on PATH) had both its workers forked by the server
-    assert forked_from_server(fork_server, "ddp_training.py") - forked >= 2
+def test_launchers(played):
+    """launch_ddp.sh as the play ran the README command (its --nproc 4; the tiny run of
+    ch01_common.PLAY): it called torchrun on one node (tests/bin/torchrun, first on PATH), which trained
+    to the end on 4 ranks. ddp_spawn.py, the README's other launcher, runs in tests/test_ch01_ch03_more_lessons.py,
+    which also observes what each rank trained on."""
+    launched = played.ok("launch_ddp.sh")
+    assert "--standalone --nproc_per_node=4" in launched["stdout"] and "done: loss" in launched["stdout"]
+    (record,) = read_records(launched["out"] / "r.jsonl")
+    assert record["world_size"] == 4 and len(record["loss_history"]) == 3 and record["config"]["global_batch_size"] == 4
     # SLURM and Kubernetes files: valid shell / valid manifest that runs the chapter's script.
     run(["bash", "-n", str(CHAPTER / "slurm_ddp.sbatch")])
     job = yaml.safe_load((CHAPTER / "pytorchjob.yaml").read_text())

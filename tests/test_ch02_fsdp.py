@@ -54,7 +54,6 @@ from ch02_common import (
     reference_state,
     relative_error,
     run_all,
-    run_readme,
     shard_bytes,
 )
 from distkit import UsageError
@@ -364,54 +363,57 @@ def test_knobs_keep_training_equal(knobs):
 # ------------------------------------------------------------------------------------ checkpoints
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """The README's three checkpoint commands at tiny size: save both formats on 4 ranks at step 3;
-    then, side by side, resume the newest (the DCP folder) on 2 ranks and train to 6, and resume a
-    copy of the full file of step 3 on 2 ranks. Copies of what the save wrote are kept for the tests
-    of broken checkpoints."""
-    tmp = tmp_path_factory.mktemp("ch02_checkpoints")
-    ckpt = tmp / "ck"
-    save = run_readme(SAVE, tmp, *TINY, "--checkpoint-dir", ckpt, "--steps", "3", "--log-every", "1")
-    shutil.copy(ckpt / "full.pt", tmp / "first.pt")  # the resumed run below writes ck/full.pt
-    shutil.copytree(ckpt / "dcp", tmp / "saved_dcp")
-    resumes = run_all({
-        "latest": readme_argv(RESUME_LATEST, *TINY, "--checkpoint-dir", ckpt, "--steps", "6", "--log-every", "1",
-                              "--checkpoint-format", "full", "--dump-loaded", tmp / "loaded.pt"),
-        "full": readme_argv(RESUME_FULL, *TINY, "--resume", tmp / "first.pt", "--checkpoint-dir", tmp / "unused",
-                            "--steps", "6", "--checkpoint-format", "none", "--dump-loaded", tmp / "loaded_full.pt"),
-    }, tmp)
-    return SimpleNamespace(tmp=tmp, ckpt=ckpt, save=save.stdout, resumed=check_ok(resumes["latest"]),
-                           from_full=check_ok(resumes["full"]))
+def checkpoints(played):
+    """The README's three checkpoint commands as the play ran them, in order, in the README's folder
+    (ch02_common.PLAY): save both formats on 4 ranks at step 3; resume the newest (the DCP folder) on
+    2 ranks and train to 6, writing only the full file; resume that full file on 2 ranks, writing
+    nothing. The DCP folder therefore still holds the 4-rank save of step 3."""
+    save, latest, full = played.ok(SAVE), played.ok(RESUME_LATEST), played.ok(RESUME_FULL)
+    return SimpleNamespace(ckpt=played.clone / "checkpoints" / "fsdp", save=save["stdout"],
+                           resumed=latest["stdout"], loaded=latest["out"] / "loaded.pt",
+                           from_full=full["stdout"], loaded_full=full["out"] / "loaded_full.pt")
 
 
 def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
     """Loaded == saved exactly (a misplaced row or a missing key changes bits); continued training
     within FP32_ATOL of uninterrupted training. Bugs caught by the latter: the Adam moments not
     restored (76x the tolerance) or its step count reset (45x) (test_ch02_negative.py)."""
-    tmp, ckpt = checkpoints.tmp, checkpoints.ckpt
-    assert f"full checkpoint (rank 0 only): {ckpt}/full.pt" in checkpoints.save
-    assert f"sharded DCP checkpoint: {ckpt}/dcp | 6 files" in checkpoints.save
-    assert len(list((tmp / "saved_dcp").glob("*.distcp"))) == 4  # one shard file per rank
-    saved = torch.load(tmp / "first.pt", weights_only=True)
-    assert saved["step"] == 3
+    ckpt = checkpoints.ckpt
+    assert "full checkpoint (rank 0 only): checkpoints/fsdp/full.pt" in checkpoints.save
+    assert "sharded DCP checkpoint: checkpoints/fsdp/dcp | 6 files" in checkpoints.save
+    assert len(list((ckpt / "dcp").glob("*.distcp"))) == 4  # one shard file per rank
+    meta = json.loads((ckpt / "dcp" / "trainer_state.json").read_text())
+    assert meta["step"] == 3 and meta["world_size"] == 4
+    _, reference = reference_state(6)
+    saved = dcp_model(ckpt / "dcp", reference)  # read here, in one process
+    assert max_diff(saved, reference_state(3)[1]) <= FP32_ATOL
 
     # --resume latest took the DCP folder (written after the full file by a `both` save)
-    assert f"resumed from dcp checkpoint {ckpt}/dcp at step 3 (saved by 4 ranks) into 2 ranks" in checkpoints.resumed
-    loaded = torch.load(tmp / "loaded.pt", weights_only=True)
-    assert max_diff(loaded, saved["model"]) == 0.0  # resharded 4 -> 2, bit for bit
+    assert "resumed from dcp checkpoint checkpoints/fsdp/dcp at step 3 (saved by 4 ranks) into 2 ranks" \
+        in checkpoints.resumed
+    assert max_diff(torch.load(checkpoints.loaded, weights_only=True), saved) == 0.0  # resharded 4 -> 2, bit for bit
 
     # Training continued from step 3 to 6 on 2 ranks equals 6 uninterrupted single-process steps:
     # proves the optimizer state (Adam moments, step count) was restored too, not only weights.
-    _, reference = reference_state(6)
     final = torch.load(ckpt / "full.pt", weights_only=True)
     assert final["step"] == 6
     assert max_diff(final["model"], reference) <= FP32_ATOL
     assert "sharded DCP checkpoint" not in checkpoints.resumed  # --checkpoint-format full
 
     # The same from the one-file checkpoint (rank 0 reads, broadcast and shard to 2 ranks).
-    assert f"resumed from full checkpoint {tmp}/first.pt at step 3 into 2 ranks" in checkpoints.from_full
-    assert max_diff(torch.load(tmp / "loaded_full.pt", weights_only=True), saved["model"]) == 0.0
-    assert "checkpoint (rank 0 only)" not in checkpoints.from_full and not (tmp / "unused").exists()
+    assert "resumed from full checkpoint checkpoints/fsdp/full.pt at step 6 into 2 ranks" in checkpoints.from_full
+    assert max_diff(torch.load(checkpoints.loaded_full, weights_only=True), final["model"]) == 0.0
+    assert "checkpoint (rank 0 only)" not in checkpoints.from_full  # --checkpoint-format none
+    assert torch.load(ckpt / "full.pt", weights_only=True)["step"] == 6
+
+
+def dcp_model(folder, like: dict) -> dict:
+    """The model part of a DCP checkpoint, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state["model"]
 
 
 def test_resume_latest_takes_the_newer_checkpoint(tmp_path):
@@ -477,7 +479,7 @@ def failures(checkpoints, tmp_path_factory):
     copies = {}
     for name in ("named", "unnamed", "damaged"):
         copies[name] = tmp / name / "dcp"
-        shutil.copytree(checkpoints.tmp / "saved_dcp", copies[name])
+        shutil.copytree(checkpoints.ckpt / "dcp", copies[name])
     meta_path = copies["unnamed"] / "trainer_state.json"
     meta = json.loads(meta_path.read_text())
     del meta["model"]  # as saves from before trainer_state.json named the model
@@ -524,7 +526,7 @@ def test_dcp_checkpoint_of_another_model_is_one_line(checkpoints, failures):
     (rank 0 checks it before any model is built, and tells rank 1); when it does not (older saves),
     DCP's CheckpointException (a BaseException, raised on every rank) still becomes one line on 2
     ranks; a damaged trainer_state.json too."""
-    meta = json.loads((checkpoints.tmp / "saved_dcp" / "trainer_state.json").read_text())
+    meta = json.loads((checkpoints.ckpt / "dcp" / "trainer_state.json").read_text())
     assert meta["step"] == 3 and meta["world_size"] == 4 and meta["model"]["n_layer"] == 2
     assert not list(checkpoints.ckpt.glob("*.tmp*")) and not list(checkpoints.ckpt.glob("dcp.*"))  # no leftovers
     results, copies = failures.results, failures.copies

@@ -1,12 +1,14 @@
 """Chapter 02, fsdp_hf_checkpoint.py: a Hugging Face folder in, FSDP2 training, DCP and a Hugging Face
 folder out, checked against Hugging Face's own loader and single-process training.
 
-The test writes its own Hugging Face folder (``save_pretrained`` of a random tiny Llama, vocab 65 so
-dim 0 of the embedding and the LM head is padded on 4 ranks) and runs the README's command on it:
+The README's command, as the reader's play ran it (tests/spine.py: 4 ranks, the tiny Llama with vocab
+65, so dim 0 of the embedding and the LM head is padded, 4 AdamW steps), created its random-weights
+folder with ``--create-hf-in``, trained from it and wrote the README's outputs; the variants below
+run the same command on a folder this test writes (``save_pretrained`` of a random tiny Llama):
 
 (a) ``--steps 0`` exports the loaded weights unchanged: every tensor of the exported folder equals the
     input's bit for bit, and ``transformers.LlamaForCausalLM.from_pretrained`` loads it in this process.
-(b) After 4 AdamW steps the exported weights equal single-process training of the same Hugging Face
+(b) After 4 AdamW steps (the played run) the exported weights equal single-process training of the same Hugging Face
     model on the same global batches within FP32_ATOL (2e-4, ch02_common.py; what is left is summation
     order through Adam: measured below). The bugs it must catch, shown by the negative controls (the
     script's own source with one piece replaced, tests/workers/mutation.py through ch05_mutant.py):
@@ -19,9 +21,10 @@ dim 0 of the embedding and the LM head is padded on 4 ranks) and runs the README
     RoPE differs from what the exported config tells ``from_pretrained`` to build (the inv_freq mutant).
 (e) The DCP checkpoint resumes: fsdp_checkpoint.py --resume loads it into 2 ranks bit for bit and two
     more steps equal six single-process steps (FP32_ATOL).
-Plus: ``--create-hf-in`` on 2 ranks writes a folder ``from_pretrained`` loads, and training from it on
-2 ranks equals single-process training too; bad inputs (a missing folder, a config that disagrees
-with the flags, a folder without safetensors, --arch gpt) are one ``error:`` line.
+Plus: the folder ``--create-hf-in`` wrote loads with ``from_pretrained``; the README's Python
+snippet runs as written from the clone's root; a tied model keeps its tie; bad inputs (a missing
+folder, a config that disagrees with the flags, a folder without safetensors, --arch gpt) are one
+``error:`` line.
 
 Measured on 2-core CPU, gloo (tiny Llama, vocab 65, AdamW lr 3e-3, 4 steps, global batch 8; training
 moves the weights by up to 1.2e-2): max |FSDP - single process| 1.2e-5 on 4 ranks, 1.1e-6 on 2, so
@@ -37,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,6 +49,7 @@ from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, README, check_ok,
 from distkit import UsageError
 from distkit.models import build_model, import_transformers, model_config
 from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
+from spine import play_chapter
 from workers.reference import train_one_process
 
 SCRIPT = CHAPTER / "fsdp_hf_checkpoint.py"
@@ -119,7 +124,19 @@ def dcp_weights(folder, like: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
+def created(reader):
+    """The README's command as the play ran it in the clone (ch02_common.PLAY): it created the random
+    tiny Llama folder checkpoints/hf/llama-small, trained from it on 4 ranks for STEPS steps and wrote
+    the README's outputs: checkpoints/fsdp_hf/dcp and checkpoints/fsdp_hf/hf."""
+    run = play_chapter("02-fsdp", reader).ok(HF_CHECKPOINT)
+    clone = reader.clone
+    return SimpleNamespace(stdout=run["stdout"], clone=clone, hf_in=clone / "checkpoints" / "hf" / "llama-small",
+                           hf=clone / "checkpoints" / "fsdp_hf" / "hf", dcp=clone / "checkpoints" / "fsdp_hf" / "dcp",
+                           logits=run["out"] / "logits.pt")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, created):
     tmp = tmp_path_factory.mktemp("ch02_hf")
     write_hf_folder(tmp / "hf_in")
     write_hf_folder(tmp / "hf_tied", cfg=TIED_CFG)
@@ -129,6 +146,7 @@ def jobs(tmp_path_factory):
         argv = readme_argv(HF_CHECKPOINT, *FLAGS, "--steps", steps, "--hf-in", hf_in, "--hf-out", out / "hf",
                            "--checkpoint-dir", out / "ckpt", "--results", out / "records.jsonl",
                            "--dump-logits", out / "logits.pt", "--log-every", 1, *extra, nproc=nproc)
+        argv.remove("--create-hf-in")  # these read the folders written above
         if mutant:  # the launcher's script argument becomes the mutant worker, the script its argument
             at = argv.index(str(SCRIPT)) if str(SCRIPT) in argv else argv.index("02-fsdp/fsdp_hf_checkpoint.py")
             argv[at:at + 1] = [str(WORKERS / "ch05_mutant.py"), str(SCRIPT), *MUTANTS[mutant], "--"]
@@ -136,18 +154,15 @@ def jobs(tmp_path_factory):
 
     results = run_all({
         "zero4": job("zero4", steps=0),
-        "train4": job("train4"),
-        "create2": job("create2", hf_in=tmp / "created", nproc=2),
         "no_broadcast": job("no_broadcast", mutant="no_broadcast"),
         "no_rope_reinit": job("no_rope_reinit", mutant="no_rope_reinit"),
         "mismatch": job("mismatch", "--n-layer", 3, nproc=2),
         "tied2": job("tied2", "--tie-embeddings", "on", hf_in=tmp / "hf_tied", nproc=2),
+        # the next run of the played job: chapter 02's resume script continues from its DCP checkpoint, on 2 ranks
+        "resume2": [*command_argv("torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py"), "--arch", "llama", *FLAGS,
+                    "--steps", STEPS + 2, "--resume", created.dcp, "--checkpoint-dir", tmp / "resume2",
+                    "--checkpoint-format", "full", "--dump-loaded", tmp / "resume2" / "loaded.pt"],
     }, tmp, parallel=2, timeout=600)
-    # The next run of the job: chapter 02's resume script continues from the DCP checkpoint, on 2 ranks.
-    results.update(run_all({"resume2": [
-        *command_argv("torchrun --nproc_per_node=2 02-fsdp/fsdp_checkpoint.py"), "--arch", "llama", *FLAGS,
-        "--steps", STEPS + 2, "--resume", tmp / "train4" / "ckpt" / "dcp", "--checkpoint-dir", tmp / "resume2",
-        "--checkpoint-format", "full", "--dump-loaded", tmp / "resume2" / "loaded.pt"]}, tmp, timeout=600))
     return tmp, results
 
 
@@ -165,31 +180,36 @@ def test_steps_0_exports_the_input_bit_for_bit(jobs):
         assert torch.equal(loaded[name], given[name]), name
 
 
-def test_training_equals_single_process_and_every_output_agrees(jobs):
-    """(b) exported = single-process training (FP32_ATOL); (c) DCP = export exactly; (d) the export's
-    logits under from_pretrained = the trained FSDP model's (LOGITS_ATOL)."""
-    tmp, results = jobs
-    check_ok(results["train4"])
-    exported = read_folder(tmp / "train4" / "hf")
-    expected = reference(tmp / "hf_in", STEPS)
-    moved = max_diff(expected, read_folder(tmp / "hf_in"))
-    diff = max_diff(exported, expected)
-    print(f"train4: max |FSDP - single process| {diff:.2e} (training moved weights {moved:.2e})")
+def test_created_folder_loads_and_training_equals_single_process(created):
+    """The README's command (4 ranks, as the play ran it): --create-hf-in wrote a folder
+    from_pretrained loads, leaving no temporary; (b) exported = single-process training from that
+    folder (FP32_ATOL); (c) DCP = export exactly; (d) the export's logits under from_pretrained = the
+    trained FSDP model's (LOGITS_ATOL)."""
+    assert "created a random-weights Hugging Face folder" in created.stdout, created.stdout[-3000:]
+    given = read_folder(created.hf_in)
+    loaded = from_pretrained(created.hf_in).state_dict()
+    assert all(torch.equal(loaded[k], given[k]) for k in given)
+    assert [p.name for p in created.hf_in.parent.iterdir()] == ["llama-small"]  # no temporary left
+
+    exported = read_folder(created.hf)
+    expected = reference(created.hf_in, STEPS)
+    moved, diff = max_diff(expected, given), max_diff(exported, expected)
+    print(f"played: max |FSDP - single process| {diff:.2e} (training moved weights {moved:.2e})")
     assert moved > WIDE * FP32_ATOL  # the comparison would mean nothing if training barely moved them
     assert diff <= FP32_ATOL, diff
 
-    saved = dcp_weights(tmp / "train4" / "ckpt" / "dcp", exported)
+    saved = dcp_weights(created.dcp, exported)
     for name in exported:
         assert torch.equal(saved[name], exported[name]), name
-    trainer_state = json.loads((tmp / "train4" / "ckpt" / "dcp" / "trainer_state.json").read_text())
+    trainer_state = json.loads((created.dcp / "trainer_state.json").read_text())
     assert trainer_state == {"step": STEPS, "world_size": 4, "model": CFG.to_dict()}
 
-    logits = logits_diff(tmp / "train4" / "hf", torch.load(tmp / "train4" / "logits.pt"))
-    print(f"train4: max |from_pretrained logits - FSDP logits| {logits:.2e}")
+    logits = logits_diff(created.hf, torch.load(created.logits))
+    print(f"played: max |from_pretrained logits - FSDP logits| {logits:.2e}")
     assert logits <= LOGITS_ATOL, logits
 
 
-def test_dcp_checkpoint_resumes_training_on_2_ranks(jobs):
+def test_dcp_checkpoint_resumes_training_on_2_ranks(jobs, created):
     """The DCP checkpoint is a real training checkpoint: fsdp_checkpoint.py --resume loads it into 2
     ranks exactly (the exported weights, bit for bit) and 2 more steps equal 6 uninterrupted
     single-process steps within FP32_ATOL, so the Adam state came back too (a resume without it
@@ -197,27 +217,13 @@ def test_dcp_checkpoint_resumes_training_on_2_ranks(jobs):
     tmp, results = jobs
     out = check_ok(results["resume2"])
     assert "resumed from dcp checkpoint" in out and "(saved by 4 ranks) into 2 ranks" in out, out[-3000:]
-    exported, loaded = read_folder(tmp / "train4" / "hf"), torch.load(tmp / "resume2" / "loaded.pt")
+    exported, loaded = read_folder(created.hf), torch.load(tmp / "resume2" / "loaded.pt")
     assert set(loaded) == set(exported)
     assert all(torch.equal(loaded[k], exported[k]) for k in exported)
     continued = torch.load(tmp / "resume2" / "full.pt")["model"]
-    diff = max_diff(continued, reference(tmp / "hf_in", STEPS + 2))
+    diff = max_diff(continued, reference(created.hf_in, STEPS + 2))
     print(f"resume2: max |4 steps on 4 ranks + 2 on 2 - 6 single-process steps| {diff:.2e}")
     assert diff <= FP32_ATOL, diff
-
-
-def test_create_hf_in_then_train_on_2_ranks(jobs):
-    """--create-hf-in writes a folder from_pretrained loads; 2-rank training from it = one process."""
-    tmp, results = jobs
-    out = check_ok(results["create2"])
-    assert "created a random-weights Hugging Face folder" in out, out[-3000:]
-    created = read_folder(tmp / "created")
-    loaded = from_pretrained(tmp / "created").state_dict()
-    assert all(torch.equal(loaded[k], created[k]) for k in created)
-    diff = max_diff(read_folder(tmp / "create2" / "hf"), reference(tmp / "created", STEPS))
-    print(f"create2: max |FSDP - single process| {diff:.2e}")
-    assert diff <= FP32_ATOL, diff
-    assert not [p.name for p in tmp.glob("created*") if p.name != "created"]  # no temporary left
 
 
 def test_tied_model_round_trip_keeps_the_tie(jobs):
@@ -292,29 +298,25 @@ def test_bad_input_is_one_error_line(jobs, tmp_path):
         script.read_hf_folder(str(tmp / "hf_in"), TIED_CFG, expected)
 
 
-def test_readme_from_pretrained_snippet_runs_as_written(jobs, tmp_path):
-    """The README's Python snippet, as written, from a folder laid out like the repository root (its
-    ``checkpoints/fsdp_hf/hf`` is the 4-rank export). Negative control: on a CPU-only torch (this
-    suite's), the plain ``from transformers import LlamaForCausalLM`` fails the way the README says."""
+def test_readme_from_pretrained_snippet_runs_as_written(created, tmp_path):
+    """The README's Python snippet, as written, from the clone's root after the README's command
+    wrote checkpoints/fsdp_hf/hf there (the reader's order). Negative control: on a CPU-only torch
+    (this suite's), the plain ``from transformers import LlamaForCausalLM`` fails the way the README
+    says."""
     import re
     import subprocess
     import sys
 
-    import torch
-
     from launch import job_env
 
-    tmp, _ = jobs
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
                    if "from_pretrained" in block)
-    (tmp_path / "checkpoints" / "fsdp_hf").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "fsdp_hf" / "hf").symlink_to(tmp / "zero4" / "hf")
-    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=job_env(tmp_path),
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=created.clone, env=job_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
-    params = sum(t.numel() for t in read_folder(tmp / "zero4" / "hf").values())
+    params = sum(t.numel() for t in read_folder(created.hf).values())
     assert done.returncode == 0 and f"LlamaForCausalLM {params} parameters" in done.stdout, done.stderr[-3000:]
     if torch.version.cuda is None:
         plain = "from transformers import LlamaForCausalLM\nLlamaForCausalLM.from_pretrained('checkpoints/fsdp_hf/hf')"
-        done = subprocess.run([sys.executable, "-c", plain], cwd=tmp_path, env=job_env(tmp_path),
+        done = subprocess.run([sys.executable, "-c", plain], cwd=created.clone, env=job_env(tmp_path),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and "torchvision::nms" in done.stderr, done.stderr[-3000:]

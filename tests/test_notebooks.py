@@ -8,13 +8,12 @@ Each chapter's notebook is written as ``notebook.py`` (jupytext percent format) 
 (b) every code cell of the committed ``.ipynb`` was executed, and the outputs were produced by the
     current cells: the executed notebook stores the hash of the cells it ran, and a cell edited
     afterwards (without re-executing) fails the check, as the negative controls below show;
-(c) the notebook executes top to bottom, headless, as a reader would run it (its kernel and its jobs
-    started by the suite's fork launcher: the kernel as ipykernel's launcher run with ``--python``,
-    the jobs through ``$DISTKIT_TORCHRUN``), and shows the same
-    kinds of output (text, figures) in the same cells as the committed one. The notebooks assert
-    the numbers they show (against their records or theory), so a wrong outcome fails here as an
-    error. ``pytest -m reader`` executes them again in the reader's played clone, after every README
-    command ran there (tests/test_reader_play.py).
+(c) the notebook executes top to bottom, headless, as a reader would run it: in the reader's clone
+    (tests/spine.py), after its chapter's README commands ran there, its kernel and its jobs started
+    by the suite's fork launcher (the kernel as ipykernel's launcher run with ``--python``, the jobs
+    through ``$DISTKIT_TORCHRUN``), and shows the same kinds of output (text, figures) in the same
+    cells as the committed one. The notebooks assert the numbers they show (against their records or
+    theory), so a wrong outcome fails here as an error.
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from distkit import notebooks
-from launch import REPO, forked_from_server, launcher_argv
+from launch import REPO, changed_files, forked_from_server, launcher_argv
+from spine import play_chapter
 
 SOURCES = notebooks.sources([str(REPO)])
 IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
@@ -111,9 +111,18 @@ def execute_and_compare(source: Path, server: str, tmp_path: Path, monkeypatch) 
 
 
 @pytest.mark.notebook
+@pytest.mark.reader
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
-def test_notebook_executes(source: Path, tmp_path: Path, monkeypatch, fork_server):
-    execute_and_compare(source, fork_server, tmp_path, monkeypatch)
+def test_notebook_executes_in_the_readers_clone(source: Path, reader, fork_server, tmp_path: Path, monkeypatch):
+    """The clone's notebook, executed after its chapter's README commands ran there (the reader's
+    order: the commands, then the notebook; tests/spine.py), with the environment of the played jobs.
+    It leaves the clone's ``git status`` empty, as the commands do (tests/test_reader_play.py)."""
+    chapter = str(source.parent.relative_to(REPO))
+    play_chapter(chapter, reader)
+    for name, value in reader.env.items():
+        monkeypatch.setenv(name, value)
+    execute_and_compare(reader.clone / chapter / source.name, fork_server, tmp_path, monkeypatch)
+    assert changed_files(reader.clone) == []
 
 
 # ------------------------------------------------------------------------------- negative controls

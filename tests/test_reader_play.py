@@ -2,9 +2,8 @@
 leaves it (tests/spine.py plays them; each chapter's tests assert on what its commands printed and
 wrote).
 
-``pytest -m reader`` (not in the default run: about 5 minutes on 2 cores, one worker; the default run
-plays only the commands the chapters' tests check): the whole play, chapter by chapter in the
-reader's order, the top README last:
+Every README command is played once per session (the chapters' tests read the runs they check,
+tests/spine.py); this file asks for every chapter, the top README last, and checks the whole play:
 
 * every README command was played once (but those tests/spine.py leaves out, each run by its own
   test) and ended well: exit 0, or one distinct ``error:`` line and no traceback from the
@@ -12,11 +11,12 @@ reader's order, the top README last:
   debug lab's scenarios fail by design and only have to end);
 * the clone's ``git status`` is empty afterwards: every output lies where git ignores it;
 * no two chapters wrote the same file, so playing them side by side equals playing them in order;
-* the top README's ``python -m distkit.records check``, played last, passed in the clone: the
-  committed records, tables and plots still match after everything the reader ran;
-* every chapter notebook still executes in the clone, with the clone's distkit, and shows the same
-  kinds of output in the same cells as its committed run (tests/test_notebooks.py checks the
-  committed notebooks themselves).
+* the top README's ``python -m distkit.records check``, played after every other command, passed in
+  the clone: the committed records, tables and plots still match after everything the reader ran.
+
+Each chapter's notebook executes in the clone after its chapter's commands (tests/test_notebooks.py).
+``pytest -m reader`` runs the play with these checks and the notebooks alone (about 5 minutes on 2
+cores).
 
 Negative controls: a command that ends in a traceback from a repository file fails the check a played
 command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`); two chapters keeping the same
@@ -32,7 +32,6 @@ import pytest
 
 from launch import REPO, changed_files, readme_commands
 from spine import CHAPTERS, LEFT_OUT, Played, ended_well, exports, play_chapter
-from test_notebooks import IDS, SOURCES, execute_and_compare
 from test_reader_path import outputs, parsed_flags, script_and_args
 
 
@@ -97,19 +96,6 @@ def test_no_two_chapters_write_the_same_file(whole_play):
 def test_records_check_passes_after_the_reader(whole_play):
     run = whole_play["."].ok((("-m distkit.records check",), "check benchmarks"))
     assert "every generated part matches its record" in run["stdout"], run["stdout"][-3000:]
-
-
-@pytest.mark.reader
-@pytest.mark.notebook
-@pytest.mark.parametrize("source", SOURCES, ids=IDS)
-def test_notebook_still_runs_after_the_reader(source, whole_play, reader, tmp_path, monkeypatch):
-    """The clone's notebook, executed headless in the clone as a reader would run it (its kernel and
-    its jobs forked from the play's fork server, which imported the clone's distkit: the kernel is
-    ipykernel's launcher run with ``--python``, the jobs start through ``$DISTKIT_TORCHRUN``)."""
-    for name, value in reader.env.items():
-        monkeypatch.setenv(name, value)
-    execute_and_compare(reader.clone / source.relative_to(REPO), reader.env["FORK_LAUNCHER_SERVER"], tmp_path,
-                        monkeypatch)
 
 
 def test_a_command_ending_in_a_traceback_is_seen(tmp_path):

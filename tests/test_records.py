@@ -1,9 +1,11 @@
 """Every README figure is regenerated from a committed record, and the check that says so can fail.
 
 ``python -m distkit.records check`` rebuilds every output block, table and plot of every Markdown
-file from the records committed beside it and compares with what is committed. The negative
-controls below prove it notices a hand-typed figure, a stale block, a redrawn plot and a record
-that is missing.
+file from the records committed beside it and compares with what is committed. The reader's play
+runs it as the top README shows it, over the whole repository, after every other README command
+(tests/test_reader_play.py; chapter benchmarks' own ``check benchmarks``: tests/test_benchmarks.py).
+The negative controls below prove it notices a hand-typed figure, a stale block, a redrawn plot and
+a record that is missing.
 """
 from __future__ import annotations
 
@@ -17,16 +19,6 @@ import pytest
 from distkit import records
 from distkit.harness import read_records, upgrade_record
 from launch import REPO, job_env
-
-
-def test_every_figure_in_the_repository_matches_its_record():
-    """Every Markdown file but benchmarks/'s, which tests/test_benchmarks.py checks by running that
-    README's own command, ``python -m distkit.records check benchmarks`` (checked twice, it would cost
-    the suite its most expensive plots again)."""
-    everything, benchmarks = records.markdown_files(), records.markdown_files([str(REPO / "benchmarks")])
-    assert benchmarks and set(benchmarks) <= set(everything)
-    problems = records.check([str(path) for path in everything if path not in benchmarks])
-    assert not problems, "\n".join(problems)
 
 
 def _record(name: str, output: str) -> dict:
