@@ -13,8 +13,8 @@ README = BENCH / "README.md"
 COMMITTED_RESULTS = BENCH / "records" / "results_cpu.jsonl"
 BYTES_TOLERANCE = 0.01   # the bar: communication bytes within 1% of distkit.theory
 STATE_TOLERANCE = 0.05   # model-state bytes within 5%
-# The README's planner commands (section "Planning"), run by tests/test_planner.py; the README
-# coverage check needs them next to test_benchmarks.py's own lookups.
+# The README's planner commands (section "Planning"), checked by tests/test_planner.py as the play ran
+# them; the README coverage check needs them next to test_benchmarks.py's own lookups.
 # A lookup is needles, or (needles, without), as readme_command takes them.
 PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gib"),
                    "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"),
@@ -29,11 +29,13 @@ PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gi
 # How the reader's play (tests/spine.py) runs the README's commands that tests/test_benchmarks.py and
 # tests/test_parity.py check: the quick matrix's cells through the suite's fork launcher (not
 # torchrun); the bigger matrices planned (--dry-run: the quick matrix runs their cells' code); parity
-# for 20 steps with held-out losses every 10; one short round of the harness overhead.
+# for 20 steps with held-out losses every 10; one short round of the harness overhead; the planner's
+# examples as written.
 FORK_CELLS = shlex.join([*launcher_argv("fork"), "--standalone"]) + " --nproc_per_node={nproc}"
 PARITY_STEPS, PARITY_EVERY = 20, 10
 PLAY = {"distributed_benchmarks.py --quick": Form(("--launcher", FORK_CELLS)),
-        ("plot.py", "runs/benchmarks.jsonl"): Form(), "distkit.records check benchmarks": Form(),
+        ("plot.py", "runs/benchmarks.jsonl"): Form(),
+        **{lookup: Form() for lookup in PLANNER_LOOKUPS.values()},  # as written (tests/test_planner.py)
         **{lookup: Form(("--dry-run",)) for lookup in [("distributed_benchmarks.py", f"--results runs/{name}.jsonl")
                                                          for name in ("full_cpu", "gpu", "one_gpu")]},
         "benchmarks/parity.py": Form(("--steps", str(PARITY_STEPS), "--held-out-every", str(PARITY_EVERY))),

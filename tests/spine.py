@@ -57,10 +57,13 @@ STEP_FLAGS = {"--steps", "--save-every", "--crash-at-step", "--checkpoint-every"
 # Commands the play leaves out, each run by its own test instead: SLURM's srun/sbatch
 # (tests/test_slurm.py starts a cluster), the two-terminal two-node command (tests/test_ch01_ddp.py),
 # the offline install pair (network and a wheel folder: tests/test_offline_install.py) and the
-# maintainer's records run/render. (The GPU matrices are planned: --dry-run, below.)
+# maintainer's records run/render; benchmarks/README.md's `records check benchmarks`, which the top
+# README's `records check` (the whole repository, played after every other command) runs within.
+# (The GPU matrices are planned: --dry-run, below.)
 LEFT_OUT = {"srun ": "SLURM", "sbatch ": "SLURM", "--nnodes=2": "two terminals",
             "distkit/offline.py": "network and a wheel folder",
-            "records run": "maintainer", "records render": "maintainer"}
+            "records run": "maintainer", "records render": "maintainer",
+            "records check benchmarks": "the top README's records check"}
 FAILS_BY_DESIGN = ("debug_lab.py",)
 PLAYED = "runs/played"  # where the flags a test adds write, in the clone
 EXTENSIONS = f"{PLAYED}/torch_extensions"  # DeepSpeed's JIT-compiled ops would land here

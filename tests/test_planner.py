@@ -9,18 +9,18 @@ import json
 import math
 import os
 import re
-import shlex
 import statistics
 from dataclasses import replace
 
 import pytest
 
-from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS, README
+from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS
 from distkit import planner, predictors, theory
 from distkit.errors import UsageError
 from distkit.models import LlamaModelConfig, model_config, with_experts
 from distkit.strategies import MEASURED, PLANNED
-from launch import assert_one_line_error, load_script, lookup_command, parse_args_result, python
+from launch import assert_one_line_error, load_script, parse_args_result, python
+from spine import play_chapter
 
 GiB = 2 ** 30
 LLAMA_1B = model_config("llama", "llama-3.2-1b")
@@ -931,36 +931,18 @@ def test_negative_control_time_model_without_collective_latency_leaves_the_bound
 
 
 @pytest.mark.parametrize("name", sorted(PLANNER_LOOKUPS))
-def test_readme_planner_commands_print_their_recorded_output(name, capsys):
-    """Each planner command of the README, run here (in this process: the planner is deterministic
-    and launches nothing), prints exactly the output recorded for its block (the torchvision note
-    aside, which goes to stderr): a planner change that alters an answer without re-recording the
-    README fails here, not only in ``distkit.records check``."""
-    check_recorded_command(PLANNER_LOOKUPS[name], name, capsys)
-
-
-# the N-D examples of the Planning section: (substrings that find the command, record)
-ND_LOOKUPS = {"plan_405b_256xh100": ("plan.py", "--gpus 256"),
-              "plan_70b_64xh100_layout": ("plan.py", "--layout dp_shard=2"),
-              "plan_published": ("plan.py", "--published")}
-
-
-@pytest.mark.parametrize("name", sorted(ND_LOOKUPS))
-def test_readme_nd_commands_print_their_recorded_output(name, capsys):
-    """The N-D examples, as :func:`test_readme_planner_commands_print_their_recorded_output`."""
-    check_recorded_command(ND_LOOKUPS[name], name, capsys)
-
-
-def check_recorded_command(lookup, name, capsys) -> None:
-    argv = shlex.split(lookup_command(README, lookup))  # run here, in this process: the words as written
-    assert argv[:2] == ["python", "benchmarks/plan.py"]
-    load_script(BENCH / "plan.py").main(argv[2:])
-    printed = capsys.readouterr().out
+def test_readme_planner_commands_print_their_recorded_output(name, reader):
+    """Each planner command of the README, as the reader's play ran it (as written, from the clone's
+    root: tests/spine.py), printed exactly the output recorded for its block (the torchvision note
+    aside, a line of stderr): a planner change that alters an answer without re-recording the README
+    fails here, not only in ``distkit.records check``."""
+    run = play_chapter("benchmarks", reader).ok(PLANNER_LOOKUPS[name])
+    assert run["played"] == run["command"]  # the words as written
     recorded = next(json.loads(line) for line in (BENCH / "records" / "outputs.jsonl").read_text().splitlines()
                     if json.loads(line)["name"] == name)
-    assert recorded["command"] == " ".join(["python", *argv[1:]]) or recorded["command"].endswith(" ".join(argv[2:]))
+    assert recorded["command"] == run["command"] or recorded["command"].endswith(run["command"].split(" ", 2)[2])
     want = [line.rstrip() for line in recorded["output"].splitlines() if not line.startswith("note:")]
-    assert [line.rstrip() for line in printed.splitlines()] == want
+    assert [line.rstrip() for line in run["stdout"].splitlines() if not line.startswith("note:")] == want
 
 
 def test_params_picks_the_block_count():
