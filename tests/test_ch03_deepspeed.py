@@ -66,6 +66,7 @@ from launch import (
     free_port,
     job_env,
     load_script,
+    python,
     run,
 )
 from spine import EXTENSIONS, flag_path, play_chapter
@@ -308,8 +309,8 @@ def test_numeric_flags_are_checked_where_they_are_defined(tmp_path, monkeypatch,
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert status == 2 and len(errors) == 1 and message in errors[0], (name, flags, err)
 
-    result = run([sys.executable, str(CHAPTER / "deepspeed_train.py"), "--global-batch-size", "0"],
-                 env=job_env(tmp_path), check=False, timeout=120)
+    result = python(CHAPTER / "deepspeed_train.py", "--global-batch-size", "0", tmp_path=tmp_path, check=False,
+                    timeout=120)
     assert result.returncode == 2, result.stdout[-2000:]
     assert_one_line_error(result, "argument --global-batch-size: must be a positive integer, got 0")
 
@@ -335,8 +336,8 @@ def test_bad_configs_fail_with_one_line_naming_the_file(tmp_path):
         assert message in str(error.value) and str(path) in str(error.value), str(error.value)
         assert "\n" not in str(error.value)
 
-    result = run([sys.executable, str(CHAPTER / "deepspeed_train.py"), "--deepspeed_config", str(broken)],
-                 env=job_env(tmp_path), check=False, timeout=120)
+    result = python(CHAPTER / "deepspeed_train.py", "--deepspeed_config", broken, tmp_path=tmp_path, check=False,
+                    timeout=120)
     assert_one_line_error(result, "is not valid JSON")
     assert str(broken) in [line for line in result.stdout.splitlines() if line.startswith("error:")][0]
 
@@ -413,8 +414,7 @@ def test_kernel_inject_without_a_policy_is_one_line(tmp_path):
     script = CHAPTER / "deepspeed_inference.py"
     for flags, message in ((["--kernel-inject"], "--kernel-inject: DeepSpeed"),
                            (["--prompt-len", "99"], "--prompt-len 99: the task has")):
-        result = run([sys.executable, str(script), "--load", str(checkpoint), *flags],
-                     env=job_env(tmp_path), check=False, timeout=180)
+        result = python(script, "--load", checkpoint, *flags, tmp_path=tmp_path, check=False, timeout=180)
         assert_one_line_error(result, message)
         assert "No default policy found" not in result.stdout
 
