@@ -60,6 +60,7 @@ LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL
 # (tests/test_ch02_hf.py); the LoRA fine-tune for 4 steps (tests/test_ch02_lora.py).
 _KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
 LORA_STEPS, LORA_BATCH = 4, 8  # tests/test_ch02_lora.py's run of the README's LoRA command
+HF_STEPS = 4  # tests/test_ch02_hf.py's run of the README's Hugging Face command
 PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
         SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
         TABLE: Form(), OFFLOAD: _KNOB, BF16: _KNOB,
@@ -68,7 +69,7 @@ PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--sa
                              "--dump-loaded", "{out}/loaded.pt")),
         RESUME_FULL: Form((*TINY, "--steps", "9", "--checkpoint-format", "none", "--dump-loaded",
                            "{out}/loaded_full.pt")),
-        HF_CHECKPOINT: Form((*TINY, "--steps", "4", "--log-every", "1", "--dump-logits", "{out}/logits.pt")),
+        HF_CHECKPOINT: Form((*TINY, "--steps", str(HF_STEPS), "--log-every", "1", "--dump-logits", "{out}/logits.pt")),
         LORA: Form(("--steps", str(LORA_STEPS), "--global-batch-size", str(LORA_BATCH), "--log-every", "1",
                     "--results", "{out}/records.jsonl", "--save", "{out}/adapters.pt"))}
 

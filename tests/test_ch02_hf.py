@@ -45,7 +45,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, LR, README, check_ok, readme_argv, run_all
+from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, HF_STEPS, LR, README, check_ok, readme_argv, run_all
 from distkit import UsageError
 from distkit.models import build_model, import_transformers, model_config
 from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
@@ -56,7 +56,7 @@ SCRIPT = CHAPTER / "fsdp_hf_checkpoint.py"
 CFG = model_config("llama", "tiny", vocab_size=65)
 TIED_CFG = model_config("llama", "tiny", vocab_size=65, tie_embeddings=True)  # as Llama-3.2-1B
 FLAGS = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
-STEPS = 4
+STEPS = HF_STEPS  # the played run's (ch02_common.PLAY); the variants below take the same
 LOGITS_ATOL = 1e-5
 WIDE = 20  # a negative control must miss the tolerance by at least this factor
 # The negative controls: (piece of fsdp_hf_checkpoint.py, its broken replacement).
