@@ -15,7 +15,7 @@ tests/spine.py); this file asks for every chapter, the top README last, and chec
   the clone: the committed records, tables and plots still match after everything the reader ran.
 
 Each chapter's notebook executes in the clone after its chapter's commands (tests/test_notebooks.py).
-``pytest -m reader`` runs the play with these checks and the notebooks alone (about 5 minutes on 2
+``pytest -m reader`` runs the play with these checks and the notebooks alone (about 4 minutes on 2
 cores).
 
 Negative controls: a command that ends in a traceback from a repository file fails the check a played
