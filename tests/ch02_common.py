@@ -120,6 +120,15 @@ def reference_state(steps: int, batch: int = 8, vocab: int = 65, arch: str = "gp
     return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
 
 
+def dcp_weights(folder, like: dict) -> dict:
+    """The model part of a DCP checkpoint, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state["model"]
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -48,6 +48,7 @@ from ch02_common import (
     TABLE,
     TINY,
     check_ok,
+    dcp_weights,
     expected_bytes,
     max_diff,
     readme_argv,
@@ -385,7 +386,7 @@ def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
     meta = json.loads((ckpt / "dcp" / "trainer_state.json").read_text())
     assert meta["step"] == 3 and meta["world_size"] == 4
     _, reference = reference_state(6)
-    saved = dcp_model(ckpt / "dcp", reference)  # read here, in one process
+    saved = dcp_weights(ckpt / "dcp", reference)  # read here, in one process
     assert max_diff(saved, reference_state(3)[1]) <= FP32_ATOL
 
     # --resume latest took the DCP folder (written after the full file by a `both` save)
@@ -405,15 +406,6 @@ def test_dcp_checkpoint_saved_by_4_ranks_resumes_on_2(checkpoints):
     assert max_diff(torch.load(checkpoints.loaded_full, weights_only=True), final["model"]) == 0.0
     assert "checkpoint (rank 0 only)" not in checkpoints.from_full  # --checkpoint-format none
     assert torch.load(ckpt / "full.pt", weights_only=True)["step"] == 6
-
-
-def dcp_model(folder, like: dict) -> dict:
-    """The model part of a DCP checkpoint, read in this process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    return state["model"]
 
 
 def test_resume_latest_takes_the_newer_checkpoint(tmp_path):

@@ -45,7 +45,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ch02_common import CHAPTER, FP32_ATOL, HF_CHECKPOINT, HF_STEPS, LR, README, check_ok, readme_argv, run_all
+from ch02_common import (
+    CHAPTER,
+    FP32_ATOL,
+    HF_CHECKPOINT,
+    HF_STEPS,
+    LR,
+    README,
+    check_ok,
+    dcp_weights,
+    readme_argv,
+    run_all,
+)
 from distkit import UsageError
 from distkit.models import build_model, import_transformers, model_config
 from launch import WORKERS, assert_one_line_error, command_argv, load_script, parse_args_result
@@ -112,15 +123,6 @@ def logits_diff(folder, dumped) -> float:
         logits = from_pretrained(folder)(input_ids=dumped["inputs"]).logits
     worst = (logits - dumped["logits"]).abs().max().item()
     return math.inf if math.isnan(worst) else worst
-
-
-def dcp_weights(folder, like: dict) -> dict:
-    """The model part of a DCP checkpoint, read in this process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    return state["model"]
 
 
 @pytest.fixture(scope="module")

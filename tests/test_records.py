@@ -3,7 +3,7 @@
 ``python -m distkit.records check`` rebuilds every output block, table and plot of every Markdown
 file from the records committed beside it and compares with what is committed. The reader's play
 runs it as the top README shows it, over the whole repository, after every other README command
-(tests/test_reader_play.py; chapter benchmarks' own ``check benchmarks``: tests/test_benchmarks.py).
+(tests/test_reader_play.py; benchmarks/README.md's ``check benchmarks`` runs within it).
 The negative controls below prove it notices a hand-typed figure, a stale block, a redrawn plot and
 a record that is missing.
 """
