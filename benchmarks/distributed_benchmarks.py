@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ import torch
 from distkit import ArgumentParser, run_main
 from distkit.flags import add_training_args, positive_float, positive_int
 from distkit.harness import RECORD_SCHEMA, append_record, describe_model, read_records
+from distkit.jobs import run_job
 from distkit.logs import progress
 from distkit.models import GPT_PRESETS, LLAMA_PRESETS, MODEL_PRESETS, model_config
 from distkit.paths import check_outputs
@@ -323,23 +322,18 @@ def cell_command(cell: Cell, args, scratch: Path, results: Path) -> list[str]:
 
 
 def launch(cmd: list[str], scratch: Path, timeout: float, hide_gpus: bool = False) -> tuple[int, str, float]:
-    """Run one cell in its own process group (killed whole on timeout); returns (rc, output, seconds)."""
+    """Run one cell in a session of its own (its whole process tree, torchrun's workers included,
+    ended on timeout: :func:`distkit.jobs.run_job`); returns (rc, output, seconds)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch), DISTKIT_NO_PROGRESS="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share the cores; one thread each
     if hide_gpus:  # a CPU/gloo cell on a GPU machine: nothing in it may pick the GPU by itself
         env["CUDA_VISIBLE_DEVICES"] = ""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    result = run_job(cmd, timeout, cwd=REPO, env=env)
+    # as a text-mode pipe reads it: \r\n and \r end lines as \n
+    out = result.output.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    if result.cut:
         out += f"\nerror: cell timed out after {timeout:.0f} s (--cell-timeout-s)"
-        rc = 124
-    return rc, out, time.perf_counter() - start
+    return result.returncode, out, result.wall_s
 
 
 def error_line(output: str) -> str:

@@ -39,6 +39,8 @@
   :mod:`distkit.provenance` (machine, command, torch version, date).
 * :mod:`distkit.mutation`: a script with one deliberate bug, for the negative controls.
 * :mod:`distkit.offline`: the two commands that carry this repository to an offline GPU node.
+* :mod:`distkit.jobs`: a command under a time limit, its whole process tree ended at the limit;
+  :mod:`distkit.rehearsal`: what the GPU check swaps when it is rehearsed on a CPU machine.
 """
 from .runtime import (
     ArgumentParser,

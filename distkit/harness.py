@@ -9,7 +9,8 @@ Three measurements, one JSON record per run:
   steps: the peak statistic is reset as each step begins (it then starts from what is allocated at
   that moment, so the model state, optimizer state and anything else held between steps count) and
   read as it ends, both outside the timed region. Work between or after the steps (an evaluation, a
-  checkpoint, gathering the full weights) does not count. On CPU the peak that
+  checkpoint, gathering the full weights) does not count, nor a compiled model's instrumented steps
+  (they run eager). On CPU the peak that
   ``torch.distributed._tools.mem_tracker.MemTracker`` measures on the instrumented step: the bytes of
   every tensor storage alive at the step's peak, by category (parameters, gradients, optimizer state,
   activations, temporaries and communication buffers), exactly, where the process's peak RSS (kept
@@ -54,7 +55,10 @@ Every measured run appends one JSON line, built by :func:`make_record` (the harn
   (every timed step, so the median and the rates can be recomputed), ``samples_per_step``,
   ``tokens_per_step``, ``samples_per_s``, ``tokens_per_s``, per-rank ``peak_memory_bytes`` (what
   ``peak_memory_kind`` says: ``cuda_max_allocated``, ``cpu_mem_tracker``, or ``cpu_peak_rss`` where
-  MemTracker could not run, e.g. compiled code), ``peak_memory_by_category`` (MemTracker's peak
+  MemTracker could not run, e.g. compiled code; ``rehearsal_peak_rss`` in a GPU-check rehearsal),
+  where steps were metered (CUDA, a rehearsal) ``peak_memory_step_bytes_per_rank`` ([step, bytes,
+  counted] per step) and ``peak_memory_steps_per_rank`` (the counted steps, the peak's window),
+  ``peak_memory_by_category`` (MemTracker's peak
   folded into :data:`MEMORY_CATEGORIES`, plus ``activations_high_water``, the activations' own
   largest size in the step; or None), ``peak_rss_bytes``, ``model_state_bytes`` and
   ``comm_per_step``; for transformers also
@@ -90,6 +94,7 @@ import torch.distributed as dist
 from .comm_counter import CommCounter, MatmulCounter, bus_factor
 from .memory import (
     MEMORY_CATEGORIES,
+    StepPeakMeter,
     fresh_memory_peak,
     is_compiled,
     memory_tracker,
@@ -98,7 +103,7 @@ from .memory import (
     peak_memory_bytes,
     peak_rss_bytes,
     reset_peak_rss,
-    restart_cuda_peak,
+    step_peak_meter,
 )
 from .models import CONFIG_CLASSES, GPTConfig, LlamaModelConfig, config_from_dict
 from .record_format import RECORD_SCHEMA, append_record, describe_model, read_records, upgrade_record
@@ -166,8 +171,11 @@ class Harness:
     that observation. The record says which dtype it was (``peak_flops_dtype``).
 
     Peak memory on CUDA is that of the steps alone (:meth:`step` resets CUDA's peak statistic as a
-    step begins and reads it as it ends, outside the timed region), so what a script does between or
-    after its steps is not counted; :func:`peak_memory_bytes` still gives the whole window.
+    step begins and reads it as it ends, outside the timed region; :func:`~distkit.memory.step_peak_meter`
+    chooses the meter, a GPU-check rehearsal's CPU stand-in included), so what a script does between or
+    after its steps is not counted; :func:`peak_memory_bytes` still gives the whole window. A compiled
+    model's peak is that of its compiled steps: its instrumented steps run eager and are read but not
+    counted (the record lists each metered step's reading and which steps the peak covers).
     """
 
     ctx: DistContext
@@ -188,8 +196,9 @@ class Harness:
     _comm: CommCounter = field(init=False)
     _matmuls: MatmulCounter = field(init=False)
     _comm_done: int = field(init=False, default=0)
-    _cuda_step_peak: int | None = field(init=False, default=None)
-    _cuda_step_reserved: int | None = field(init=False, default=None)
+    _step_meter: StepPeakMeter | None = field(init=False, default=None)
+    _step_peaks: list[list] = field(init=False, default_factory=list)  # [step, bytes, counted] per metered step
+    _step_reserved: int | None = field(init=False, default=None)  # the largest of the counted steps
     _steps: int = field(init=False, default=0)
     _timed_samples: float = field(init=False, default=0.0)
     _timed_tokens: float = field(init=False, default=0.0)
@@ -200,6 +209,7 @@ class Harness:
         self._timer = StepTimer(self.ctx.device, warmup_steps=0)
         self._comm = CommCounter()
         self._matmuls = MatmulCounter()
+        self._step_meter = step_peak_meter(self.ctx.device)
         # GPU peak memory counts from here: whatever an earlier configuration in this process left
         # for the garbage collector or the CUDA cache must not count against this one. (CPU peak RSS
         # is per process; scripts that run several configurations call fresh_memory_peak themselves.)
@@ -211,10 +221,13 @@ class Harness:
         """Wrap one training step (forward, backward, optimizer step)."""
         index = self._steps
         self._steps += 1
-        with self._step_memory_peak():
+        instrumented = self.warmup_steps <= index < self.warmup_steps + self.comm_steps
+        # a compiled model's instrumented step runs eager (see _instruments): not its memory
+        counted = not (instrumented and is_compiled(self._state_module()))
+        with self._step_memory_peak(index, counted):
             if index < self.warmup_steps:
                 yield
-            elif index < self.warmup_steps + self.comm_steps:
+            elif instrumented:
                 with self._instruments(first=index == self.warmup_steps):
                     yield
                 self._comm_done += 1
@@ -223,7 +236,7 @@ class Harness:
                     yield
                 self._timed_samples += samples
                 self._timed_tokens += tokens
-        if index < self.warmup_steps + self.comm_steps:
+        if index < self.warmup_steps + self.comm_steps:  # warm-up or instrumented
             # Gradients and optimizer state exist after a step; keep the largest sample. Only on
             # untimed steps: walking every tensor must not add to a measured step.
             current = self.state_bytes()
@@ -231,21 +244,20 @@ class Harness:
                 self._state_bytes = current
 
     @contextmanager
-    def _step_memory_peak(self) -> Iterator[None]:
-        """On CUDA, the peak of this step alone: reset CUDA's peak statistic as the step begins (it
-        restarts at what is allocated now, so state held across steps counts) and keep the largest
-        reading as steps end; the caching allocator's reserved peak beside it (what frameworks such as
-        torchtitan report, fragmentation and cache included). Outside the step timer's region:
-        timing is unaffected."""
-        if self.ctx.device.type != "cuda":
+    def _step_memory_peak(self, index: int, counted: bool) -> Iterator[None]:
+        """The peak of step ``index`` alone, by :func:`~distkit.memory.step_peak_meter` (none on a plain
+        CPU run): reset as the step begins, read as it ends, outside the step timer's region (timing
+        is unaffected). Every reading is kept; only ``counted`` ones make the record's peak and the
+        allocator's reserved peak (what frameworks such as torchtitan report)."""
+        if self._step_meter is None:
             yield
             return
-        restart_cuda_peak(self.ctx.device)
+        self._step_meter.begin()
         yield
-        peak = torch.cuda.max_memory_allocated(self.ctx.device)
-        self._cuda_step_peak = max(self._cuda_step_peak or 0, peak)
-        reserved = torch.cuda.max_memory_reserved(self.ctx.device)
-        self._cuda_step_reserved = max(self._cuda_step_reserved or 0, reserved)
+        peak, reserved = self._step_meter.end()
+        self._step_peaks.append([index, peak, counted])
+        if counted and reserved is not None:
+            self._step_reserved = max(self._step_reserved or 0, reserved)
 
     @contextmanager
     def _instruments(self, first: bool) -> Iterator[None]:
@@ -318,17 +330,18 @@ class Harness:
         """This rank's numbers (no communication)."""
         times = self._timer.times
         peak, kind = peak_memory_bytes(self.ctx.device), "cpu_peak_rss"
-        if self.ctx.device.type == "cuda":
-            kind = "cuda_max_allocated"
-            if self._cuda_step_peak is not None:  # the steps alone (before any step: the window's)
-                peak = self._cuda_step_peak
+        counted = [step for step in self._step_peaks if step[2]]
+        if self._step_meter is not None:
+            kind = self._step_meter.kind
+            if counted:  # the counted steps alone (before any: the window's)
+                peak = max(step[1] for step in counted)
         elif self._memory_peak is not None:
             peak, kind = self._memory_peak["total"], "cpu_mem_tracker"
         # Measured after the run on every rank at once (ranks sharing CPU cores measure their share);
         # only for transformers, whose FLOPs per token are known.
         dtype = self.compute_dtype_for_peak()
         flops = measure_peak_flops(self.ctx.device, dtype) if self._model_config() else None
-        return {
+        metrics = {
             "peak_flops_per_s": flops,
             "peak_flops_dtype": str(dtype).removeprefix("torch.") if flops else None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -339,11 +352,15 @@ class Harness:
             "peak_memory_bytes": peak,
             "peak_memory_kind": kind,
             "peak_memory_by_category": self._memory_peak,
-            "peak_reserved_bytes": self._cuda_step_reserved,  # CUDA's allocator, its steps; None elsewhere
+            "peak_reserved_bytes": self._step_reserved,  # CUDA's allocator, its counted steps; None elsewhere
             "peak_rss_bytes": peak_rss_bytes(),
             "model_state_bytes": self._state_bytes or self.state_bytes(),
             "comm_per_step": self._comm.summary(max(self._comm_done, 1)) if self._comm_done else {},
         }
+        if self._step_meter is not None:  # a plain CPU run meters no step: its record keeps its fields
+            metrics["peak_memory_steps"] = [step[0] for step in counted]
+            metrics["peak_memory_step_bytes"] = [list(step) for step in self._step_peaks]
+        return metrics
 
     def finish(self, results_file: str | os.PathLike | None = None,
                extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -375,6 +392,8 @@ class Harness:
             "tokens_per_s": tokens_per_step / step_s if step_s and tokens_per_step else None,
             "peak_memory_bytes_per_rank": [m["peak_memory_bytes"] for m in per_rank],
             "peak_memory_kind": per_rank[0]["peak_memory_kind"],
+            **{f"{key}_per_rank": [m[key] for m in per_rank]  # metered steps (not on a plain CPU run)
+               for key in ("peak_memory_steps", "peak_memory_step_bytes") if key in per_rank[0]},
             "peak_memory_by_category_per_rank": [m["peak_memory_by_category"] for m in per_rank],
             "peak_reserved_bytes_per_rank": [m["peak_reserved_bytes"] for m in per_rank],
             "peak_rss_bytes_per_rank": [m["peak_rss_bytes"] for m in per_rank],

@@ -2,7 +2,8 @@
 means): the bytes of model state a rank holds (:func:`model_state_bytes`), MemTracker's peak by
 category on the instrumented step (:func:`memory_tracker`, :func:`peak_by_category`), the CUDA peak
 of a window of steps (:func:`fresh_memory_peak`, :func:`restart_cuda_peak`,
-:func:`peak_memory_bytes`) and the process's peak RSS on CPU. Importable from :mod:`distkit.harness`.
+:func:`peak_memory_bytes`), the process's peak RSS on CPU, and the per-step peak the harness reads
+(:func:`step_peak_meter`). Importable from :mod:`distkit.harness`.
 """
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import copy
 import functools
 import resource
 import weakref
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
+
+from . import rehearsal
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,9 +220,16 @@ def peak_by_category(tracker) -> dict[str, int]:
     return peak
 
 
+# The kernel keeps one RSS high-water mark per process, which a rehearsal's harness resets at every
+# step (restart_rss_peak): what it had reached since the last reset_peak_rss is folded in here first,
+# so that peak_rss_bytes still covers the whole window, as _cuda_window_peaks does for CUDA.
+_rss_window_peak = 0
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports it in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size since the last :func:`reset_peak_rss` (Linux reports it
+    in KiB); the per-step resets of :func:`restart_rss_peak` do not shorten that window."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _rss_window_peak)
 
 
 def reset_peak_rss() -> bool:
@@ -232,7 +243,9 @@ def reset_peak_rss() -> bool:
     import ctypes
     import gc
 
+    global _rss_window_peak
     gc.collect()
+    _rss_window_peak = 0
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
@@ -240,6 +253,26 @@ def reset_peak_rss() -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+def _rss_high_water_bytes() -> int:
+    """The kernel's RSS high-water mark of this process (``VmHWM``, in KiB there), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmHWM line")
+
+
+def restart_rss_peak() -> None:
+    """Reset the kernel's RSS high-water mark to what is resident now (``/proc/self/clear_refs``),
+    keeping the window's peak for :func:`peak_rss_bytes`. Unlike :func:`reset_peak_rss` it neither
+    collects garbage nor trims the heap: called as every step begins, that would cost each step a
+    collection and change the memory the step starts from."""
+    global _rss_window_peak
+    _rss_window_peak = max(_rss_window_peak, _rss_high_water_bytes())
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def fresh_memory_peak(device: torch.device) -> None:
@@ -289,3 +322,34 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return max(_cuda_window_peaks.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+@dataclass(frozen=True)
+class StepPeakMeter:
+    """How the harness reads one step's peak memory: ``begin()`` as the step begins, ``end()`` as it
+    ends, returning (peak bytes, the allocator's reserved peak or None); ``kind`` is the record's
+    ``peak_memory_kind``."""
+
+    kind: str
+    begin: Callable[[], None]
+    end: Callable[[], tuple[int, int | None]]
+
+
+def step_peak_meter(device: torch.device) -> StepPeakMeter | None:
+    """The per-step peak meter on ``device``, chosen here alone:
+
+    * CUDA: ``torch.cuda.max_memory_allocated`` (:func:`restart_cuda_peak` as the step begins: the
+      statistic restarts at what is allocated then, so state held across steps counts), with the
+      caching allocator's reserved peak (fragmentation and cache included);
+    * the CPU in a GPU-check rehearsal (:func:`distkit.rehearsal.active`): the stand-in that
+      ``rehearsal.SWAPS["step_peak_memory"]`` names, the process's RSS high-water mark
+      (:func:`restart_rss_peak` as the step begins, ``VmHWM`` as it ends), no reserved figure. It runs
+      the GPU's per-step control flow; its bytes include the interpreter's and are no GPU figure;
+    * otherwise None: a plain CPU run meters no step (its record keeps MemTracker's peak).
+    """
+    if device.type == "cuda":
+        return StepPeakMeter("cuda_max_allocated", functools.partial(restart_cuda_peak, device),
+                             lambda: (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)))
+    if rehearsal.active():
+        return StepPeakMeter("rehearsal_peak_rss", restart_rss_peak, lambda: (_rss_high_water_bytes(), None))
+    return None

@@ -55,7 +55,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checkpoint import atomic_write
+from .jobs import GRACE_S, run_job
 from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance, run_device  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,7 +142,10 @@ def parse_keep(pairs: list[str] | None) -> list[list[str]]:
 
 
 def capture(command: str, name: str, timeout_s: float | None = None,
-            into: str | os.PathLike | None = None, keep: list[list[str]] | None = None) -> dict[str, Any]:
+            into: str | os.PathLike | None = None, keep: list[list[str]] | None = None, *,
+            machine: dict | None = None,  # noqa: F811 - the record's field; machine() is not called here
+            torch_version: str | None = None, cuda_available: bool | None = None,
+            grace_s: float = GRACE_S) -> dict[str, Any]:
     """Run ``command`` (a shell command line, from the repository root) and return its record,
     stored in ``into`` (replacing an older record of that name) when given.
 
@@ -152,8 +155,16 @@ def capture(command: str, name: str, timeout_s: float | None = None,
 
     stdout and stderr are captured together, in order. The run and the store hold
     :data:`LOCK_FILE`, so recorded runs on one machine never overlap (their timings would distort
-    each other) and two of them never write one record file at once.
+    each other) and two of them never write one record file at once. The command runs in a session
+    of its own, and at ``timeout_s`` its whole process tree is ended (:func:`distkit.jobs.run_job`:
+    SIGTERM, ``grace_s`` seconds, SIGKILL).
+
+    A caller that already knows the machine passes ``machine`` and ``torch_version`` (the record's
+    fields) and ``cuda_available`` (for :func:`distkit.provenance.run_device`): capture then never
+    touches torch itself. Without them they come from this process's torch.
     """
+    if (machine is None) != (torch_version is None):
+        raise ValueError("capture: give machine and torch_version together")
     env = dict(os.environ, DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
     with open(LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -162,23 +173,26 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         for source, _ in keep or []:
             (REPO / source).unlink(missing_ok=True)
         started = time.perf_counter()
-        try:
-            # bytes, not text=True: universal newlines would turn a progress bar's \r into lines
-            proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            raise RecordError(f"{command!r} ran past {timeout_s:g} s") from e
+        result = run_job(["bash", "-c", command], timeout_s, cwd=REPO, env=env, grace_s=grace_s)
+        if result.cut:
+            raise RecordError(f"{command!r} ran past {timeout_s:g} s")
         seconds = time.perf_counter() - started
-        output = clean_output(proc.stdout.decode(errors="replace"))
+        # decoded here, not read as text: universal newlines would turn a progress bar's \r into lines
+        output = clean_output(result.output.decode(errors="replace"))
         # The machine as the command used it (a CPU run on a GPU host is labelled with the CPU); the
         # chapter scripts use NCCL on GPUs and gloo on the CPU.
-        device = run_device(command, output)
-        record = {"name": name, **provenance(command, device=device),
-                  "backend": "nccl" if device == "cuda" else "gloo", "returncode": proc.returncode,
+        device = run_device(command, output, cuda_available=cuda_available)
+        if machine is None:
+            fields = provenance(command, device=device)
+        else:  # provenance()'s fields, in its order
+            fields = {"schema": SCHEMA_VERSION, "command": command, "machine": machine, "torch": torch_version,
+                      "date": time.strftime("%Y-%m-%d")}
+        record = {"name": name, **fields,
+                  "backend": "nccl" if device == "cuda" else "gloo", "returncode": result.returncode,
                   "wall_s": round(seconds, 1), "load_1min": load, "output": output}
         if keep:
             record["keep"] = keep
-            if proc.returncode == 0:
+            if result.returncode == 0:
                 for source, target in keep:
                     if not (REPO / source).is_file():
                         raise RecordError(f"{command!r} wrote no {source} (--keep)")

@@ -56,10 +56,23 @@ GPU_LONG_TESTS = {
 }
 
 
+# A test started with less of the time box left than this would only be cut: it is skipped instead.
+MIN_TEST_START_S = 20.0
+
+
 def pytest_addoption(parser):
     parser.addoption("--time-box", type=float, default=None, metavar="SECONDS",
-                     help="skip every test that would start after the session has run this long, saying "
-                          "so (the GPU check's time box on a lent GPU)")
+                     help="the session's time box (the GPU check's, on a lent GPU): no test runs past it: each "
+                          "test's timeout is cut to what is left of the box, and a test with less than "
+                          f"{MIN_TEST_START_S:.0f} s left is skipped, saying so")
+    parser.addoption("--min-test-start", type=float, default=MIN_TEST_START_S, metavar="SECONDS",
+                     help="under --time-box, the least time left to start a test with "
+                          f"(default: {MIN_TEST_START_S:.0f})")
+    parser.addoption("--gpu-part", choices=["first", "rest"], default=None,
+                     help="the GPU check's parts of the GPU suite: 'first' the tests GPU_ORDER names, 'rest' "
+                          "every other GPU test")
+    parser.addoption("--gpu-plan", metavar="FILE", default=None,
+                     help="write each selected test's node id and timeout (s), in run order, as JSON lines")
 
 
 def pytest_configure(config):
@@ -105,12 +118,35 @@ def pytest_collection_modifyitems(config, items):
         # stable: file order within a file's tests is kept
         items.sort(key=lambda item: -CPU_FILE_SECONDS.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], 0))
         return
-    items.sort(key=lambda item: gpu_rank(item.nodeid))  # stable: file order within a rank
+    part = config.getoption("gpu_part")
+    if part is not None:  # the GPU check runs the suite in two parts, with measurements between them
+        keep = [item for item in items if (gpu_rank(item.nodeid) < len(GPU_ORDER)) == (part == "first")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+    # In exclusive-process compute mode a CUDA context in this process makes every later job fail:
+    # the tests that use CUDA here (marked cuda_in_pytest) then run after every other test.
+    exclusive = os.environ.get("DISTKIT_GPU_EXCLUSIVE_PROCESS") == "1"
+    items.sort(key=lambda item: (exclusive and item.get_closest_marker("cuda_in_pytest") is not None,
+                                 gpu_rank(item.nodeid)))  # stable: file order within a rank
     for item in items:
         if item.get_closest_marker("timeout") is None:
             name = item.nodeid.split("tests/", 1)[-1]
             limit = next((s for prefix, s in GPU_LONG_TESTS.items() if name.startswith(prefix)), GPU_TEST_TIMEOUT_S)
             item.add_marker(pytest.mark.timeout(limit))
+    plan = config.getoption("gpu_plan")
+    if plan:
+        import json
+
+        Path(plan).write_text("".join(json.dumps({"test": item.nodeid, "timeout_s": timeout_of(item)}) + "\n"
+                                      for item in items))
+
+
+def timeout_of(item) -> float | None:
+    """The test's pytest-timeout limit in seconds (its closest ``timeout`` marker), or None."""
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return None
+    return float(marker.args[0] if marker.args else marker.kwargs.get("timeout"))
 
 
 def pytest_sessionstart(session):
@@ -144,10 +180,32 @@ def pytest_sessionfinish(session, exitstatus):
             session.exitstatus = 1
 
 
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under ``--time-box``, no test runs past the box: its timeout is cut to what is left of the box
+    before pytest-timeout arms it (this wrapper runs first), and a test with less than
+    ``--min-test-start`` left (or whose box is spent) is skipped in its setup."""
+    box = item.config.getoption("time_box")
+    if box is not None:
+        left = box - (time.monotonic() - item.config.distkit_started)
+        limit, least = timeout_of(item), item.config.getoption("min_test_start")
+        item.distkit_box_left = left
+        if left >= min(least, limit or least) and (limit is None or limit > left):
+            item.add_marker(pytest.mark.timeout(max(1, int(left))), append=False)
+    yield
+
+
 def pytest_runtest_setup(item):
     box = item.config.getoption("time_box")
-    if box is not None and time.monotonic() - item.config.distkit_started > box:
-        pytest.skip(f"the session's time box ({box:.0f} s) was spent before this test started")
+    left = getattr(item, "distkit_box_left", None)
+    if box is not None and left is not None:
+        limit, least = timeout_of(item), item.config.getoption("min_test_start")
+        if left <= 0:
+            pytest.skip(f"the session's time box ({box:.0f} s) was spent before this test started")
+        if left < min(least, limit or least):
+            pytest.skip(f"{left:.0f} s of the session's time box ({box:.0f} s) was left, too little to start it")
+    if os.environ.get("DISTKIT_NO_COMPILER") == "1" and item.get_closest_marker("compiles") is not None:
+        pytest.skip("this machine lacks a C compiler or the Python headers, which torch.compile needs")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -211,9 +211,23 @@ def tree_changes(before: dict[str, str], repo: Path) -> list[str]:
     return sorted(line for line, digest in after.items() if before.get(line) != digest)
 
 
+@functools.lru_cache(maxsize=None)
+def jobs():
+    """distkit/jobs.py (``end_tree``), loaded by its path on first use: ``import distkit.jobs`` would
+    import torch (distkit/__init__.py) into fork_launcher.py's light processes, which import this module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distkit_jobs", REPO / "distkit" / "jobs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks the module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO,
         check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; on timeout kill the whole group (no stray ranks).
+    """Run a command in a session of its own; on timeout end its whole process tree, torchrun's
+    workers included (no stray ranks: :func:`jobs`).
 
     Returns the CompletedProcess with stdout and stderr merged into ``.stdout``. With ``check``, a
     non-zero exit fails the test and shows the output's tail.
@@ -223,23 +237,29 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        import psutil
+
+        # The tree is listed before SIGUSR1, which ends torchrun (it has no handler for it): its
+        # workers, in sessions of their own, could no longer be found from it afterwards.
+        tree = []
+        with contextlib.suppress(psutil.Error):
+            tree = psutil.Process(proc.pid).children(recursive=True)
         # SIGUSR1 first: ranks forked by tests/fork_launcher.py print their threads' stacks (the
         # hang's diagnosis, kept in the message below); anything else in the group just ends
         os.killpg(proc.pid, signal.SIGUSR1)
         time.sleep(1.5)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # Then every process of the job, with its own tree. The stacks are printed by now: a short
+        # grace, for what a process prints as SIGTERM ends it.
+        jobs().end_tree(proc.pid, grace_s=2.0)
+        for process in tree:
+            if process.is_running():  # False for a pid reused since the listing
+                jobs().end_tree(process.pid, grace_s=2.0)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {shlex.join(cmd)}\n{out[-8000:]}") from None
     except BaseException:
         # the test itself is being stopped (its pytest-timeout, Ctrl-C): take the job's ranks with it,
         # or they would hold the GPU (and the port) for the tests after this one
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        jobs().end_tree(proc.pid, grace_s=1.0)
         raise
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:

@@ -1,83 +1,231 @@
-"""The GPU check's CPU side: what can be checked of it on a machine without a GPU.
+"""The GPU check's parts that a CPU machine can prove; its whole run is rehearsed in
+``tests/test_offline_install.py`` (``--rehearse``, in a fresh virtual environment after the offline install).
 
 * ``python benchmarks/gpu_check.py`` (the top README's command) says "no GPU" in one line and exits 0;
-* ``pytest -m gpu`` collects cleanly, in the order ``tests/conftest.py`` sets (the quick start first,
-  then each chapter's default command), every GPU test with a timeout, and every entry of
-  ``GPU_ORDER`` names a test that exists (a renamed test would otherwise drop silently to the end);
-* ``--time-box`` skips what would start after the box, saying so; without it, the same tests skip
-  for the reason they always do here (no GPU): the negative control.
+* the lease: the stages' limits add up to 420 s (``--first-contact``: under 180 s), as the README's
+  table says;
+* the time box: no test runs past it (its timeout is cut to what is left, a test with too little left
+  is skipped), shown on a slow test under ``tests/conftest.py``; control: the same run with the line
+  that cuts the timeout removed runs past the box;
+* the verdict: each way a pytest run can fail (a failed test, a usage error, an internal error, no
+  test collected, a session-level failure, a run cut at its limit) is a problem and a non-zero exit,
+  each shown by a real pytest run; a passing run is none;
+* the preflight names what ``torch.compile`` lacks, and the check then drops the compiled runs and
+  skips the tests that compile;
+* the check asks torch nothing about the GPU itself (a CUDA context in its process would make every
+  later job fail on an exclusive-process GPU): its profile hook sees no call into ``torch.cuda`` while
+  it records a run; control: recording without the preflight's answers does call it.
 """
 from __future__ import annotations
 
-import shutil
+import os
+import re
 import subprocess
 import sys
-import tempfile
+import time
+from pathlib import Path
 
-from conftest import GPU_LONG_TESTS, GPU_ORDER, gpu_rank
-from launch import REPO, job_env, readme_command
+import pytest
+
+from distkit.mutation import mutated_source
+from launch import REPO, job_env, load_script, readme_command
 
 GPU_CHECK = "benchmarks/gpu_check.py"
 
 
-def pytest_gpu(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    """``pytest -m gpu ARGS`` in a fresh process, GPUs hidden (this machine's answer either way). Its
-    temporary folder has a short path: the fork server's Unix socket lives there (108 bytes at most)."""
-    basetemp = tempfile.mkdtemp(prefix="gpu-suite-")
-    try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                               "--basetemp", basetemp, *args], cwd=REPO,
-                              env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"),  # it launches nothing here
-                              capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(basetemp, ignore_errors=True)
+gpu_check = load_script(REPO / GPU_CHECK)
 
 
 def test_the_gpu_check_says_no_gpu_in_one_line(tmp_path):
     command = readme_command(REPO / "README.md", GPU_CHECK)
     assert command == f"python {GPU_CHECK}"
-    done = subprocess.run([sys.executable, GPU_CHECK], cwd=REPO, env=job_env(tmp_path), capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, GPU_CHECK, "--out", str(tmp_path / "out")], cwd=REPO, env=job_env(tmp_path),
+                          capture_output=True, text=True, timeout=180)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert done.returncode == 0 and len(lines) == 1 and lines[0].startswith("no GPU"), done.stdout + done.stderr
 
 
-COLLECT = """
-import sys, pytest
-class Report:
-    def pytest_collection_finish(self, session):
-        for item in session.items:
-            print("item", item.nodeid, item.get_closest_marker("timeout") is not None)
-sys.exit(pytest.main(["-m", "gpu", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", "--time-box", "0",
-                      "--basetemp", sys.argv[1], *sys.argv[2:]], plugins=[Report()]))
+# ------------------------------------------------------------------------------------------ the lease
+def test_the_stages_add_up_to_the_lease_as_the_readme_says():
+    """420 s for the whole check, under 180 s for --first-contact; the README's table lists every
+    stage with its two limits, in order; a cut job's grace and pytest's close fit inside each stage."""
+    stages = gpu_check.STAGES
+    assert sum(s.full_s for s in stages) == gpu_check.LEASE_S == 420
+    assert sum(s.first_s for s in stages) == gpu_check.FIRST_CONTACT_S < 180
+    assert [s.name for s in stages][:3] == ["install", "preflight", "quick_start"]  # by value: these first
+    assert stages[-1].name == "suite_rest" and stages[-1].full_s == 0  # the time the others leave
+    for stage in stages:  # a cut job's grace (and a suite's close) fit inside its limit
+        least = gpu_check.GRACE_S + (gpu_check.SUITE_CLOSE_S if stage.name.startswith("suite_") else 0)
+        for share in (stage.full_s, stage.first_s):
+            assert share == 0 or share > least, stage
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+|-) \|", readme, re.M)
+    assert [(name, float(full), 0.0 if first == "-" else float(first)) for name, full, first in rows] == \
+        [(s.name, s.full_s, s.first_s) for s in stages], rows
+
+
+def test_each_stage_gets_its_share_and_the_last_what_is_left():
+    started = time.monotonic() - 80  # the install and the preflight took 80 s of their 90
+    lease = gpu_check.Lease(started, first_contact=False)
+    assert lease.budget("quick_start") == 25
+    left = lease.budget("suite_rest")
+    assert 420 - 80 - 1 < left <= 420 - 80  # as if nothing ran after them: the rest may take it all
+    late = gpu_check.Lease(time.monotonic() - 100, first_contact=False)  # 10 s over: taken from the next
+    assert 14 < late.budget("quick_start") <= 15
+    first = gpu_check.Lease(time.monotonic(), first_contact=True)
+    assert [first.budget(s.name) for s in gpu_check.STAGES][:4] == pytest.approx([75, 15, 25, 60], abs=0.1)
+    assert first.budget("llama_1b_ac") == 0 and first.budget("suite_rest") == 0
+
+
+# -------------------------------------------------------------------------------------- the time box
+SLOW_TEST = """
+import time
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.timeout(300)
+def test_slow():
+    time.sleep(14)
+
+
+def test_after():
+    pass
 """
-# The files that hold GPU tests (each marks them with the gpu marker): collecting only these is what
-# `pytest -m gpu` selects anyway, without importing every other test module a second time.
-GPU_FILES = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+BOX_S = 5
 
 
-def test_the_gpu_suite_is_ordered_timed_and_boxed(tmp_path):
-    """``pytest -m gpu --time-box 0``, run as a GPU node would run it, with each collected item's id and
-    whether it has a timeout: the order, the timeouts, and every test skipped by the box (not for
-    lack of a GPU: the box is checked before anything else)."""
-    done = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "collect"), *GPU_FILES], cwd=REPO,
-                          env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1"), capture_output=True, text=True,
-                          timeout=300)
-    items = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("item ")]
-    ids = [nodeid for nodeid, _ in items]
-    assert done.returncode == 0 and len(ids) > 40, done.stdout[-3000:]
-    assert [nodeid for nodeid, timed in items if timed != "True"] == []
-    for prefix in [*GPU_ORDER, *GPU_LONG_TESTS]:
-        assert any(i.split("tests/", 1)[-1].startswith(prefix) for i in ids), f"names no test: {prefix}"
-    ranks = [gpu_rank(i) for i in ids]
-    assert ranks == sorted(ranks), "collected out of GPU_ORDER"
-    assert ids[0].endswith("test_ddp_mnist.py::test_ddp_mnist_on_one_gpu_with_nccl")  # the quick start first
-    assert f"{len(ids)} skipped" in done.stdout and "time box (0 s) was spent" in done.stdout, done.stdout[-2000:]
-    assert "needs 1 GPU" not in done.stdout and "this machine has 0" not in done.stdout
+def boxed_run(tmp_path: Path, conftest_dir: Path) -> tuple[subprocess.CompletedProcess, float, list[dict]]:
+    """A slow GPU-marked test (timeout 300 s) and a quick one under ``tests/conftest.py`` (loaded from
+    ``conftest_dir`` as a plugin) with a 5 s box: (run, wall seconds, outcomes)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_boxed.py").write_text(SLOW_TEST)
+    junit = tmp_path / "boxed.xml"
+    env = job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1",
+                  PYTHONPATH=os.pathsep.join([str(conftest_dir), str(REPO / "tests")]))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
+                           "-n", "0", "--time-box", str(BOX_S), "--min-test-start", "1", "--junitxml", str(junit),
+                           "-q", "-rs", str(project)], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return done, time.monotonic() - started, gpu_check.suite_outcomes(junit)
 
 
-def test_without_a_box_the_gpu_tests_skip_for_want_of_a_gpu(tmp_path):
-    """The box's negative control: the same kind of run without ``--time-box`` skips for the reason
-    the GPU tests always skip here."""
-    plain = pytest_gpu("tests/test_ch04_gpu.py", "-n", "0", "-rs", tmp_path=tmp_path)
-    assert "time box" not in plain.stdout and "this machine has 0" in plain.stdout, plain.stdout[-2000:]
+def assert_nothing_ran_past_the_box(done, wall: float, outcomes: list[dict]) -> None:
+    slow = next(t for t in outcomes if t["test"].endswith("test_slow"))
+    assert slow["seconds"] <= BOX_S, f"a test ran past the time box: {slow}\n{done.stdout[-2000:]}"
+    after = next(t for t in outcomes if t["test"].endswith("test_after"))
+    assert after["outcome"] == "skipped" and "time box" in after["reason"], after
+    assert slow["outcome"] == "failed" and "Timeout" in done.stdout, done.stdout[-2000:]
+
+
+def test_no_test_runs_past_the_time_box(tmp_path):
+    done, wall, outcomes = boxed_run(tmp_path, REPO / "tests")
+    assert_nothing_ran_past_the_box(done, wall, outcomes)
+    assert wall < BOX_S + 15, wall  # pytest's start and close around the box
+
+
+def test_control_a_box_that_only_skips_lets_a_test_run_past_it(tmp_path):
+    """The same run with tests/conftest.py's one line that cuts a test's timeout to the box replaced by
+    ``pass``."""
+    mutant = tmp_path / "mutant"
+    mutant.mkdir()
+    (mutant / "conftest.py").write_text(mutated_source(
+        REPO / "tests" / "conftest.py",
+        "            item.add_marker(pytest.mark.timeout(max(1, int(left))), append=False)\n", "            pass\n"))
+    done, wall, outcomes = boxed_run(tmp_path, mutant)
+    with pytest.raises(AssertionError, match="a test ran past the time box"):
+        assert_nothing_ran_past_the_box(done, wall, outcomes)
+
+
+# ------------------------------------------------------------------------------------------ the verdict
+VERDICT_CASES = {  # name: (test file, conftest, extra pytest arguments, the problem it must name)
+    "passes": ("def test_ok():\n    pass\n", "", [], None),
+    "a failed test": ("def test_bad():\n    assert False\n", "", [], "1 failed"),
+    "a usage error": ("def test_ok():\n    pass\n", "", ["--no-such-option"], "a pytest usage error"),
+    "an internal error": ("def test_ok():\n    pass\n",
+                          "def pytest_collection_modifyitems(items):\n    raise RuntimeError('broken plugin')\n", [],
+                          "pytest's internal error"),
+    "no test collected": ("x = 1\n", "", [], "no test collected"),
+    "a session-level failure": ("def test_ok():\n    pass\n",
+                                "def pytest_sessionfinish(session, exitstatus):\n    session.exitstatus = 1\n", [],
+                                "a session-level check failed"),
+    "a cut run": ("import time\n\ndef test_hangs():\n    time.sleep(60)\n", "", [], "cut at its limit"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERDICT_CASES))
+def test_every_way_a_suite_run_fails_is_a_problem(case, tmp_path):
+    """The check's own pytest runner (``run_pytest``) on a real pytest run of each kind; the verdict
+    (``problems_of``) is non-zero for each failure and zero for the passing run."""
+    source, conftest, extra, expected = VERDICT_CASES[case]
+    (tmp_path / "test_case.py").write_text(source)
+    if conftest:
+        (tmp_path / "conftest.py").write_text(conftest)
+    junit, log = tmp_path / "case.xml", tmp_path / "case.log"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(junit),
+               "-q", *extra, str(tmp_path)]
+    env = {k: v for k, v in job_env(tmp_path).items() if k != "PYTHONPATH"}
+    step = gpu_check.run_pytest("first", command, junit, log, 8 if case == "a cut run" else 60, tmp_path, env,
+                                rehearse=True)
+    problems = gpu_check.problems_of({"stages": [step], "check_cuda_calls": []})
+    if expected is None:
+        assert problems == [] and step["counts"]["passed"] == 1, (problems, log.read_text()[-2000:])
+    else:
+        assert any(expected in p for p in problems), (problems, log.read_text()[-2000:])
+
+
+# ------------------------------------------------------------------------------------- the preflight
+def test_the_preflight_names_what_compile_lacks_and_the_check_skips_only_that(tmp_path):
+    """A PATH with no C compiler: the preflight's one line names it; the compiled runs leave the
+    measurements and the tests that compile skip, saying why."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    env = {**job_env(tmp_path), "PATH": str(bare)}
+    env.pop("CC", None)
+    done = subprocess.run([str(bare / "python"), GPU_CHECK, "--preflight", "--rehearse"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    import json
+
+    node = json.loads(done.stdout.strip().splitlines()[-1])
+    assert node["compiler"] is None and node["python_headers"] is True, node
+    node["compiles"] = False
+    line = gpu_check.preflight_line(node)
+    assert "lacks a C compiler (cc, gcc or clang)" in line and "Python headers" not in line.split("lacks")[1], line
+    for name in ("llama_tiny_ac", "llama_1b_ac"):
+        for rehearse in (False, True):
+            command = gpu_check.measurement_command(name, tmp_path, rehearse, compiles=False)
+            assert "--compile off on" not in command and "on" not in command.split("--compile")[-1].split("--")[0]
+    assert "--compile off on" in gpu_check.measurement_command("llama_tiny_ac", tmp_path, False, compiles=True)
+    assert gpu_check.job_env(False, node)["DISTKIT_NO_COMPILER"] == "1"
+    test = "tests/test_llama_gpu.py::test_activation_checkpointing_and_compile_on_gpus"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-n", "0", "-rs", "-q",
+                          test], cwd=REPO, env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", DISTKIT_NO_COMPILER="1"),
+                         capture_output=True, text=True, timeout=180)
+    assert "lacks a C compiler or the Python headers" in run.stdout and "passed" not in run.stdout, run.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------- no CUDA in the check
+def test_the_check_records_a_run_without_asking_torch_about_the_gpu(tmp_path):
+    from distkit.records import capture
+
+    node = {"machine": {"device_name": "2-core CPU"}, "torch": "2.13.0"}
+    watch = gpu_check.CudaWatch()
+    watch.start()
+    try:
+        record = capture("echo device cpu", "probe", into=tmp_path / "outputs.jsonl", machine=node["machine"],
+                         torch_version=node["torch"], cuda_available=False)
+    finally:
+        watch.stop()
+    assert watch.calls == [] and record["machine"] == node["machine"] and record["backend"] == "gloo", watch.calls
+    # control: the same record made without the preflight's answers asks torch.cuda
+    control = gpu_check.CudaWatch()
+    control.start()
+    try:
+        capture("echo device cpu", "probe", into=tmp_path / "outputs.jsonl")
+    finally:
+        control.stop()
+    assert control.calls and all(call.startswith("torch.cuda") for call in control.calls), control.calls

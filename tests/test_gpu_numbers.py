@@ -80,6 +80,7 @@ def cuda_context() -> DistContext:
                        device=torch.device("cuda", 0), timeout_s=60)
 
 
+@pytest.mark.cuda_in_pytest
 def test_harness_peak_excludes_what_follows_the_last_step():
     """2 (a). The tiny GPT's steps peak at tens of MiB at most (cuBLAS's workspace included); 512 MiB
     allocated after the last step and held through ``finish`` must not be in the record's peak, and
@@ -274,6 +275,7 @@ def test_zero_memory_record_of_a_cpu_run_on_a_gpu_host_names_the_cpu(tmp_path):
 ROPE = "    reinit_rope_buffers(model)\n"
 
 
+@pytest.mark.cuda_in_pytest
 def test_hf_load_time_includes_the_gpu_work(tmp_path):
     """fsdp_hf_checkpoint.py with ``torch.cuda._sleep`` queued right after the load's last kernels (a
     mutant): the printed load time covers the sleep, measured here with CUDA events (the host's own

@@ -160,6 +160,7 @@ def test_lora_adapters_get_gradients_and_the_base_stays_frozen_on_gpus(nproc, tm
 # ------------------------------------------------------------------ activation checkpointing + compile
 
 @pytest.mark.parametrize("nproc", RANKS)
+@pytest.mark.compiles
 def test_activation_checkpointing_and_compile_on_gpus(nproc, tmp_path):
     """Six configurations (none/full/selective x eager/compiled) of the Llama under DDP on NCCL: peaks
     are the CUDA allocator's; full AC keeps less than no AC (eager and compiled); selective keeps no
@@ -245,6 +246,7 @@ def test_tensor_parallel_trains_the_llama_on_gpus(nproc, tmp_path):
 
 # ------------------------------------------------------------------ the real shape
 
+@pytest.mark.cuda_in_pytest
 def test_llama_3_2_1b_counts_on_meta_and_steps_on_one_gpu():
     """The published Llama-3.2-1B shape: 1,235,814,400 parameters on the meta device (no memory;
     the tied LM head is the embedding, counted once); built on one GPU (fp32, ~5 GB of weights and as

@@ -31,7 +31,12 @@ from spine import play_chapter
 
 SOURCES = notebooks.sources([str(REPO)])
 IDS = [str(p.parent.relative_to(REPO)) for p in SOURCES]
-IPYKERNEL_LAUNCHER = str(Path(importlib.util.find_spec("ipykernel_launcher").origin))
+
+
+def ipykernel_launcher() -> str:
+    """ipykernel's launcher script, looked up when a notebook runs: a node installed without the notebook
+    tools (``offline.py download --no-notebooks``) still collects this file in ``pytest -m gpu``."""
+    return str(Path(importlib.util.find_spec("ipykernel_launcher").origin))
 
 
 def _formats():
@@ -96,7 +101,7 @@ def execute_and_compare(source: Path, server: str, tmp_path: Path, monkeypatch) 
     # committed outputs came from a fresh kernel)
     spec = tmp_path / "jupyter" / "kernels" / "python3" / "kernel.json"
     spec.parent.mkdir(parents=True)
-    spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", IPYKERNEL_LAUNCHER, "-f",
+    spec.write_text(json.dumps({"argv": [*launcher_argv("fork"), "--python", ipykernel_launcher(), "-f",
                                          "{connection_file}"], "display_name": "Python 3", "language": "python"}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     kernels = forked_from_server(server, "ipykernel_launcher.py")

@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, job_env, readme_command, run
+from conftest import GPU_ORDER, gpu_rank
+from distkit.records import find, read_jsonl
+from distkit.rehearsal import SWAPS
+from launch import REPO, job_env, load_script, readme_command, run
+
+GPU_CHECK = "benchmarks/gpu_check.py"
+
+
+gpu_check = load_script(REPO / GPU_CHECK)
 
 OFFLINE = REPO / "distkit" / "offline.py"
 TORCH = torch.__version__.split("+")[0]
@@ -124,26 +132,80 @@ def test_the_folder_holds_everything_but_torch(node):
                                                           for p in manifest["packages"]}, line
 
 
-def test_offline_install_keeps_torch_and_the_quick_start_runs(node, tmp_path):
+@pytest.fixture(scope="module")
+def rehearsal(node, tmp_path_factory):
+    """The GPU check rehearsed in the node's virtual environment, offline, as CI runs it:
+    ``python benchmarks/gpu_check.py --rehearse --wheels WHEELS``. Returns (run, its output folder)."""
     wheels, python = node
-    env = {**job_env(tmp_path), **NO_NETWORK, "PIP_NO_INDEX": "1"}
+    root = tmp_path_factory.mktemp("rehearsal")
+    env = {**job_env(root), **NO_NETWORK, "PIP_NO_INDEX": "1"}
     env.pop("PYTHONPATH", None)
-    out = run([str(python), str(OFFLINE), "install", str(wheels)], env=env, timeout=600).stdout
-    assert f"torch {TORCH}" in out and "kept" in out, out
-    probe = run([str(python), "-c", "import torch, distkit; from importlib.metadata import version;"
-                 "[version(n) for n in ('deepspeed', 'transformers', 'peft', 'mlxtend', 'torchvision')];"
-                 "print(torch.__version__, distkit.__file__)"], env=env, timeout=120).stdout
-    version, where = probe.strip().splitlines()[-1].split()
-    assert version.split("+")[0] == TORCH and where.startswith(str(REPO)), probe
-    torchrun = python.parent / "torchrun"
-    results = tmp_path / "r.jsonl"
-    quick = run([str(torchrun), "--standalone", "--nproc_per_node=2", "01-ddp-basics/ddp_mnist.py",
-                 "--epochs", "1", "--max-steps", "4",
-                 "--offline", "--data-dir", str(tmp_path / "data"), "--results", str(results),
-                 "--save", str(tmp_path / "m.pt")], env=env, timeout=300).stdout
-    assert "backend gloo | device cpu" in quick and "done: test accuracy" in quick, quick[-3000:]
-    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
-    assert record["torch_version"].split("+")[0] == TORCH and record["world_size"] == 2
+    out = root / "out"
+    done = run([str(python), GPU_CHECK, "--rehearse", "--wheels", str(wheels), "--out", str(out)], env=env,
+               timeout=600, check=False)
+    return done, out
+
+
+def test_offline_install_keeps_torch_and_the_quick_start_runs(rehearsal):
+    """The install (the rehearsal's first stage) keeps torch; the check then starts again and imports
+    this repository's distkit (an editable install is only found by a fresh interpreter); the quick
+    start trains in the new environment, offline."""
+    done, out = rehearsal
+    assert f"torch {TORCH}" in done.stdout and "kept" in done.stdout, done.stdout[-3000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["distkit"] == str(REPO / "distkit"), summary.get("distkit")
+    assert summary["torch"].split("+")[0] == TORCH
+    quick = find(out / "outputs.jsonl", "quick_start")
+    assert "--offline" in quick["command"] and quick["returncode"] == 0, quick["output"][-3000:]
+    assert "backend gloo | device cpu" in quick["output"] and "done: test accuracy" in quick["output"]
+    (record,) = read_jsonl(out / "quick_start.jsonl")
+    assert record["torch_version"].split("+")[0] == TORCH and record["world_size"] == 1
+
+
+def test_the_rehearsal_runs_every_stage_and_ends_well(rehearsal):
+    """Every stage in order, each within its limit, the verdict 0; only what needs CUDA swapped (as
+    distkit/rehearsal.py names it), and the check itself never called into torch.cuda."""
+    done, out = rehearsal
+    assert done.returncode == 0 and "problem:" not in done.stdout, done.stdout[-4000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    stages = {s.name: s for s in gpu_check.STAGES}
+    assert [step["name"] for step in summary["stages"]] == list(stages), summary["stages"]
+    for step in summary["stages"]:
+        assert step["status"] == "ok", step
+        limit = stages[step["name"]].full_s
+        assert limit == 0 or step["wall_s"] <= limit, step  # suite_rest: the time the others left
+    assert summary["problems"] == [] and summary["check_cuda_calls"] == [] and summary["wall_s"] <= 420
+    assert summary["rehearsal"] == {k: {"gpu": g, "rehearsal": c} for k, (g, c) in SWAPS.items()}
+    for record in read_jsonl(out / "outputs.jsonl"):  # the preflight's machine; the device swapped
+        assert record["machine"]["device_name"].endswith("-core CPU") and record["backend"] == "gloo", record["name"]
+        assert "nccl" not in record["command"] and "llama-3.2-1b" not in record["command"], record["command"]
+    copy = find(out / "outputs.jsonl", "copy_bandwidth")["output"]
+    assert "host memory (rehearsal)" in copy and "TB/s" in copy, copy
+    planner = find(out / "outputs.jsonl", "planner_1gpu")["output"]
+    assert "model state MiB pred / meas" in planner and "(calibration)" in planner, planner[-2000:]
+
+
+def test_the_rehearsed_suite_is_ordered_timed_and_boxed(rehearsal):
+    """Both parts of ``pytest -m gpu`` as the check ran them: the first holds exactly the tests
+    GPU_ORDER names, in that order, the quick start first; every test has a timeout no longer than its
+    part's box; every test skipped for want of a GPU (nothing else failed or was left out)."""
+    _, out = rehearsal
+    summary = json.loads((out / "gpu_check.json").read_text())
+    parts = {step["name"]: step for step in summary["stages"] if step["name"].startswith("suite_")}
+    plans = {part: read_jsonl(out / f"gpu_suite_{part}.plan.jsonl") for part in ("first", "rest")}
+    first = [row["test"].split("tests/", 1)[-1] for row in plans["first"]]
+    assert first[0] == GPU_ORDER[0] and len(first) > 10, first
+    assert [gpu_rank(t) for t in first] == sorted(gpu_rank(t) for t in first)
+    assert all(gpu_rank(t) < len(GPU_ORDER) for t in first)
+    assert all(gpu_rank(row["test"]) == len(GPU_ORDER) for row in plans["rest"]) and len(plans["rest"]) > 20
+    for prefix in GPU_ORDER:
+        assert any(t.startswith(prefix) for t in first), f"GPU_ORDER names no test: {prefix}"
+    for part, plan in plans.items():
+        assert all(row["timeout_s"] for row in plan), part
+        step = parts[f"suite_{part}"]
+        assert step["counts"]["skipped"] == len(plan) == len(step["tests"]), step["counts"]
+        reasons = {t["reason"] for t in step["tests"]}
+        assert all("this machine has 0" in r for r in reasons), reasons
 
 
 def test_the_refusals_are_one_line(node, tmp_path):
