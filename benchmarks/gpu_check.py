@@ -288,6 +288,9 @@ def job_env(rehearse: bool, node: dict) -> dict:
     if rehearse:
         env[rehearsal.ENV] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # Every GPU test skips for want of a GPU and launches nothing: the suite's fork server (which
+        # imports torch, DeepSpeed and the chapters' libraries once for the jobs) would only cost its start.
+        env["DISTKIT_NO_FORK_SERVER"] = "1"
     if not node.get("compiles", True):
         env["DISTKIT_NO_COMPILER"] = "1"  # tests/conftest.py skips the tests that compile
     if node.get("compute_mode") == "Exclusive_Process":
@@ -296,18 +299,20 @@ def job_env(rehearse: bool, node: dict) -> dict:
 
 
 def run_preflight(rehearse: bool, limit_s: float) -> dict:
-    """The preflight as a job (the check holds no CUDA context); its JSON line, or ``{"error": ...}``."""
+    """The preflight as a job (the check holds no CUDA context): its JSON line, with the stage's own
+    step (``"step"``), or ``{"error": ...}``."""
     from distkit.jobs import run_job
 
     command = [sys.executable, str(Path(__file__).resolve()), "--preflight"] + (["--rehearse"] if rehearse else [])
-    env = job_env(rehearse, {})
-    done = run_job(command, max(1.0, limit_s - GRACE_S), cwd=REPO, env=env, grace_s=GRACE_S)
-    text = (done.output or b"").decode(errors="replace")
+    done = run_job(command, max(1.0, limit_s - GRACE_S), cwd=REPO, env=job_env(rehearse, {}), grace_s=GRACE_S)
+    text = (done.output or b"").decode(errors="replace").strip()
     if done.cut or done.returncode != 0:
-        return {"error": f"preflight {'cut at its limit' if done.cut else f'exit {done.returncode}'}: "
-                         f"{text.strip().splitlines()[-1:] or ''}"}
-    node = json.loads(text.strip().splitlines()[-1])
+        last = text.splitlines()[-1] if text else ""
+        return {"error": f"the preflight {'was cut at its limit' if done.cut else f'exited {done.returncode}'}: {last}"}
+    node = json.loads(text.splitlines()[-1])
     node["compiles"] = bool(node["compiler"] and node["python_headers"])
+    node["step"] = {"name": "preflight", "status": "ok", "wall_s": round(done.wall_s, 1),
+                    "command": shlex.join(command[1:])}
     return node
 
 
@@ -346,54 +351,6 @@ def run_measurement(name: str, out: Path, budget: float, rehearse: bool, node: d
     return step
 
 
-def suite_outcomes(junit: Path) -> list[dict]:
-    """Each test of the JUnit XML: its id, outcome (passed/failed/error/skipped), seconds, and a skip's
-    or failure's first line."""
-    import xml.etree.ElementTree as ElementTree
-
-    tests = []
-    for case in ElementTree.parse(junit).iter("testcase"):
-        found = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
-        # JUnit's <failure> is a failed test (pytest's "failed"), <error> an error in its setup or teardown
-        outcome = "passed" if found is None else {"failure": "failed"}.get(found.tag, found.tag)
-        message = (found.get("message") or "") if found is not None else ""
-        reason = message.splitlines()[0][:200] if message else ""
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": round(float(case.get("time", 0)), 1), "reason": reason})
-    return tests
-
-
-PYTEST_EXITS = {2: "pytest was interrupted", 3: "pytest's internal error", 4: "a pytest usage error",
-                5: "pytest collected no test"}
-
-
-def suite_problems(part: str, returncode: int, cut: bool, junit_found: bool, tests: list[dict],
-                   rehearse: bool) -> list[str]:
-    """Why this part of the GPU suite did not end well (empty when it did). pytest's exit code is read
-    as well as the JUnit file: a session-level failure (the working tree changed) fails no test."""
-    problems = []
-    if cut:
-        problems.append(f"suite {part}: cut at its limit")
-    if not junit_found:
-        problems.append(f"suite {part}: no JUnit file (pytest exit {returncode})")
-    elif not tests:
-        problems.append(f"suite {part}: no test collected")
-    failed = [t["test"] for t in tests if t["outcome"] in ("failed", "error")]
-    if failed:
-        more = " ..." if len(failed) > 3 else ""
-        problems.append(f"suite {part}: {len(failed)} failed: " + ", ".join(failed[:3]) + more)
-    if returncode in PYTEST_EXITS:
-        problems.append(f"suite {part}: {PYTEST_EXITS[returncode]} (exit {returncode})")
-    elif returncode == 1 and not failed and not cut:
-        problems.append(f"suite {part}: pytest exit 1 with no failed test: a session-level check failed "
-                        "(the log's last lines say which)")
-    elif returncode not in (0, 1) and not cut:
-        problems.append(f"suite {part}: pytest exit {returncode}")
-    if part == "first" and not rehearse and tests and not any(t["outcome"] == "passed" for t in tests):
-        problems.append("suite first: no GPU test passed")
-    return problems
-
-
 def run_suite(part: str, out: Path, budget: float, rehearse: bool, node: dict) -> dict:
     """``pytest -m gpu`` (one part of it) under a time box inside the stage's limit; no test starts
     whose timeout would run past the box (tests/conftest.py shortens it or skips the test)."""
@@ -403,51 +360,10 @@ def run_suite(part: str, out: Path, budget: float, rehearse: bool, node: dict) -
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "--gpu-part", part,
                "--time-box", f"{box:.0f}", "--gpu-plan", str(plan), "--junitxml", str(junit), "-q", "-rs", *files]
-    return run_pytest(part, command, junit, log, budget - GRACE_S, REPO, job_env(rehearse, node), rehearse)
+    from distkit.verdict import run_pytest
 
-
-def run_pytest(part: str, command: list[str], junit: Path, log: Path, limit_s: float, cwd: Path, env: dict,
-               rehearse: bool) -> dict:
-    """Run a pytest command as a job and read its verdict from its exit code and its JUnit file."""
-    from distkit.jobs import run_job
-
-    junit.unlink(missing_ok=True)
-    with open(log, "w") as f:
-        done = run_job(command, limit_s, cwd=cwd, env=env, stdout=f, grace_s=GRACE_S)
-    tests = suite_outcomes(junit) if junit.exists() else []
-    counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "error", "skipped")}
-    problems = suite_problems(part, done.returncode, done.cut, junit.exists(), tests, rehearse)
-    print(f"[gpu_check] suite {part}: {counts} in {done.wall_s:.0f} s (exit {done.returncode}"
-          f"{', cut' if done.cut else ''}); log {log}")
-    return {"name": f"suite_{part}", "status": "ok" if not problems else "; ".join(problems),
-            "command": shlex.join(command[1:]), "returncode": done.returncode, "cut": done.cut,
-            "wall_s": round(done.wall_s, 1), "counts": counts, "tests": tests, "problems": problems}
-
-
-class CudaWatch:
-    """A profile function that notes every call into ``torch.cuda`` made by the check's own process:
-    the check must hold no CUDA context while its jobs run (exclusive-process GPUs allow one)."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def __call__(self, frame, event, arg):
-        code = frame.f_code
-        if event == "call" and code.co_name != "<module>" and "/torch/cuda/" in code.co_filename.replace(os.sep, "/"):
-            if len(self.calls) < 10:
-                self.calls.append(f"torch.cuda {Path(code.co_filename).name}:{code.co_name}")
-
-    def start(self) -> None:
-        import threading
-
-        sys.setprofile(self)
-        threading.setprofile(self)
-
-    def stop(self) -> None:
-        import threading
-
-        sys.setprofile(None)
-        threading.setprofile(None)
+    return run_pytest(part, command, junit, log, budget - GRACE_S, REPO, job_env(rehearse, node), rehearse,
+                      grace_s=GRACE_S)
 
 
 def run_stages(args: argparse.Namespace, lease: Lease, out: Path, node: dict) -> list[dict]:
@@ -466,20 +382,6 @@ def run_stages(args: argparse.Namespace, lease: Lease, out: Path, node: dict) ->
         print(f"[gpu_check] {stage.name}: {steps[-1]['status'] if not stage.name.startswith('suite_') else 'done'} "
               f"({lease.elapsed():.0f} s of {lease.total} s)")
     return steps
-
-
-def problems_of(summary: dict) -> list[str]:
-    """Everything that makes the verdict non-zero."""
-    problems = []
-    for step in summary["stages"]:
-        if step["name"].startswith("suite_"):
-            problems += step.get("problems", [])
-        elif step["status"] != "ok" and not step["status"].startswith("skipped"):
-            problems.append(f"{step['name']}: {step['status']}")
-    if summary.get("check_cuda_calls"):
-        problems.append("the check itself called into CUDA (" + ", ".join(summary["check_cuda_calls"][:3])
-                        + "): in exclusive-process mode its context fails every later job")
-    return problems
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -542,6 +444,8 @@ def main(argv=None) -> int:
 
 def check(args: argparse.Namespace, lease: Lease, out: Path) -> int:
     """Everything after the install, in the interpreter that can import ``distkit``."""
+    from distkit.verdict import CudaWatch, problems_of
+
     node = run_preflight(args.rehearse, lease.budget("preflight"))
     if "error" in node:
         print(f"error: {node['error']}", file=sys.stderr)
@@ -565,7 +469,7 @@ def check(args: argparse.Namespace, lease: Lease, out: Path) -> int:
                "compiles": node["compiles"], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "form": "first_contact" if args.first_contact else "full", "lease_s": lease.total,
                "stages": ([json.loads(installed.read_text())] if args.installed and installed.exists() else [])
-               + steps, "check_cuda_calls": watch.calls}
+               + [node["step"], *steps], "check_cuda_calls": watch.calls}
     if args.rehearse:
         from distkit.rehearsal import SWAPS
 

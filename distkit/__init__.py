@@ -40,7 +40,9 @@
 * :mod:`distkit.mutation`: a script with one deliberate bug, for the negative controls.
 * :mod:`distkit.offline`: the two commands that carry this repository to an offline GPU node.
 * :mod:`distkit.jobs`: a command under a time limit, its whole process tree ended at the limit;
-  :mod:`distkit.rehearsal`: what the GPU check swaps when it is rehearsed on a CPU machine.
+  :mod:`distkit.rehearsal`: what the GPU check swaps when it is rehearsed on a CPU machine;
+  :mod:`distkit.verdict`: whether a GPU-check stage ended well (a pytest run's exit code and JUnit
+  file, the check's own calls into CUDA).
 """
 from .runtime import (
     ArgumentParser,

@@ -134,12 +134,16 @@ def pytest_collection_modifyitems(config, items):
             name = item.nodeid.split("tests/", 1)[-1]
             limit = next((s for prefix, s in GPU_LONG_TESTS.items() if name.startswith(prefix)), GPU_TEST_TIMEOUT_S)
             item.add_marker(pytest.mark.timeout(limit))
-    plan = config.getoption("gpu_plan")
+
+
+def pytest_collection_finish(session):
+    """``--gpu-plan FILE``: the tests that will run (after every deselection), in order, with their timeouts."""
+    plan = session.config.getoption("gpu_plan")
     if plan:
         import json
 
         Path(plan).write_text("".join(json.dumps({"test": item.nodeid, "timeout_s": timeout_of(item)}) + "\n"
-                                      for item in items))
+                                      for item in session.items))
 
 
 def timeout_of(item) -> float | None:

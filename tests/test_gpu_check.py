@@ -18,15 +18,20 @@
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from distkit import verdict
 from distkit.mutation import mutated_source
 from launch import REPO, job_env, load_script, readme_command
 
@@ -87,18 +92,18 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.timeout(300)
 def test_slow():
-    time.sleep(14)
+    time.sleep(9)
 
 
 def test_after():
     pass
 """
-BOX_S = 5
+BOX_S = 4
 
 
 def boxed_run(tmp_path: Path, conftest_dir: Path) -> tuple[subprocess.CompletedProcess, float, list[dict]]:
     """A slow GPU-marked test (timeout 300 s) and a quick one under ``tests/conftest.py`` (loaded from
-    ``conftest_dir`` as a plugin) with a 5 s box: (run, wall seconds, outcomes)."""
+    ``conftest_dir`` as a plugin) with a 4 s box: (run, wall seconds, outcomes)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_boxed.py").write_text(SLOW_TEST)
@@ -110,7 +115,7 @@ def boxed_run(tmp_path: Path, conftest_dir: Path) -> tuple[subprocess.CompletedP
                            "-n", "0", "--time-box", str(BOX_S), "--min-test-start", "1", "--junitxml", str(junit),
                            "-q", "-rs", str(project)], cwd=project, env=env, capture_output=True, text=True,
                           timeout=120)
-    return done, time.monotonic() - started, gpu_check.suite_outcomes(junit)
+    return done, time.monotonic() - started, verdict.suite_outcomes(junit)
 
 
 def assert_nothing_ran_past_the_box(done, wall: float, outcomes: list[dict]) -> None:
@@ -168,9 +173,9 @@ def test_every_way_a_suite_run_fails_is_a_problem(case, tmp_path):
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(junit),
                "-q", *extra, str(tmp_path)]
     env = {k: v for k, v in job_env(tmp_path).items() if k != "PYTHONPATH"}
-    step = gpu_check.run_pytest("first", command, junit, log, 8 if case == "a cut run" else 60, tmp_path, env,
-                                rehearse=True)
-    problems = gpu_check.problems_of({"stages": [step], "check_cuda_calls": []})
+    step = verdict.run_pytest("first", command, junit, log, 5 if case == "a cut run" else 60, tmp_path, env,
+                                rehearse=True, grace_s=1)
+    problems = verdict.problems_of({"stages": [step], "check_cuda_calls": []})
     if expected is None:
         assert problems == [] and step["counts"]["passed"] == 1, (problems, log.read_text()[-2000:])
     else:
@@ -188,8 +193,6 @@ def test_the_preflight_names_what_compile_lacks_and_the_check_skips_only_that(tm
     env.pop("CC", None)
     done = subprocess.run([str(bare / "python"), GPU_CHECK, "--preflight", "--rehearse"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180)
-    import json
-
     node = json.loads(done.stdout.strip().splitlines()[-1])
     assert node["compiler"] is None and node["python_headers"] is True, node
     node["compiles"] = False
@@ -200,12 +203,18 @@ def test_the_preflight_names_what_compile_lacks_and_the_check_skips_only_that(tm
             command = gpu_check.measurement_command(name, tmp_path, rehearse, compiles=False)
             assert "--compile off on" not in command and "on" not in command.split("--compile")[-1].split("--")[0]
     assert "--compile off on" in gpu_check.measurement_command("llama_tiny_ac", tmp_path, False, compiles=True)
-    assert gpu_check.job_env(False, node)["DISTKIT_NO_COMPILER"] == "1"
-    test = "tests/test_llama_gpu.py::test_activation_checkpointing_and_compile_on_gpus"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-n", "0", "-rs", "-q",
-                          test], cwd=REPO, env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", DISTKIT_NO_COMPILER="1"),
-                         capture_output=True, text=True, timeout=180)
-    assert "lacks a C compiler or the Python headers" in run.stdout and "passed" not in run.stdout, run.stdout[-2000:]
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_compiles.py").write_text("import pytest\n\npytestmark = pytest.mark.gpu\n\n\n"
+                                              "@pytest.mark.compiles\ndef test_compiles():\n    pass\n\n\n"
+                                              "def test_eager():\n    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
+                          "-n", "0", "-rs", "-q", str(project)], cwd=project, capture_output=True, text=True,
+                         env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", PYTHONPATH=str(REPO / "tests"),
+                                     DISTKIT_NO_COMPILER=gpu_check.job_env(False, node)["DISTKIT_NO_COMPILER"]),
+                         timeout=120)
+    assert "1 passed, 1 skipped" in run.stdout and "lacks a C compiler or the Python headers" in run.stdout, \
+        run.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------- no CUDA in the check
@@ -213,7 +222,7 @@ def test_the_check_records_a_run_without_asking_torch_about_the_gpu(tmp_path):
     from distkit.records import capture
 
     node = {"machine": {"device_name": "2-core CPU"}, "torch": "2.13.0"}
-    watch = gpu_check.CudaWatch()
+    watch = verdict.CudaWatch()
     watch.start()
     try:
         record = capture("echo device cpu", "probe", into=tmp_path / "outputs.jsonl", machine=node["machine"],
@@ -222,10 +231,107 @@ def test_the_check_records_a_run_without_asking_torch_about_the_gpu(tmp_path):
         watch.stop()
     assert watch.calls == [] and record["machine"] == node["machine"] and record["backend"] == "gloo", watch.calls
     # control: the same record made without the preflight's answers asks torch.cuda
-    control = gpu_check.CudaWatch()
+    control = verdict.CudaWatch()
     control.start()
     try:
         capture("echo device cpu", "probe", into=tmp_path / "outputs.jsonl")
     finally:
         control.stop()
     assert control.calls and all(call.startswith("torch.cuda") for call in control.calls), control.calls
+
+
+# ------------------------------------------------------------------------- the quick start, offline
+@contextlib.contextmanager
+def stalled_proxy():
+    """An HTTP proxy on loopback that accepts every connection and never answers: a network that stalls
+    rather than refuses (a download without a timeout then waits for ever). Yields (its URL, the
+    connections it accepted)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held: list[socket.socket] = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", held
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+
+
+def assert_the_quick_start_ended(result, name: str) -> None:
+    output = (result.output or b"").decode(errors="replace")
+    if result.cut or result.returncode != 0 or "done: test accuracy" not in output:
+        raise AssertionError(f"the quick start did not end ({name}: exit {result.returncode}, "
+                             f"cut {result.cut}):\n{output[-2000:]}")
+
+
+def test_the_quick_start_stage_runs_behind_a_stalled_network(tmp_path):
+    """The check's quick start, as the rehearsal runs it, behind a proxy that never answers: it trains on
+    the offline sample and ends. Control, run beside it: the same command without ``--offline`` starts
+    the download and waits on it until its limit cuts it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distkit.jobs import run_job
+
+    command = gpu_check.measurement_command("quick_start", tmp_path / "out", rehearse=True, compiles=True)
+    assert " --offline " in command
+    mutant = command.replace(" --offline ", " ").replace(str(tmp_path / "out"), str(tmp_path / "mutant"))
+
+    def behind(proxy: str) -> dict:
+        return job_env(tmp_path, http_proxy=proxy, https_proxy=proxy, HTTP_PROXY=proxy, HTTPS_PROXY=proxy,
+                       no_proxy="", NO_PROXY="")
+
+    with stalled_proxy() as (first, first_connections), stalled_proxy() as (second, second_connections), \
+            ThreadPoolExecutor(2) as pool:
+        offline = pool.submit(run_job, command, 90, cwd=REPO, env=behind(first))
+        online = pool.submit(run_job, mutant, 10, cwd=REPO, env=behind(second), grace_s=1)
+        offline, online = offline.result(), online.result()
+        asked = (len(first_connections), len(second_connections))
+    assert_the_quick_start_ended(offline, "--offline")
+    with pytest.raises(AssertionError, match="the quick start did not end"):
+        assert_the_quick_start_ended(online, "without --offline")
+    assert asked[0] == 0 and asked[1] >= 1 and online.cut, asked  # only the control asked the network
+
+
+# ------------------------------------------------------------------------------ exclusive-process mode
+IN_PROCESS_FIRST = """
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.cuda_in_pytest
+def test_uses_cuda_here():
+    pass
+
+
+def test_launches_a_job():
+    pass
+"""
+
+
+def planned_order(tmp_path: Path, **env: str) -> list[str]:
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    (project / "test_order.py").write_text(IN_PROCESS_FIRST)
+    plan = tmp_path / "plan.jsonl"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu", "-n", "0",
+                    "--collect-only", "-q", "--gpu-plan", str(plan), str(project)], cwd=project, timeout=120,
+                   env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", PYTHONPATH=str(REPO / "tests"), **env),
+                   capture_output=True, check=True)
+    return [json.loads(line)["test"].rsplit("::", 1)[1] for line in plan.read_text().splitlines()]
+
+
+def test_on_an_exclusive_process_gpu_the_tests_using_cuda_in_pytest_run_last(tmp_path):
+    """A CUDA context in the pytest process would make every later job fail on such a GPU; the check's
+    preflight sets DISTKIT_GPU_EXCLUSIVE_PROCESS and tests/conftest.py orders them last. Control:
+    without it, file order."""
+    assert planned_order(tmp_path, DISTKIT_GPU_EXCLUSIVE_PROCESS="1") == ["test_launches_a_job", "test_uses_cuda_here"]
+    assert planned_order(tmp_path) == ["test_uses_cuda_here", "test_launches_a_job"]

