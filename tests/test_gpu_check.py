@@ -92,18 +92,18 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.timeout(300)
 def test_slow():
-    time.sleep(9)
+    time.sleep(7)
 
 
 def test_after():
     pass
 """
-BOX_S = 4
+BOX_S = 3
 
 
 def boxed_run(tmp_path: Path, conftest_dir: Path) -> tuple[subprocess.CompletedProcess, float, list[dict]]:
     """A slow GPU-marked test (timeout 300 s) and a quick one under ``tests/conftest.py`` (loaded from
-    ``conftest_dir`` as a plugin) with a 4 s box: (run, wall seconds, outcomes)."""
+    ``conftest_dir`` as a plugin) with a 3 s box: (run, wall seconds, outcomes)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_boxed.py").write_text(SLOW_TEST)
@@ -173,7 +173,7 @@ def test_every_way_a_suite_run_fails_is_a_problem(case, tmp_path):
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(junit),
                "-q", *extra, str(tmp_path)]
     env = {k: v for k, v in job_env(tmp_path).items() if k != "PYTHONPATH"}
-    step = verdict.run_pytest("first", command, junit, log, 5 if case == "a cut run" else 60, tmp_path, env,
+    step = verdict.run_pytest("first", command, junit, log, 4 if case == "a cut run" else 60, tmp_path, env,
                                 rehearse=True, grace_s=1)
     problems = verdict.problems_of({"stages": [step], "check_cuda_calls": []})
     if expected is None:
@@ -291,7 +291,7 @@ def test_the_quick_start_stage_runs_behind_a_stalled_network(tmp_path):
     with stalled_proxy() as (first, first_connections), stalled_proxy() as (second, second_connections), \
             ThreadPoolExecutor(2) as pool:
         offline = pool.submit(run_job, command, 90, cwd=REPO, env=behind(first))
-        online = pool.submit(run_job, mutant, 10, cwd=REPO, env=behind(second), grace_s=1)
+        online = pool.submit(run_job, mutant, 20, cwd=REPO, env=behind(second), grace_s=1)
         offline, online = offline.result(), online.result()
         asked = (len(first_connections), len(second_connections))
     assert_the_quick_start_ended(offline, "--offline")
