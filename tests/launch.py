@@ -133,7 +133,11 @@ def job_env(tmp_path: Path | None = None, gpu: bool = False, **extra: str) -> di
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
     """GPUs on this machine, counted in a fresh process (the test process itself hides them when
-    it runs the CPU suite)."""
+    it runs the CPU suite); none in the GPU check's rehearsal, whose device swap hides them."""
+    from distkit import rehearsal
+
+    if rehearsal.active():
+        return 0
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
                             "if torch.cuda.is_available() else 0)"], env=job_env(gpu=True),
                            capture_output=True, text=True, timeout=120)
