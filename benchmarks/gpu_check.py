@@ -335,19 +335,14 @@ def run_measurement(name: str, out: Path, budget: float, rehearse: bool, node: d
     from distkit.records import RecordError, capture
 
     command = measurement_command(name, out, rehearse, node["compiles"])
-    env_before = dict(os.environ)
-    os.environ.update(job_env(rehearse, node))  # capture runs the command in this process's environment
     try:
         record = capture(command, name, timeout_s=max(1.0, budget - GRACE_S), into=out / "outputs.jsonl",
                          machine=node["machine"], torch_version=node["torch"], cuda_available=not rehearse,
-                         grace_s=GRACE_S)
+                         grace_s=GRACE_S, env=job_env(rehearse, node))
         status = "ok" if record["returncode"] == 0 else f"exit {record['returncode']}"
         step = {"name": name, "status": status, "wall_s": record["wall_s"], "command": command}
     except RecordError:
         step = {"name": name, "status": "cut at its limit", "wall_s": round(budget, 1), "command": command}
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
     return step
 
 

@@ -72,10 +72,14 @@ def machine_label(machine_dict: dict[str, Any], backend: str | None = None) -> s
     return f"{label}, {backend}" if backend else label
 
 
-def provenance(command: str, device: Any = None) -> dict[str, Any]:
+def provenance(command: str, device: Any = None, known_machine: dict[str, Any] | None = None,
+               torch_version: str | None = None) -> dict[str, Any]:
     """The fields every record starts with: schema, command, machine (:func:`machine` of the
-    ``device`` the run used), torch version, date."""
-    import torch
+    ``device`` the run used), torch version, date. A caller that already knows the machine and the
+    torch version (the GPU check's preflight) passes both, and torch is then not asked at all."""
+    if known_machine is None or torch_version is None:
+        import torch
 
-    return {"schema": SCHEMA_VERSION, "command": command, "machine": machine(device),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        known_machine, torch_version = machine(device), torch.__version__
+    return {"schema": SCHEMA_VERSION, "command": command, "machine": known_machine,
+            "torch": torch_version, "date": time.strftime("%Y-%m-%d")}

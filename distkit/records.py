@@ -145,7 +145,7 @@ def capture(command: str, name: str, timeout_s: float | None = None,
             into: str | os.PathLike | None = None, keep: list[list[str]] | None = None, *,
             machine: dict | None = None,  # noqa: F811 - the record's field; machine() is not called here
             torch_version: str | None = None, cuda_available: bool | None = None,
-            grace_s: float = GRACE_S) -> dict[str, Any]:
+            grace_s: float = GRACE_S, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``command`` (a shell command line, from the repository root) and return its record,
     stored in ``into`` (replacing an older record of that name) when given.
 
@@ -161,11 +161,12 @@ def capture(command: str, name: str, timeout_s: float | None = None,
 
     A caller that already knows the machine passes ``machine`` and ``torch_version`` (the record's
     fields) and ``cuda_available`` (for :func:`distkit.provenance.run_device`): capture then never
-    touches torch itself. Without them they come from this process's torch.
+    touches torch itself. Without them they come from this process's torch. ``env``: the command's
+    environment (default: this process's).
     """
     if (machine is None) != (torch_version is None):
         raise ValueError("capture: give machine and torch_version together")
-    env = dict(os.environ, DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ if env is None else env, DISTKIT_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
     with open(LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Other work on the machine slows a recorded run down; keep how busy it was (1-min load).
@@ -182,11 +183,7 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         # The machine as the command used it (a CPU run on a GPU host is labelled with the CPU); the
         # chapter scripts use NCCL on GPUs and gloo on the CPU.
         device = run_device(command, output, cuda_available=cuda_available)
-        if machine is None:
-            fields = provenance(command, device=device)
-        else:  # provenance()'s fields, in its order
-            fields = {"schema": SCHEMA_VERSION, "command": command, "machine": machine, "torch": torch_version,
-                      "date": time.strftime("%Y-%m-%d")}
+        fields = provenance(command, device=device, known_machine=machine, torch_version=torch_version)
         record = {"name": name, **fields,
                   "backend": "nccl" if device == "cuda" else "gloo", "returncode": result.returncode,
                   "wall_s": round(seconds, 1), "load_1min": load, "output": output}
