@@ -106,7 +106,7 @@ MEASUREMENTS = {
 SIZES = {  # name: (on a GPU, in the rehearsal)
     "quick_start": ("", "--epochs 1 --max-steps 4"),
     # The rehearsal does not compile: on a CPU with an empty cache that is 30-40 s of C++ builds, CI's
-    # time for nothing the check's control flow needs; tests/test_step_peak.py compiles under the
+    # time for nothing the check's control flow needs; tests/test_step_peak.py compiles (on aot_eager) under the
     # rehearsal's swap (the compiled peak's window) and the preflight test drops --compile on by hand.
     "llama_tiny_ac": ("--ac none full selective --compile off on --model-size tiny --steps 10",
                       "--ac none selective --compile off --model-size tiny --steps 3 --warmup-steps 1 "
