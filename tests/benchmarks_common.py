@@ -10,11 +10,11 @@ from spine import Form
 
 BENCH = REPO / "benchmarks"
 README = BENCH / "README.md"
+PLANNER_DOC = BENCH / "planner.md"  # the planner's own document, its commands the chapter's too
 COMMITTED_RESULTS = BENCH / "records" / "results_cpu.jsonl"
 BYTES_TOLERANCE = 0.01   # the bar: communication bytes within 1% of distkit.theory
 STATE_TOLERANCE = 0.05   # model-state bytes within 5%
-# The README's planner commands (section "Planning"), checked by tests/test_planner.py as the play ran
-# them; the README coverage check needs them next to test_benchmarks.py's own lookups.
+# planner.md's commands, checked by tests/test_planner.py as the play ran them.
 # A lookup is needles, or (needles, without), as readme_command takes them.
 PLANNER_LOOKUPS = {"plan_8b_8xh100": (("plan.py", "--gpus 8 "), "--gpu-memory-gib"),
                    "plan_8b_8xh100_96gb": ("plan.py", "--gpu-memory-gib 96"),

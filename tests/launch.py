@@ -342,6 +342,21 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     assert not own_frames, "traceback from repository code:\n" + "\n".join(own_frames)
 
 
+# A chapter's documents for the reader, in reading order: its README.md, then a document of its own
+# for a topic the README sends the reader to (the planner). Their commands are the chapter's.
+DOCUMENTS = {"benchmarks": ("README.md", "planner.md")}
+
+
+def chapter_documents(chapter: str) -> list[Path]:
+    """The reader's documents of ``chapter`` (a folder of the repository, ``.`` for the top), in order."""
+    return [REPO / chapter / name for name in DOCUMENTS.get(chapter, ("README.md",))]
+
+
+def chapter_commands(chapter: str) -> list[str]:
+    """Every command of the chapter's documents (:func:`readme_commands`), in reading order."""
+    return [command for document in chapter_documents(chapter) for command in readme_commands(document)]
+
+
 _COMMAND_START = re.compile(r"^(torchrun|python|deepspeed|bash|srun|sbatch)\s")
 
 

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch import (
-    REPO,
+    chapter_commands,
+    chapter_documents,
     command_argv,
     job_env,
     launcher_argv,
     lookup_matches,
     own_processes,
-    readme_commands,
     torchrun_on_path,
 )
 
@@ -214,7 +214,8 @@ def reader_env(clone: Path, scratch: Path) -> dict:
     env = torchrun_on_path(job_env(scratch, DISTKIT_TORCHRUN=shlex.join(launcher_argv("fork")),
                                    TORCH_EXTENSIONS_DIR=str(clone / EXTENSIONS)))
     for chapter in CHAPTERS:
-        env.update(exports(REPO / chapter / "README.md"))
+        for document in chapter_documents(chapter):
+            env.update(exports(document))
     env.pop("PYTEST_CURRENT_TEST", None)  # the test that asked first; each played job names its chapter
     return env
 
@@ -233,7 +234,7 @@ def play_chapter(chapter: str, reader: Reader) -> Played:
 
 def _play(chapter: str, reader: Reader) -> list[dict]:
     runs, slug = [], re.sub(r"\W", "_", chapter)
-    for index, command in enumerate(readme_commands(REPO / chapter / "README.md")):
+    for index, command in enumerate(chapter_commands(chapter)):
         if any(needle in command for needle in LEFT_OUT):
             continue
         out = f"{PLAYED}/{slug}/{index:02d}"

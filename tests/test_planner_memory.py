@@ -52,7 +52,7 @@ def test_the_allocator_reserve_is_fitted_on_the_calibration_rows(pc, monkeypatch
     assert len(ratios) == 14
     assert planner.FITTED_RESERVE == pc.calibrate_reserve() == round(statistics.median(ratios), 3)
     assert 1.2 < planner.FITTED_RESERVE < 1.3
-    readme = (REPO / "benchmarks" / "README.md").read_text()  # the constants its prose states
+    readme = (REPO / "benchmarks" / "planner.md").read_text()  # the constants its prose states
     assert f"{planner.FITTED_RESERVE}" in readme and f"({planner.FITTED_EFFICIENCY}," in readme
     assert all(r.memory_gib is None or r.gpu == "h200" for r in VALIDATION)
     rows = pc.compare()

@@ -29,10 +29,21 @@ from pathlib import Path
 
 import pytest
 
-from launch import QUICK_START_FILES, REPO, changed_files, load_script, readme_commands, tree_changes, tree_state
+from launch import (
+    QUICK_START_FILES,
+    REPO,
+    changed_files,
+    chapter_documents,
+    load_script,
+    readme_commands,
+    tree_changes,
+    tree_state,
+)
 
-# the repository's READMEs (not a tool's, such as .pytest_cache/README.md, which comes and goes with a run)
-READMES = sorted(p for p in REPO.glob("*/README.md") if not p.parent.name.startswith(".")) + [REPO / "README.md"]
+# the repository's documents for the reader (not a tool's, such as .pytest_cache/README.md, which comes
+# and goes with a run): each chapter's README and its own documents, then the top README
+FOLDERS_WITH_README = sorted(p.parent.name for p in REPO.glob("*/README.md") if not p.parent.name.startswith("."))
+READMES = [doc for chapter in FOLDERS_WITH_README for doc in chapter_documents(chapter)] + [REPO / "README.md"]
 # argparse destinations that name something a run writes
 FILES = {"results", "record", "save", "log_file", "plot", "bandwidth_records", "export"}
 FOLDERS = {"checkpoint_dir", "log_dir", "out_dir", "plots_dir", "out", "dest", "hf_out", "hf_in", "data_dir",

@@ -138,7 +138,7 @@ def estimate_all(plan: Plan, cluster: Cluster, strategies: Iterable[str] | None 
 # ----------------------------------------------------------------------------------------------
 
 # How close two predicted steps must be to be no evidence for either: the step time's median error
-# bound that the planner's validation holds it to (20%; the worst cell's is 50%, benchmarks/README
+# bound that the planner's validation holds it to (20%; the worst cell's is 50%, benchmarks/planner.md
 # "Validated against the CPU matrix": the median is the figure a typical prediction earns).
 STEP_MEDIAN_ERROR = 0.20
 
