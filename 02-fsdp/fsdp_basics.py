@@ -123,7 +123,9 @@ def shard_trace_and_train(args, ctx):
     if ctx.is_main:
         m = record["metrics"]
         comm = ", ".join(f"{k} {v['calls']:.0f} calls {v['bytes']:,.0f} B"
-                         for k, v in m["comm_per_step"].items()) or "no collectives (one rank)"
+                         for k, v in m["comm_per_step"].items())
+        if not comm:  # one rank has no peers; otherwise no step was counted (too few --steps)
+            comm = "no collectives (one rank)" if ctx.world_size == 1 else "no step counted (raise --steps)"
         speed = (f"median step {m['step_time_s_median'] * 1e3:.0f} ms | {m['tokens_per_s']:,.0f} tokens/s"
                  if m["timed_steps"] else "no timed steps (raise --steps)")
         log.info(f"per step: {comm} | {speed} | record appended to {args.results}")

@@ -59,14 +59,17 @@ for r in records:
     print(f"{r['strategy']:>14}: model state per rank {[f'{b / 2**20:.3f} MiB' for b in per_rank]}")
 
 # %% [markdown]
-# **The bytes, checked against the formulas.** In fp32 a weight and a gradient take 4 bytes each;
-# AdamW keeps two 4-byte moments; DeepSpeed's ZeRO optimizer (stages 1-3) adds an fp32 master copy of
-# its partition (4 bytes). Per rank, with Ψ parameters and N ranks:
+# **The bytes, checked against DeepSpeed's layout.** In fp32 a weight and a gradient take 4 bytes
+# each; AdamW keeps two 4-byte moments; DeepSpeed's ZeRO optimizer (stages 1-3) adds an fp32 master
+# copy of its partition (4 bytes). What DeepSpeed holds per rank at the optimizer step
+# (`gradient_accumulation_steps` 1), with Ψ parameters and N ranks, is the fp32 formula of the README's
+# table in every cell but one, stage 1's gradients (the README's "One formula per quantity" says why
+# that makes stage 1 measure 0.727 of the fp32 formula at N = 4):
 #
 # | stage | params | grads | optimizer |
 # |---|---|---|---|
 # | 0 | 4Ψ | 4Ψ | 8Ψ |
-# | 1 | 4Ψ | 4Ψ/N (DeepSpeed keeps only its partition, like stage 2) | 12Ψ/N |
+# | 1 | 4Ψ | 4Ψ/N (the fp32 formula: 4Ψ; DeepSpeed keeps only its partition, like stage 2) | 12Ψ/N |
 # | 2 | 4Ψ | 4Ψ/N | 12Ψ/N |
 # | 3 (and 3 + offload) | 4Ψ/N | 4Ψ/N | 12Ψ/N |
 #
@@ -74,9 +77,9 @@ for r in records:
 # the committed record the README's table is drawn from.
 
 # %%
-def formula(stage: int, psi: int, n: int) -> dict:
-    """distkit.theory's fp32 formula (the paper's stage 1 keeps full gradients), with DeepSpeed's
-    stage 1 holding only its gradient partition, as the table says."""
+def deepspeed_layout(stage: int, psi: int, n: int) -> dict:
+    """DeepSpeed's layout: distkit.theory's fp32 formula (the paper's stage 1 keeps full gradients),
+    with stage 1 holding only its gradient partition, as the table says."""
     expected = theory.zero_fp32_state_bytes(stage, psi, n)
     if stage == 1:
         expected["grads"] = 4 * psi / n
@@ -87,12 +90,12 @@ psi, n = records[0]["param_count"], records[0]["world_size"]
 assert psi % n == 0  # no padding of the flat partitions: the formulas are exact
 for r in records:
     for rank, measured in enumerate(r["metrics"]["model_state_bytes_per_rank"]):
-        assert measured == formula(r["config"]["zero_stage"], psi, n), (r["strategy"], rank, measured)
-print(f"this run: every rank of every stage holds the formula's bytes (Ψ = {psi:,}, N = {n})")
+        assert measured == deepspeed_layout(r["config"]["zero_stage"], psi, n), (r["strategy"], rank, measured)
+print(f"this run: every rank of every stage holds DeepSpeed's layout (Ψ = {psi:,}, N = {n})")
 
 committed = read_jsonl(REPO / "03-deepspeed" / "records" / "zero_memory.jsonl")[-1]["table"]
 for row in committed["rows"]:
-    expected = formula(row["stage"], committed["param_count"], committed["world_size"])
+    expected = deepspeed_layout(row["stage"], committed["param_count"], committed["world_size"])
     assert row["measured"] == expected, (row["strategy"], row["measured"], expected)
 print(f"committed record: the same, for Ψ = {committed['param_count']:,}, N = {committed['world_size']}")
 
@@ -104,7 +107,7 @@ assert all(d < 5e-5 for d in diffs.values()), diffs
 
 # %% [markdown]
 # The plot is drawn from the committed record (the `small` GPT; the README's table comes from the same
-# record): model state on rank 0 next to the formula, and the median step time of each stage on the
+# record): model state on rank 0 next to DeepSpeed's layout, and the median step time of each stage on the
 # machine that recorded it. Step times depend on the machine and its load, so this notebook plots
 # only recorded ones.
 
@@ -120,8 +123,8 @@ for key, color in {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a86
     values = [row["measured"][key] / 2**20 for row in rows]
     ax_mem.bar(names, values, bottom=bottom, color=color, label=key, edgecolor="white")
     bottom = [b + v for b, v in zip(bottom, values)]
-ax_mem.plot(names, [sum(formula(row["stage"], committed["param_count"], committed["world_size"]).values()) / 2**20
-                    for row in rows], "k_", markersize=30, label="fp32 formula")
+ax_mem.plot(names, [sum(deepspeed_layout(row["stage"], committed["param_count"], committed["world_size"]).values())
+                    / 2**20 for row in rows], "k_", markersize=30, label="DeepSpeed's layout")
 ax_mem.set_ylabel("MiB on rank 0")
 ax_mem.set_title(f"model state per rank (Ψ = {committed['param_count']:,}, N = {committed['world_size']})")
 ax_mem.legend()
@@ -133,6 +136,6 @@ plt.show()
 
 # %% [markdown]
 # On a GPU machine the same cells would run on NCCL; with a larger model the bars grow with Ψ and the
-# formulas above still give them. The chapter README explains every gap between the measured bytes
-# and the ZeRO paper's mixed-precision formulas. The recorded step times come from the machine named
+# layout above still gives them. The chapter README explains every gap between the measured bytes
+# and the fp32 formula, and the ZeRO paper's mixed-precision one. The recorded step times come from the machine named
 # in the title (a shared CPU here), so compare the stages with each other, not with other runs.

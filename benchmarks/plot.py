@@ -384,20 +384,44 @@ readme_comm = functools.partial(_readme_figure, "comm_bytes.png", "bus bytes per
 
 
 def readme_table(out_dir: Path) -> str:
-    """The summary table of the committed CPU matrix (measured, theory in brackets)."""
+    """The summary table of the committed CPU matrix (measured, theory in brackets); the cells that
+    could not run at a world size listed under it, one line per reason."""
     records, problems, _ = committed()
-    return summary_table(records, problems) + "\n" + caption(records)
+    skipped = [r for r in problems if r.get("status") == "skipped"]
+    table = summary_table(records, [r for r in problems if r.get("status") != "skipped"])
+    return table + skipped_lines(skipped) + "\n" + caption(records)
+
+
+def skipped_lines(skipped: list[dict]) -> str:
+    """One Markdown line per reason: ``Skipped, REASON: strategy at 2 ranks on tiny, llama tiny; ...``."""
+    by_reason: dict[str, dict[tuple, list[str]]] = {}
+    for r in skipped:
+        cells = by_reason.setdefault(r.get("error", ""), {})
+        cells.setdefault((r["strategy"], r.get("world_size")), []).append(model_size(r))
+    return "".join(f"\nSkipped, {reason}: " + "; ".join(f"{strategy} at {ranks} ranks on {', '.join(models)}"
+                                                      for (strategy, ranks), models in cells.items()) + ".\n"
+                   for reason, cells in by_reason.items())
 
 
 def readme_scaling(out_dir: Path) -> str:
     """scaling.png and, under it, the efficiencies it draws, highest first."""
-    rows = []
+    cells: dict[str, dict[str, tuple]] = {}  # strategy -> model -> (efficiency, from, to)
+    models = []
     for size, rs in _by_model(committed()[0]).items():
+        models.append(size)
         for strategy, points in efficiencies(rs).items():
             worlds = sorted(points)
-            rows.append((points[worlds[-1]], size, strategy, worlds[0], worlds[-1]))
-    table = ["| strategy | model | from | to | efficiency |", "|---|---|---:|---:|---:|"]
-    table += [f"| {s} | {size} | {n0} | {n1} | {e:.2f} |" for e, size, s, n0, n1 in sorted(rows, reverse=True)]
+            cells.setdefault(strategy, {})[size] = (points[worlds[-1]], worlds[0], worlds[-1])
+    spans = {(n0, n1) for per_model in cells.values() for _, n0, n1 in per_model.values()}
+    one_span = len(spans) == 1  # then the header says it once
+    best = {s: max(e for e, _, _ in per_model.values()) for s, per_model in cells.items()}
+
+    def cell(value) -> str:
+        return "-" if value is None else f"{value[0]:.2f}" + ("" if one_span else f" ({value[1]} -> {value[2]})")
+    span = f", {min(spans)[0]} -> {min(spans)[1]} ranks" if one_span else ""
+    table = ["| strategy | " + " | ".join(f"{m}{span}" for m in models) + " |", "|---|" + "---:|" * len(models)]
+    table += [f"| {s} | " + " | ".join(cell(cells[s].get(m)) for m in models) + " |"
+              for s in sorted(cells, key=lambda s: -best[s])]
     return _readme_figure("scaling.png", "scaling efficiency by strategy", out_dir) + "\n" + "\n".join(table) + "\n"
 
 

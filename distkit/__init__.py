@@ -36,7 +36,9 @@
 * :mod:`distkit.records`: records of runs (command, machine, torch version, date) and every README
   output block, table and plot regenerated from them (``python -m distkit.records render``), with
   the chapter notebooks re-executed by :mod:`distkit.notebooks`; both stamp what they write with
-  :mod:`distkit.provenance` (machine, command, torch version, date).
+  :mod:`distkit.provenance` (machine, command, torch version, date); :mod:`distkit.shown_output`:
+  what an output block shows of a record (paths relative to the repository, torchrun's failure
+  report folded to one line).
 * :mod:`distkit.mutation`: a script with one deliberate bug, for the negative controls.
 * :mod:`distkit.offline`: the two commands that carry this repository to an offline GPU node.
 * :mod:`distkit.jobs`: a command under a time limit, its whole process tree ended at the limit;

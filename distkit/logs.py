@@ -30,7 +30,7 @@ def setup_logging(rank: int, log_file: str | os.PathLike | None = None, all_rank
     logger.propagate = False
     logger.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
     fmt = logging.Formatter(f"[rank {rank}] %(message)s")
-    stream = logging.StreamHandler(sys.stdout)
+    stream = BarAwareHandler(sys.stdout)
     stream.setFormatter(fmt)
     logger.addHandler(stream)
     file_fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
@@ -48,6 +48,22 @@ def setup_logging(rank: int, log_file: str | os.PathLike | None = None, all_rank
         logger.setLevel(logging.INFO)
         stream.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
     return logger
+
+
+class BarAwareHandler(logging.StreamHandler):
+    """A stream handler that, while rank 0's progress bar is drawn, writes each line above the bar
+    (``tqdm.write`` clears the bar, prints, redraws it): a log line printed mid-epoch would otherwise
+    land on the bar's own line, glued to it, in the reader's terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        std = sys.modules.get("tqdm.std")  # imported only once a bar was made (progress())
+        if std is None or not getattr(std.tqdm, "_instances", None):
+            super().emit(record)
+            return
+        try:
+            std.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # what logging.StreamHandler.emit does with a failure
+            self.handleError(record)
 
 
 def get_logger() -> logging.Logger:

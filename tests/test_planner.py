@@ -463,12 +463,29 @@ def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
     for row in planner.decision.ROWS:
         agrees = row.name + " " * (31 - len(row.name))
         line = next(ln for ln in text.splitlines() if ln.startswith(agrees))
-        if line.endswith(" no"):
+        if line.endswith((" no", " tie")):
             assert f"  {row.name}: " in text, row.name
+        if line.endswith((" yes", " no", " tie")) and row.model is not None:
+            assert line.split()[-1] == matrix_verdict(row), (row.name, line)
+
     monkeypatch.setattr(planner.decision, "AC", "selective")
     plan.main(["--decision-matrix"])
     with pytest.raises(AssertionError):
         check_matrix_picks(capsys.readouterr().out)
+
+
+def matrix_verdict(row) -> str:
+    """The agrees column, recomputed from the estimates: ``yes`` when the row's pick is the guide's
+    strategy, ``tie`` when a guide strategy fits within 20% (the planner's step-time error) of the
+    fastest fitting configuration the recommendation considered, ``no`` otherwise."""
+    plan, cl = planner.decision.plan_of_row(row), planner.cluster("h100", row.gpus)
+    estimates = planner.estimate_all(plan, cl)
+    pick = next(e for e in estimates if e.lora) if row.lora else planner.recommend(estimates, cl).best
+    if pick.name in row.agrees:
+        return "yes"
+    pool = [e for e in estimates if e.valid and e.fits and not e.lora and not e.offload]
+    fastest = min(e.step_time_s for e in pool)
+    return "tie" if any(e.name in row.agrees and e.step_time_s <= 1.2 * fastest for e in pool) else "no"
 
 
 # ---------------------------------------------------------------- the CLI

@@ -1,30 +1,37 @@
-"""The top-level README's commands: the quick start runs as written (on the offline sample), and its
+"""The top README's commands: the quick start runs as written (on the offline sample), and its
 output block is the recorded run of exactly that command.
 
-Its two records commands are the exception: ``render`` rewrites committed files (a test must not),
-and ``check`` over the whole repository is exactly ``tests/test_records.py::
-test_every_figure_in_the_repository_matches_its_record``; here they are only found (every README
-command has a lookup below, so a new command in the README cannot slip through untested).
+Its ``records check`` over the whole repository is exactly ``tests/test_records.py::
+test_every_figure_in_the_repository_matches_its_record``, and CONTRIBUTING.md's maintainer commands
+are ``records run`` (its example is checked below) and ``render``, which rewrites committed files (a
+test must not); those two are only found here (every command of either file has a lookup below, so a
+new command cannot slip through untested).
 """
 import shlex
 
 from launch import QUICK_START_FILES, REPO, assert_readme_covered, readme_command
 
 README = REPO / "README.md"
+CONTRIBUTING = REPO / "CONTRIBUTING.md"
 QUICK_START = "01-ddp-basics/ddp_mnist.py"
-RECORDS_COMMANDS = ["python -m distkit.records render", "python -m distkit.records check"]
+RECORDS_CHECK = "python -m distkit.records check"
 # "On an offline GPU node" and the GPU check: tests/test_offline_install.py and tests/test_gpu_check.py
 OFFLINE_COMMANDS = ["distkit/offline.py download", "distkit/offline.py install", "benchmarks/gpu_check.py"]
-
-
-RECORD_RUN = "python -m distkit.records run"  # the maintainer's recording command, checked below
 DECISION_MATRIX = "benchmarks/plan.py --decision-matrix"  # "Which one for my model?", checked below
+
+# CONTRIBUTING.md's maintainer commands
+RECORDS_RENDER = "python -m distkit.records render"
+RECORD_RUN = "python -m distkit.records run"  # the recording example, checked below
 
 
 def test_every_readme_command_has_a_test():
-    assert_readme_covered(README, [QUICK_START, *RECORDS_COMMANDS, RECORD_RUN, *OFFLINE_COMMANDS, DECISION_MATRIX])
-    for command in RECORDS_COMMANDS:  # exactly these, with no folder: the whole repository
-        assert readme_command(README, command) == command
+    assert_readme_covered(README, [QUICK_START, RECORDS_CHECK, *OFFLINE_COMMANDS, DECISION_MATRIX])
+    assert readme_command(README, RECORDS_CHECK) == RECORDS_CHECK  # exactly, with no folder: the whole repository
+
+
+def test_every_contributing_command_is_covered():
+    assert_readme_covered(CONTRIBUTING, [RECORDS_RENDER, RECORD_RUN])
+    assert readme_command(CONTRIBUTING, RECORDS_RENDER) == RECORDS_RENDER  # no folder: the whole repository
 
 
 def test_quick_start_command_runs(first_command_run):
@@ -41,24 +48,25 @@ def test_the_quick_start_output_is_the_recorded_run_of_its_command():
     """The output block under the quick start is the record of exactly the README's command, a
     successful run, and the README names where it ran."""
     from distkit.records import find
+    from distkit.shown_output import shown
 
     record = find(REPO / "records" / "outputs.jsonl", "ddp_mnist")
     assert record["command"] == readme_command(README, QUICK_START)
     assert record["returncode"] == 0 and "done: test accuracy" in record["output"]
     readme = README.read_text()
     block = readme[readme.index("<!-- output: records/outputs.jsonl ddp_mnist -->"):]
-    assert record["output"] in block[:block.index("<!-- /output -->")]
+    assert shown(record) in block[:block.index("<!-- /output -->")]  # as distkit/shown_output.py shows it
 
 
 def test_the_recording_example_records_the_chapters_own_command():
-    """The Records section's ``records run --keep`` example runs exactly chapter 02's README command
+    """CONTRIBUTING.md's ``records run --keep`` example runs exactly chapter 02's README command
     (which writes under runs/), keeps that file as the committed record the chapter's table is drawn
     from, and is how that record was made (its output record holds the same command and keep)."""
     import shlex
 
     from distkit.records import find, parse_keep
 
-    argv = shlex.split(readme_command(README, RECORD_RUN))
+    argv = shlex.split(readme_command(CONTRIBUTING, RECORD_RUN))
     rest = argv[argv.index("--") + 1:]
     into, name, keep = (argv[argv.index(flag) + 1] for flag in ("--into", "--name", "--keep"))
     chapter = readme_command(REPO / "02-fsdp" / "README.md", "fsdp_transformer.py --sharding")

@@ -24,7 +24,7 @@ from launch import REPO, job_env
 def _record(name: str, output: str) -> dict:
     return {"name": name, "schema": 1, "command": f"echo {name}", "backend": "gloo",
             "machine": {"device_name": "2-core CPU"}, "torch": "2.13.0+cpu", "date": "2026-11-22",
-            "returncode": 0, "output": output}
+            "returncode": 0, "wall_s": 84.4, "output": output}
 
 
 RENDERER = '''
@@ -59,7 +59,7 @@ def _chapter(tmp_path: Path) -> Path:
 def test_generated_parts_carry_the_record_and_where_it_ran(tmp_path):
     text = (_chapter(tmp_path) / "README.md").read_text()
     assert "```text\none\ntwo\nthree\n```" in text
-    assert "Recorded on 2-core CPU, gloo, torch 2.13.0+cpu, 2026-11-22" in text
+    assert "Recorded on 2-core CPU, gloo, torch 2.13.0+cpu, 2026-11-22, took 84 s:" in text  # the record's wall_s
     assert "| 1 |\n| 2 |\n| 3 |" in text and "![values](plot.png)" in text
 
 
@@ -101,6 +101,7 @@ def test_run_records_the_command_its_output_and_the_machine(tmp_path):
     assert record["returncode"] == 3 and record["backend"] == "gloo"
     assert record["machine"]["cpu_cores"] >= 1 and record["torch"].startswith("2.")
     assert record["command"].startswith("echo to-stdout") and record["schema"] == records.SCHEMA_VERSION
+    assert record["root"] == str(REPO)  # where it ran: README blocks show paths relative to it
 
 
 def test_old_records_are_read_with_the_median_throughput(tmp_path):

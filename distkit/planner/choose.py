@@ -175,6 +175,11 @@ class Recommendation:
     tie: dict | None = None
 
 
+def _slower(ratio: float) -> str:
+    """``0.3% slower`` for a near miss (``1.00x`` would read as no difference), ``1.38x slower`` beyond 10%."""
+    return f"{ratio - 1:.1%} slower" if ratio < 1.1 else f"{ratio:.2f}x slower"
+
+
 def _tie(pool: list[Estimate], bound: float) -> tuple[Estimate | None, dict | None]:
     """The pick among ``pool`` (eligible configurations): the fastest, unless others are within
     ``bound`` of it; then the simplest of those (the fastest of its family)."""
@@ -224,8 +229,7 @@ def recommend(estimates: list[Estimate], cluster: Cluster, allow_offload: bool =
             reasons[e.name] = (f"fits, {best.step_time_s / e.step_time_s:.2f}x faster by the model, within its "
                                f"{tie_bound:.0%} error: {best.name} is simpler")
         elif best is not None:
-            reasons[e.name] = (f"fits, {e.step_time_s / best.step_time_s:.2f}x slower "
-                               f"({_why_slower(e, best)})")
+            reasons[e.name] = f"fits, {_slower(e.step_time_s / best.step_time_s)} ({_why_slower(e, best)})"
     return Recommendation(best, reasons, tie)
 
 

@@ -81,7 +81,18 @@ def plan_row(row: Row) -> dict:
         others = [e for e in estimates if e.valid and e.fits and not e.lora and not e.offload and e is not pick]
         runner_up = min(others, key=lambda e: e.step_time_s) if others else None
     return {"row": row, "plan": plan, "cluster": cl, "estimates": estimates, "rec": rec, "pick": pick,
-            "runner_up": runner_up, "agrees": pick is not None and pick.name in row.agrees}
+            "runner_up": runner_up, "agrees": verdict(row, pick, rec)}
+
+
+def verdict(row: Row, pick: Estimate | None, rec) -> str:
+    """``yes``: the planner picks the guide's strategy; ``tie``: the guide's strategy fits and is predicted
+    within the planner's step-time error of the fastest (``rec.tie``), so the model cannot tell them apart
+    and the pick is the simpler one; ``no``: the guide's strategy does not fit, or is clearly slower."""
+    if pick is not None and pick.name in row.agrees:
+        return "yes"
+    if rec.tie and any(name in rec.tie["within"] for name in row.agrees):
+        return "tie"
+    return "no"
 
 
 def _cell(e: Estimate | None) -> str:
@@ -125,13 +136,14 @@ def decision_matrix() -> str:
             continue
         params = sum(math.prod(s) for s in theory.param_shapes(row.model).values())
         lines.append(f"{row.name:<31} {row.gpus:>4}  {params / 1e9:6.2f}B  {_cell(p['pick']):<38} "
-                     f"{_cell(p['runner_up']):<38} {row.guide:<18} {'yes' if p['agrees'] else 'no'}")
-    lines += ["", "Where they differ, and what cannot be said:"]
+                     f"{_cell(p['runner_up']):<38} {row.guide:<18} {p['agrees']}")
+    lines += ["", "tie: the guide's strategy fits and is predicted within the planner's step-time error of the "
+              "pick, which is the simpler of them.", "", "Where the pick is not the guide's, and what cannot be said:"]
     for p in plans:
         row = p["row"]
         if row.model is None:
             lines.append(f"  {row.name}: {row.note}")
-        elif not p["agrees"]:
+        elif p["agrees"] != "yes":
             lines.append(f"  {_why(p)}")
     lines += ["", "Models: GPT-2 1.5B is GPT-2 XL (48 x 1600, 25 heads, 50,257 tokens, 1,024 per sequence) with an "
               "untied head; LLaMA-7B the 2023 shape; LLaMA-70B the Llama 3.1 70B preset (8,192 per sequence); "
