@@ -217,8 +217,8 @@ def main(argv=None):
 
 
 def train(args, ctx):
-    """Load the Hugging Face checkpoint into shards, train, export. One function on purpose: the lesson
-    (load into shards, train, export) reads top to bottom, as the README walks it."""
+    """Load the Hugging Face checkpoint into shards, train, export: the lesson top to bottom, as the
+    README walks it."""
     log = setup_logging(ctx.rank)
     check_global_batch(args.global_batch_size, ctx.world_size)
     cfg = model_config_from_args(args)
@@ -267,16 +267,8 @@ def train(args, ctx):
             dist.all_reduce(loss := loss.detach().clone())
             log.info(f"step {step:4d} | loss {loss.item() / ctx.world_size:.4f}")
     harness.finish(args.results)
-
-    if args.dump_logits:  # the first global batch through the sharded model, gathered on rank 0
-        inputs = rank_slice(task.global_batch(0, args.global_batch_size)[0], ctx.rank, ctx.world_size)
-        with torch.no_grad():
-            logits = model(inputs.to(ctx.device))
-        gathered = [torch.empty_like(logits) for _ in range(ctx.world_size)]
-        dist.all_gather(gathered, logits)
-        if ctx.is_main:
-            atomic_save({"inputs": task.global_batch(0, args.global_batch_size)[0],
-                         "logits": torch.cat(gathered).cpu()}, args.dump_logits)
+    if args.dump_logits:
+        dump_logits(model, task, args, ctx)
 
     # 4a. Sharded checkpoint: every rank writes its shards in parallel; nobody holds the whole model.
     t0 = device_clock(ctx.device)
@@ -299,6 +291,18 @@ def train(args, ctx):
                  f"{', '.join(files)} | {size:,} B | {device_clock(ctx.device) - t0:.2f} s")
     dist.barrier()
 
+
+def dump_logits(model, task, args, ctx):
+    """The first global batch through the sharded model, its logits gathered on rank 0 and written to
+    ``--dump-logits``, to compare with the exported folder's logits."""
+    inputs = rank_slice(task.global_batch(0, args.global_batch_size)[0], ctx.rank, ctx.world_size)
+    with torch.no_grad():
+        logits = model(inputs.to(ctx.device))
+    gathered = [torch.empty_like(logits) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, logits)
+    if ctx.is_main:
+        atomic_save({"inputs": task.global_batch(0, args.global_batch_size)[0],
+                     "logits": torch.cat(gathered).cpu()}, args.dump_logits)
 
 
 def read_on_rank0(args, ctx, cfg, expected, log) -> dict:

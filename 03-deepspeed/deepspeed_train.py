@@ -112,9 +112,78 @@ def consolidate_fp32(engine, checkpoint_dir: Path, tag: str) -> dict[str, torch.
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
+def checkpoint_folder(template: str, strategy: str) -> Path:
+    """``--checkpoint-dir`` with its ``{strategy}`` placeholder filled in."""
+    try:
+        return Path(template.format(strategy=strategy))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UsageError(f"--checkpoint-dir {template!r}: unknown placeholder {exc} "
+                         "(known: {strategy})") from None
+
+
+def resume_engine(engine, resume_from: tuple[Path, str] | None, log) -> int:
+    """Load the checkpoint ``resume_from`` (folder, tag) into ``engine``; the step to go on from (0
+    without one)."""
+    if resume_from is None:
+        return 0
+    load_dir, tag = resume_from
+    # Every rank reads its own shard of weights and optimizer state, plus the client state.
+    try:
+        loaded_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+    except (RuntimeError, KeyError, ValueError, AssertionError) as exc:  # another model/stage/world
+        raise UsageError(f"--resume: the checkpoint {load_dir / tag} does not fit this model, "
+                         f"config or world size ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:150] if str(exc) else ''})") from None
+    if loaded_path is None:
+        raise UsageError(f"--resume: could not load a checkpoint from {load_dir / tag}")
+    start_step = int(client_state["step"])
+    log.info(f"resumed from {loaded_path} at step {start_step}")
+    return start_step
+
+
+def save_checkpoint(engine, checkpoint_dir: Path, step: int, log) -> str:
+    """Save the engine's checkpoint after ``step`` steps under the tag ``step<step>``; return the tag."""
+    tag = f"step{step}"
+    # Collective: every rank writes its partition (zero_pp_rank_*), rank 0 the module file.
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": step})
+    log.info(f"saved checkpoint {checkpoint_dir / tag}")
+    return tag
+
+
+def save_during_training(ctx, engine, checkpoint_dir: Path, step: int, fp32_out, strategy: str, log) -> str:
+    """A checkpoint during training and, with ``--save``, rank 0's consolidated fp32 copy of it."""
+    tag = save_checkpoint(engine, checkpoint_dir, step, log)
+    dist.barrier()  # every shard is on disk before rank 0 reads them all
+    if ctx.is_main and fp32_out is not None:
+        atomic_save({"model": consolidate_fp32(engine, checkpoint_dir, tag), "strategy": strategy,
+                     "steps": step}, saved_at(fp32_out, step))
+        log.info(f"consolidated fp32 state dict -> {saved_at(fp32_out, step)}")
+    return tag
+
+
+def evaluate(engine, task) -> float:
+    """The loss on the evaluation batch, through the engine (ZeRO-3 gathers weights for the forward on
+    every rank)."""
+    engine.eval()
+    eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
+    with torch.no_grad():
+        return lm_loss(engine(eval_inputs.to(engine.device)), eval_targets.to(engine.device)).item()
+
+
+def log_done(log, args, record, eval_loss: float) -> None:
+    """The run's summary: eval loss, rank 0's model state bytes by kind, throughput."""
+    metrics = record["metrics"]
+    state = metrics["model_state_bytes_per_rank"][0]
+    rate = metrics["tokens_per_s"] or 0.0
+    log.info(f"done: eval loss {eval_loss:.4f} after {args.steps} steps | rank 0 model state "
+             f"{sum(state.values()) / 2**20:.2f} MiB (params {state['params'] / 2**20:.2f}, grads "
+             f"{state['grads'] / 2**20:.2f}, optimizer {state['optimizer'] / 2**20:.2f}) | "
+             f"{rate:,.0f} tokens/s | record -> {args.results}")
+
+
 def main():
-    """Initialise the engine, train (checkpointing as asked), report. One function on purpose: the DeepSpeed lesson
-    (deepspeed.initialize, then the engine's own loop) reads top to bottom, as the README walks it."""
+    """Initialise the engine, train (checkpointing as asked), report: deepspeed.initialize, then the
+    engine's own loop, as the README walks it."""
     args = parse_args()
     with distributed(args) as ctx:
         check_outputs(ctx, args, files=["results", "save"], dirs=["checkpoint_dir"])
@@ -122,11 +191,7 @@ def main():
         ds_config = load_ds_config(args.deepspeed_config, args.global_batch_size)
         micro_batch = check_batch(ds_config, ctx.world_size, args.deepspeed_config)
         strategy = strategy_name(ds_config)
-        try:
-            checkpoint_dir = Path(args.checkpoint_dir.format(strategy=strategy))
-        except (KeyError, IndexError, ValueError) as exc:
-            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r}: unknown placeholder {exc} "
-                             "(known: {strategy})") from None
+        checkpoint_dir = checkpoint_folder(args.checkpoint_dir, strategy)
         fp32_out = save_path(args.save, strategy=strategy)
         resume_from = checkpoint_to_resume(args.resume, checkpoint_dir)
         deepspeed = import_deepspeed(ctx.device)
@@ -149,30 +214,9 @@ def main():
                  f"{engine.device} | {param_count:,} parameters | global batch "
                  f"{ds_config['train_batch_size']} = {ctx.world_size} ranks x {micro_batch}")
 
-        start_step = 0
-        if resume_from is not None:
-            load_dir, tag = resume_from
-            # Every rank reads its own shard of weights and optimizer state, plus the client state.
-            try:
-                loaded_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
-            except (RuntimeError, KeyError, ValueError, AssertionError) as exc:  # another model/stage/world
-                raise UsageError(f"--resume: the checkpoint {load_dir / tag} does not fit this model, "
-                                 f"config or world size ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:150] if str(exc) else ''})") from None
-            if loaded_path is None:
-                raise UsageError(f"--resume: could not load a checkpoint from {load_dir / tag}")
-            start_step = int(client_state["step"])
-            log.info(f"resumed from {loaded_path} at step {start_step}")
-
+        start_step = resume_engine(engine, resume_from, log)
         harness = zero_harness(ctx, engine, optimizer, ds_config, args.deepspeed_config,
                                param_count=param_count, warmup_steps=args.warmup_steps, lr=args.lr)
-
-        def save(step: int) -> str:
-            tag = f"step{step}"
-            # Collective: every rank writes its partition (zero_pp_rank_*), rank 0 the module file.
-            engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": step})
-            log.info(f"saved checkpoint {checkpoint_dir / tag}")
-            return tag
 
         engine.train()
         batch = ds_config["train_batch_size"]
@@ -192,25 +236,15 @@ def main():
             if ctx.is_main and (step + 1) % 50 == 0:
                 log.info(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} (rank 0's micro-batch)")
             if saves_after(args, step):
-                last_tag = save(step + 1)
-                dist.barrier()  # every shard is on disk before rank 0 reads them all
-                if ctx.is_main and fp32_out is not None:
-                    atomic_save({"model": consolidate_fp32(engine, checkpoint_dir, last_tag), "strategy": strategy,
-                                 "steps": step + 1}, saved_at(fp32_out, step + 1))
-                    log.info(f"consolidated fp32 state dict -> {saved_at(fp32_out, step + 1)}")
+                last_tag = save_during_training(ctx, engine, checkpoint_dir, step + 1, fp32_out, strategy, log)
         # The measurement ends with the training steps: the final checkpoint and the evaluation (the
         # whole eval batch on every rank) are not training steps. The record gets the eval loss and is
         # written once the evaluation has run.
         record = harness.finish(None, extra={"eval_loss": None, "final_loss": loss_value, "losses": losses,
                                              "steps": args.steps, "resumed_from": start_step})
         if last_tag != f"step{args.steps}":
-            last_tag = save(args.steps)
-
-        # Evaluate through the engine (ZeRO-3 gathers weights for the forward on every rank).
-        engine.eval()
-        eval_inputs, eval_targets = task.global_batch(EVAL_STEP, EVAL_BATCH)
-        with torch.no_grad():
-            eval_loss = lm_loss(engine(eval_inputs.to(engine.device)), eval_targets.to(engine.device)).item()
+            last_tag = save_checkpoint(engine, checkpoint_dir, args.steps, log)
+        eval_loss = evaluate(engine, task)
 
         dist.barrier()  # every shard is on disk before rank 0 reads them all
         if ctx.is_main and fp32_out is not None:
@@ -221,13 +255,7 @@ def main():
         if ctx.is_main:
             record["eval_loss"] = eval_loss
             append_record(args.results, record)
-            metrics = record["metrics"]
-            state = metrics["model_state_bytes_per_rank"][0]
-            rate = metrics["tokens_per_s"] or 0.0
-            log.info(f"done: eval loss {eval_loss:.4f} after {args.steps} steps | rank 0 model state "
-                     f"{sum(state.values()) / 2**20:.2f} MiB (params {state['params'] / 2**20:.2f}, grads "
-                     f"{state['grads'] / 2**20:.2f}, optimizer {state['optimizer'] / 2**20:.2f}) | "
-                     f"{rate:,.0f} tokens/s | record -> {args.results}")
+            log_done(log, args, record, eval_loss)
         release_engine(engine)
 
 

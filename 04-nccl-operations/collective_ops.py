@@ -160,136 +160,191 @@ class Demo:
             print(f"   PASS {name}" + (f" ({wire})" if wire else ""))
 
 
+def local_sum(demo):
+    """The element-wise sum of every rank's input, in float64 rounded once: what a SUM must give."""
+    return sum(t.double() for t in demo.inputs).to(demo.dtype)
+
+
+def all_reduce_demos(demo):
+    """all_reduce with SUM, AVG and MAX: every rank ends with the same reduction."""
+    x, r, n, dtype = demo.inputs, demo.ctx.rank, demo.ctx.world_size, demo.dtype
+    total = local_sum(demo)
+
+    def all_reduce(op):
+        t = x[r].clone()
+        dist.all_reduce(t, op=op)  # in place: every rank's buffer becomes the reduction
+        return t
+
+    demo.run("all_reduce(SUM)", "every rank ends with the element-wise sum (DDP's gradient sync)",
+             x[r], lambda: all_reduce(dist.ReduceOp.SUM), total, sums="sum")
+    demo.run("all_reduce(AVG)", "the element-wise mean, on every rank",
+             x[r], lambda: all_reduce(dist.ReduceOp.AVG), (total.double() / n).to(dtype), sums="avg")
+    demo.run("all_reduce(MAX)", "the element-wise maximum, on every rank",
+             x[r], lambda: all_reduce(dist.ReduceOp.MAX), torch.stack(x).amax(0))
+
+
+def rooted_demos(demo):
+    """broadcast (the root's buffer to everyone) and reduce (everyone's sum to the root)."""
+    x, r = demo.inputs, demo.ctx.rank
+
+    def broadcast():
+        t = x[r].clone()
+        dist.broadcast(t, src=ROOT)  # the root's buffer overwrites everyone's
+        return t
+    demo.run("broadcast", f"rank {ROOT}'s tensor is copied to every rank (initial weights)",
+             x[r], broadcast, x[ROOT])
+
+    def reduce():
+        t = x[r].clone()
+        dist.reduce(t, dst=ROOT, op=dist.ReduceOp.SUM)
+        return t
+    demo.run("reduce(SUM)", f"the sum lands on rank {ROOT} only (other buffers are scratch)",
+             x[r], reduce, local_sum(demo) if r == ROOT else None, sums="sum")
+
+
+def all_gather_demos(demo):
+    """all_gather into a list of tensors, then into one flat buffer."""
+    x, r, n = demo.inputs, demo.ctx.rank, demo.ctx.world_size
+
+    def all_gather_list():
+        out = [torch.empty_like(x[r]) for _ in range(n)]
+        dist.all_gather(out, x[r])
+        return out
+    demo.run("all_gather(list)", "every rank receives every rank's tensor, in rank order",
+             x[r], all_gather_list, x)
+
+    def all_gather_tensor():
+        out = torch.empty(n * demo.numel, dtype=demo.dtype, device=demo.ctx.device)
+        dist.all_gather_single(out, x[r])  # one flat buffer: what FSDP gathers parameters into
+        return out
+    demo.run("all_gather_single", "the same, into one flat buffer (FSDP's parameter gather)",
+             x[r], all_gather_tensor, torch.cat(x))
+
+
+def rank_chunks(demo):
+    """Rank q's input cut into n chunks for reduce-scatter and scatter: chunk c of rank q = (c+1) x[q]."""
+    x, n = demo.inputs, demo.ctx.world_size
+    return [[x[q] * (c + 1) for c in range(n)] for q in range(n)]
+
+
+def reduce_scatter_demos(demo, chunks):
+    """reduce_scatter from a list of chunks, then from one flat buffer."""
+    # reduce-scatter: rank q's input is n chunks; rank r receives the sum over ranks of chunk r.
+    x, r, n = demo.inputs, demo.ctx.rank, demo.ctx.world_size
+    chunk_sum = [sum(chunks[q][c].double() for q in range(n)).to(demo.dtype) for c in range(n)]
+
+    def reduce_scatter_list():
+        out = torch.empty_like(x[r])
+        dist.reduce_scatter(out, [c.clone() for c in chunks[r]], op=dist.ReduceOp.SUM)
+        return out
+    demo.run("reduce_scatter(list)", "chunk c of every rank is summed onto rank c (ZeRO/FSDP grads)",
+             chunks[r], reduce_scatter_list, chunk_sum[r], sums="sum")
+
+    def reduce_scatter_tensor():
+        out = torch.empty_like(x[r])
+        dist.reduce_scatter_single(out, torch.cat(chunks[r]), op=dist.ReduceOp.SUM)
+        return out
+    demo.run("reduce_scatter_single", "the same from one flat buffer (FSDP's gradient reduce-scatter)",
+             torch.cat(chunks[r]), reduce_scatter_tensor, chunk_sum[r], sums="sum")
+
+
+def gather_scatter_demos(demo, chunks):
+    """gather (every rank's tensor to the root) and scatter (one chunk of the root's list to each rank)."""
+    x, r, n = demo.inputs, demo.ctx.rank, demo.ctx.world_size
+
+    def gather():
+        out = [torch.empty_like(x[r]) for _ in range(n)] if r == ROOT else None
+        dist.gather(x[r], gather_list=out, dst=ROOT)
+        return out
+    demo.run("gather", f"rank {ROOT} receives every rank's tensor (collecting metrics)",
+             x[r], gather, x if r == ROOT else None)
+
+    def scatter():
+        out = torch.empty_like(x[r])
+        dist.scatter(out, scatter_list=chunks[ROOT] if r == ROOT else None, src=ROOT)
+        return out
+    demo.run("scatter", f"rank {ROOT} hands chunk c of its list to rank c (sharding a dataset index)",
+             chunks[r] if r == ROOT else None, scatter, chunks[ROOT][r])
+
+
+def all_to_all_demos(demo):
+    """all_to_all_single with equal blocks, then with a different block size per pair of ranks."""
+    r, n, dtype, dev = demo.ctx.rank, demo.ctx.world_size, demo.dtype, demo.ctx.device
+
+    # all-to-all: rank s sends block d of its input to rank d -- a transpose of the (s, d) blocks.
+    def block(src, dst, size):
+        return torch.full((size,), 10 * src + dst, dtype=dtype, device=dev)
+    even = [torch.cat([block(s, d, 2) for d in range(n)]) for s in range(n)]
+
+    def all_to_all_even():
+        out = torch.empty_like(even[r])
+        dist.all_to_all_single(out, even[r])
+        return out
+    demo.run("all_to_all(even)", "block d of rank s goes to rank d (MoE token dispatch; 10s+d marks it)",
+             even[r], all_to_all_even, torch.cat([block(s, r, 2) for s in range(n)]))
+
+    def uneven_size(src, dst):  # how many elements rank src sends to rank dst
+        return 1 + (src + 2 * dst) % 3
+
+    def all_to_all_uneven():
+        send = torch.cat([block(r, d, uneven_size(r, d)) for d in range(n)])
+        out_splits = [uneven_size(s, r) for s in range(n)]  # each pair agrees on the block size
+        out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        dist.all_to_all_single(out, send, output_split_sizes=out_splits,
+                               input_split_sizes=[uneven_size(r, d) for d in range(n)])
+        return out
+    demo.run("all_to_all(uneven)", "the same with a different block size per (sender, receiver) pair",
+             torch.cat([block(r, d, uneven_size(r, d)) for d in range(n)]), all_to_all_uneven,
+             torch.cat([block(s, r, uneven_size(s, r)) for s in range(n)]))
+
+
+def barrier_demo(demo):
+    """barrier: the last rank arrives late, and nobody leaves before it."""
+    r, n = demo.ctx.rank, demo.ctx.world_size
+
+    def barrier():
+        dist.barrier()  # everyone leaves together ...
+        start = time.perf_counter()
+        if r == n - 1:
+            time.sleep(0.3)  # ... then the last rank is late for the next barrier
+        dist.barrier()
+        return round(time.perf_counter() - start >= 0.25)  # nobody leaves before the late rank arrives
+    demo.run("barrier", f"no rank passes until all arrive (rank {n - 1} arrives 0.3 s late; "
+             "1 = this rank waited for it)", None, barrier, 1)
+
+
+def objects_demo(demo, dtype_name):
+    """broadcast_object_list and all_gather_object: picklable Python objects instead of tensors."""
+    r, n = demo.ctx.rank, demo.ctx.world_size
+
+    def objects():
+        config = [{"lr": 3e-4, "run": "demo"} if r == ROOT else None]
+        dist.broadcast_object_list(config, src=ROOT)  # pickled, sent as bytes
+        names = [None] * n
+        dist.all_gather_object(names, f"rank{r}:{dtype_name}")
+        return (config[0]["run"], names[-1])
+    demo.run("objects", "broadcast_object_list + all_gather_object move picklable Python objects",
+             None, objects, ("demo", f"rank{n - 1}:{dtype_name}"))
+
+
 def main():
-    """Every collective in turn, each with its check. One function on purpose: the collectives read
-    in the order the README teaches them, one block each."""
+    """Every collective in turn, each with its check, in the order the README teaches them."""
     args = parse_args()
-    dtype = DTYPES[args.dtype]
     with distributed(args) as ctx:
-        n, r, dev = ctx.world_size, ctx.rank, ctx.device
-        demo = Demo(ctx, args.numel, dtype, args.only, args.corrupt)
-        x = demo.inputs
-        total = sum(t.double() for t in x).to(dtype)
+        n, dev = ctx.world_size, ctx.device
+        demo = Demo(ctx, args.numel, DTYPES[args.dtype], args.only, args.corrupt)
         if ctx.is_main:
             print(f"world size {n} | backend {ctx.backend} | device {dev.type} | dtype {args.dtype} "
                   f"| rank r starts with [10r, 10r+1, ...]")
-
-        def all_reduce(op):
-            t = x[r].clone()
-            dist.all_reduce(t, op=op)  # in place: every rank's buffer becomes the reduction
-            return t
-
-        demo.run("all_reduce(SUM)", "every rank ends with the element-wise sum (DDP's gradient sync)",
-                 x[r], lambda: all_reduce(dist.ReduceOp.SUM), total, sums="sum")
-        demo.run("all_reduce(AVG)", "the element-wise mean, on every rank",
-                 x[r], lambda: all_reduce(dist.ReduceOp.AVG), (total.double() / n).to(dtype), sums="avg")
-        demo.run("all_reduce(MAX)", "the element-wise maximum, on every rank",
-                 x[r], lambda: all_reduce(dist.ReduceOp.MAX), torch.stack(x).amax(0))
-
-        def broadcast():
-            t = x[r].clone()
-            dist.broadcast(t, src=ROOT)  # the root's buffer overwrites everyone's
-            return t
-        demo.run("broadcast", f"rank {ROOT}'s tensor is copied to every rank (initial weights)",
-                 x[r], broadcast, x[ROOT])
-
-        def reduce():
-            t = x[r].clone()
-            dist.reduce(t, dst=ROOT, op=dist.ReduceOp.SUM)
-            return t
-        demo.run("reduce(SUM)", f"the sum lands on rank {ROOT} only (other buffers are scratch)",
-                 x[r], reduce, total if r == ROOT else None, sums="sum")
-
-        def all_gather_list():
-            out = [torch.empty_like(x[r]) for _ in range(n)]
-            dist.all_gather(out, x[r])
-            return out
-        demo.run("all_gather(list)", "every rank receives every rank's tensor, in rank order",
-                 x[r], all_gather_list, x)
-
-        def all_gather_tensor():
-            out = torch.empty(n * args.numel, dtype=dtype, device=dev)
-            dist.all_gather_single(out, x[r])  # one flat buffer: what FSDP gathers parameters into
-            return out
-        demo.run("all_gather_single", "the same, into one flat buffer (FSDP's parameter gather)",
-                 x[r], all_gather_tensor, torch.cat(x))
-
-        # reduce-scatter: rank q's input is n chunks; rank r receives the sum over ranks of chunk r.
-        chunks = [[x[q] * (c + 1) for c in range(n)] for q in range(n)]  # chunk c of rank q = (c+1) x[q]
-        chunk_sum = [sum(chunks[q][c].double() for q in range(n)).to(dtype) for c in range(n)]
-
-        def reduce_scatter_list():
-            out = torch.empty_like(x[r])
-            dist.reduce_scatter(out, [c.clone() for c in chunks[r]], op=dist.ReduceOp.SUM)
-            return out
-        demo.run("reduce_scatter(list)", "chunk c of every rank is summed onto rank c (ZeRO/FSDP grads)",
-                 chunks[r], reduce_scatter_list, chunk_sum[r], sums="sum")
-
-        def reduce_scatter_tensor():
-            out = torch.empty_like(x[r])
-            dist.reduce_scatter_single(out, torch.cat(chunks[r]), op=dist.ReduceOp.SUM)
-            return out
-        demo.run("reduce_scatter_single", "the same from one flat buffer (FSDP's gradient reduce-scatter)",
-                 torch.cat(chunks[r]), reduce_scatter_tensor, chunk_sum[r], sums="sum")
-
-        def gather():
-            out = [torch.empty_like(x[r]) for _ in range(n)] if r == ROOT else None
-            dist.gather(x[r], gather_list=out, dst=ROOT)
-            return out
-        demo.run("gather", f"rank {ROOT} receives every rank's tensor (collecting metrics)",
-                 x[r], gather, x if r == ROOT else None)
-
-        def scatter():
-            out = torch.empty_like(x[r])
-            dist.scatter(out, scatter_list=chunks[ROOT] if r == ROOT else None, src=ROOT)
-            return out
-        demo.run("scatter", f"rank {ROOT} hands chunk c of its list to rank c (sharding a dataset index)",
-                 chunks[r] if r == ROOT else None, scatter, chunks[ROOT][r])
-
-        # all-to-all: rank s sends block d of its input to rank d -- a transpose of the (s, d) blocks.
-        def block(src, dst, size):
-            return torch.full((size,), 10 * src + dst, dtype=dtype, device=dev)
-        even = [torch.cat([block(s, d, 2) for d in range(n)]) for s in range(n)]
-
-        def all_to_all_even():
-            out = torch.empty_like(even[r])
-            dist.all_to_all_single(out, even[r])
-            return out
-        demo.run("all_to_all(even)", "block d of rank s goes to rank d (MoE token dispatch; 10s+d marks it)",
-                 even[r], all_to_all_even, torch.cat([block(s, r, 2) for s in range(n)]))
-
-        def uneven_size(src, dst):  # how many elements rank src sends to rank dst
-            return 1 + (src + 2 * dst) % 3
-
-        def all_to_all_uneven():
-            send = torch.cat([block(r, d, uneven_size(r, d)) for d in range(n)])
-            out_splits = [uneven_size(s, r) for s in range(n)]  # each pair agrees on the block size
-            out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
-            dist.all_to_all_single(out, send, output_split_sizes=out_splits,
-                                   input_split_sizes=[uneven_size(r, d) for d in range(n)])
-            return out
-        demo.run("all_to_all(uneven)", "the same with a different block size per (sender, receiver) pair",
-                 torch.cat([block(r, d, uneven_size(r, d)) for d in range(n)]), all_to_all_uneven,
-                 torch.cat([block(s, r, uneven_size(s, r)) for s in range(n)]))
-
-        def barrier():
-            dist.barrier()  # everyone leaves together ...
-            start = time.perf_counter()
-            if r == n - 1:
-                time.sleep(0.3)  # ... then the last rank is late for the next barrier
-            dist.barrier()
-            return round(time.perf_counter() - start >= 0.25)  # nobody leaves before the late rank arrives
-        demo.run("barrier", f"no rank passes until all arrive (rank {n - 1} arrives 0.3 s late; "
-                 "1 = this rank waited for it)", None, barrier, 1)
-
-        def objects():
-            config = [{"lr": 3e-4, "run": "demo"} if r == ROOT else None]
-            dist.broadcast_object_list(config, src=ROOT)  # pickled, sent as bytes
-            names = [None] * n
-            dist.all_gather_object(names, f"rank{r}:{args.dtype}")
-            return (config[0]["run"], names[-1])
-        demo.run("objects", "broadcast_object_list + all_gather_object move picklable Python objects",
-                 None, objects, ("demo", f"rank{n - 1}:{args.dtype}"))
+        all_reduce_demos(demo)
+        rooted_demos(demo)
+        all_gather_demos(demo)
+        chunks = rank_chunks(demo)
+        reduce_scatter_demos(demo, chunks)
+        gather_scatter_demos(demo, chunks)
+        all_to_all_demos(demo)
+        barrier_demo(demo)
+        objects_demo(demo, args.dtype)
 
         if ctx.is_main:
             print(f"\n{len(demo.passed)} passed, {len(demo.failed)} failed, {len(demo.skipped)} skipped "
@@ -301,6 +356,7 @@ def main():
             print(f"error: {len(verdict[0])} collective(s) gave a wrong result: {', '.join(verdict[0])}",
                   file=sys.stderr)
         sys.exit(1)
+
 
 if __name__ == "__main__":
     run_main(main)

@@ -112,9 +112,91 @@ def deadlock(ctx, timeout_s):
     return outcome
 
 
+def send_recv_pairs(ctx, payload):
+    """1. Blocking send/recv: even ranks send ``payload`` to the next odd rank. Both calls block until matched."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    if r % 2 == 0 and r + 1 < n:
+        dist.send(payload, dst=r + 1)
+        line = f"sent {payload.tolist()} to rank {r + 1}"
+    elif r % 2 == 1:
+        inbox = torch.empty(3, device=dev)
+        dist.recv(inbox, src=r - 1)
+        ok = torch.equal(inbox, torch.arange(3, device=dev) + 100 * (r - 1))
+        line = f"received {inbox.tolist()} from rank {r - 1} {'PASS' if ok else 'FAIL'}"
+    else:
+        line = "no partner (odd world size)"
+    show(ctx, "send/recv: even rank r sends to rank r+1 (blocking, matched pairs)", line)
+
+
+def isend_irecv_ring(ctx, payload):
+    """2. isend/irecv around a ring: post both, then wait. A blocking send-then-recv ring could stall."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    # Even ranks post the send first, odd ranks the receive. gloo would not mind either order, but
+    # on NCCL single (unbatched) sends and receives of one process group share one stream and
+    # connect two GPUs on first use, so a ring in which every rank sends first can wait on itself;
+    # the alternation breaks that cycle on any ring size (batch_isend_irecv in 3 has no such issue).
+    right, left = (r + 1) % n, (r - 1) % n
+    inbox = torch.empty(3, device=dev)
+    post_send = lambda: dist.isend(payload, dst=right)  # noqa: E731
+    post_recv = lambda: dist.irecv(inbox, src=left)  # noqa: E731
+    requests = [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]
+    for request in requests:
+        request.wait()  # until wait() returns, neither buffer may be touched
+    ok = torch.equal(inbox, torch.arange(3, device=dev) + 100 * left)
+    show(ctx, "isend/irecv ring: send to r+1, receive from r-1 (non-blocking)",
+         f"got {inbox.tolist()} from rank {left} {'PASS' if ok else 'FAIL'}")
+
+
+def batch_exchange(ctx):
+    """3. batch_isend_irecv: both directions at once, as one batch of P2P operations."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    right, left = (r + 1) % n, (r - 1) % n
+    from_left, from_right = torch.empty(1, device=dev), torch.empty(1, device=dev)
+    me = torch.tensor([float(r)], device=dev)
+    ops = [dist.P2POp(dist.isend, me, right), dist.P2POp(dist.isend, me, left),
+           dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    ok = (from_left.item(), from_right.item()) == (left, right)
+    show(ctx, "batch_isend_irecv: exchange ranks with both neighbours in one batch",
+         f"left neighbour says {from_left.item():g}, right neighbour says {from_right.item():g} "
+         f"{'PASS' if ok else 'FAIL'}")
+
+
+def ring_versus_library(ctx, numel, iters):
+    """4. Ring all-reduce from point-to-point vs the library all_reduce, on the same random vector."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    torch.manual_seed(1000 + r)
+    data = torch.randn(numel, device=dev)
+    expected, mine = data.clone(), data.clone()
+    dist.all_reduce(expected)
+    sent = ring_all_reduce(mine, ctx)
+    max_diff = (mine - expected).abs().max().item()
+    # Timing. The checked calls above were the warm-up: they paid the one-time costs (NCCL
+    # connects a pair of GPUs on their first send/recv). On a GPU a call returns once its
+    # kernels are queued, so a host clock would time the launch only: RegionTimer records CUDA
+    # events around each call and reads them after a synchronisation (perf_counter on CPU).
+    library, ring = RegionTimer(dev), RegionTimer(dev)
+    for _ in range(iters):
+        scratch = data.clone()
+        with library.region():
+            dist.all_reduce(scratch)
+        scratch = data.clone()
+        with ring.region():
+            ring_all_reduce(scratch, ctx)
+    library_s, ring_s = library.total_s / iters, ring.total_s / iters
+    tolerance = 1e-5 * n  # fp32 sums in another order: a few ulp of values of size ~sqrt(n)
+    size = data.numel() * data.element_size()
+    show(ctx, f"ring all-reduce from send/recv vs dist.all_reduce ({size / 1e6:.1f} MB float32)",
+         f"max |ring - all_reduce| = {max_diff:.2e} (tolerance {tolerance:.0e}) "
+         f"{'PASS' if max_diff <= tolerance else 'FAIL'} | sent {sent} B = {sent / size:.4f} x size "
+         f"(bus factor 2(n-1)/n = {bus_factor('all_reduce', n):.4f}) "
+         f"| ring {ring_s * 1e3:.1f} ms, library {library_s * 1e3:.1f} ms per call "
+         f"(mean of {iters} after a warm-up)")
+
+
 def main():
-    """Each point-to-point pattern in turn. One function on purpose: the patterns read in the order the
-    README teaches them, one block each."""
+    """Each point-to-point pattern in turn, in the order the README teaches them."""
     args = parse_args()
     with distributed(args) as ctx:
         n, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -123,76 +205,11 @@ def main():
         if ctx.is_main:
             print(f"world size {n} | backend {ctx.backend} | device {dev.type}")
 
-        # 1. Blocking send/recv: even ranks send to the next odd rank. Both calls block until matched.
         payload = torch.arange(3, dtype=torch.float32, device=dev) + 100 * r
-        if r % 2 == 0 and r + 1 < n:
-            dist.send(payload, dst=r + 1)
-            line = f"sent {payload.tolist()} to rank {r + 1}"
-        elif r % 2 == 1:
-            inbox = torch.empty(3, device=dev)
-            dist.recv(inbox, src=r - 1)
-            ok = torch.equal(inbox, torch.arange(3, device=dev) + 100 * (r - 1))
-            line = f"received {inbox.tolist()} from rank {r - 1} {'PASS' if ok else 'FAIL'}"
-        else:
-            line = "no partner (odd world size)"
-        show(ctx, "send/recv: even rank r sends to rank r+1 (blocking, matched pairs)", line)
-
-        # 2. isend/irecv around a ring: post both, then wait. A blocking send-then-recv ring could stall.
-        # Even ranks post the send first, odd ranks the receive. gloo would not mind either order, but
-        # on NCCL single (unbatched) sends and receives of one process group share one stream and
-        # connect two GPUs on first use, so a ring in which every rank sends first can wait on itself;
-        # the alternation breaks that cycle on any ring size (batch_isend_irecv in 3 has no such issue).
-        right, left = (r + 1) % n, (r - 1) % n
-        inbox = torch.empty(3, device=dev)
-        post_send = lambda: dist.isend(payload, dst=right)  # noqa: E731
-        post_recv = lambda: dist.irecv(inbox, src=left)  # noqa: E731
-        requests = [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]
-        for request in requests:
-            request.wait()  # until wait() returns, neither buffer may be touched
-        ok = torch.equal(inbox, torch.arange(3, device=dev) + 100 * left)
-        show(ctx, "isend/irecv ring: send to r+1, receive from r-1 (non-blocking)",
-             f"got {inbox.tolist()} from rank {left} {'PASS' if ok else 'FAIL'}")
-
-        # 3. batch_isend_irecv: both directions at once, as one batch of P2P operations.
-        from_left, from_right = torch.empty(1, device=dev), torch.empty(1, device=dev)
-        me = torch.tensor([float(r)], device=dev)
-        ops = [dist.P2POp(dist.isend, me, right), dist.P2POp(dist.isend, me, left),
-               dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        ok = (from_left.item(), from_right.item()) == (left, right)
-        show(ctx, "batch_isend_irecv: exchange ranks with both neighbours in one batch",
-             f"left neighbour says {from_left.item():g}, right neighbour says {from_right.item():g} "
-             f"{'PASS' if ok else 'FAIL'}")
-
-        # 4. Ring all-reduce from point-to-point vs the library all_reduce, on the same random vector.
-        torch.manual_seed(1000 + r)
-        data = torch.randn(args.numel, device=dev)
-        expected, mine = data.clone(), data.clone()
-        dist.all_reduce(expected)
-        sent = ring_all_reduce(mine, ctx)
-        max_diff = (mine - expected).abs().max().item()
-        # Timing. The checked calls above were the warm-up: they paid the one-time costs (NCCL
-        # connects a pair of GPUs on their first send/recv). On a GPU a call returns once its
-        # kernels are queued, so a host clock would time the launch only: RegionTimer records CUDA
-        # events around each call and reads them after a synchronisation (perf_counter on CPU).
-        library, ring = RegionTimer(dev), RegionTimer(dev)
-        for _ in range(args.iters):
-            scratch = data.clone()
-            with library.region():
-                dist.all_reduce(scratch)
-            scratch = data.clone()
-            with ring.region():
-                ring_all_reduce(scratch, ctx)
-        library_s, ring_s = library.total_s / args.iters, ring.total_s / args.iters
-        tolerance = 1e-5 * n  # fp32 sums in another order: a few ulp of values of size ~sqrt(n)
-        size = data.numel() * data.element_size()
-        show(ctx, f"ring all-reduce from send/recv vs dist.all_reduce ({size / 1e6:.1f} MB float32)",
-             f"max |ring - all_reduce| = {max_diff:.2e} (tolerance {tolerance:.0e}) "
-             f"{'PASS' if max_diff <= tolerance else 'FAIL'} | sent {sent} B = {sent / size:.4f} x size "
-             f"(bus factor 2(n-1)/n = {bus_factor('all_reduce', n):.4f}) "
-             f"| ring {ring_s * 1e3:.1f} ms, library {library_s * 1e3:.1f} ms per call "
-             f"(mean of {args.iters} after a warm-up)")
+        send_recv_pairs(ctx, payload)
+        isend_irecv_ring(ctx, payload)
+        batch_exchange(ctx)
+        ring_versus_library(ctx, args.numel, args.iters)
 
         # 5. The classic deadlock, made safe by a timeout.
         if not args.no_deadlock:

@@ -195,9 +195,57 @@ def build_moe_model(cfg, num_experts: int, top_k: int, capacity_factor: float) -
     return model
 
 
+def make_harness(ctx, args, cfg, model, optimizer, param_count: int, dp: int, ep: int) -> Harness:
+    """The harness that times the steps and counts their collectives, with the run's configuration."""
+    return Harness(ctx, "ep", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
+                   param_count=param_count,
+                   model_config={"arch": "gpt_moe", **cfg.to_dict(), "num_experts": args.num_experts,
+                                 "top_k": args.top_k, "capacity_factor": args.capacity_factor},
+                   config={"global_batch_size": args.global_batch_size,
+                           "precision": "fp32", "mesh": {"dp": dp, "ep": ep}, "aux_weight": args.aux_weight,
+                           "lr": args.lr, "optimizer": args.optimizer})
+
+
+def log_routing(log, args, cfg, every_rank, losses, aux_losses) -> None:
+    """The losses, and the last step's tokens per expert over all ranks with the choices dropped."""
+    log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, load-balancing loss per layer {aux_losses[0]:.3f} -> "
+             f"{aux_losses[-1]:.3f} (1 = balanced, {args.num_experts} = one expert) after {args.steps} steps")
+    last = [[sum(rank[-1][layer]["sent"][e] for rank in every_rank) for e in range(args.num_experts)]
+            for layer in range(cfg.n_layer)]
+    dropped = sum(rank[-1][layer]["dropped"] for rank in every_rank for layer in range(cfg.n_layer))
+    routed = args.global_batch_size * cfg.seq_len * args.top_k * cfg.n_layer
+    log.info("last step, tokens per expert (all ranks): " + " | ".join(
+        f"layer {layer}: {' '.join(map(str, counts))}" for layer, counts in enumerate(last))
+             + f" | dropped {dropped} of {routed} choices ({dropped / routed:.1%})")
+
+
+def log_comm_vs_formula(log, args, cfg, record, every_rank, dense, experts, param_count: int,
+                        mesh_shape: tuple[int, int]) -> None:
+    """The collectives the harness counted on rank 0 next to theory's formula for the same routed
+    tokens, what data parallelism alone would move, and the parameter bytes each rank holds."""
+    dp, ep = mesh_shape
+    # The instrumented step's routing on rank 0 gives the formula's token counts.
+    instrumented = every_rank[0][args.warmup_steps]
+    sent = [sum(layer["sent"]) for layer in instrumented]
+    received = [sum(map(sum, layer["received"])) for layer in instrumented]
+    formula = theory.expert_parallel_comm(cfg.n_embd, sent, received, args.num_experts, ep, dp,
+                                          dense_numel=sum(p.numel() for p in dense),
+                                          expert_numel=sum(p.numel() for p in experts))
+    log.info("collectives per step on rank 0 (harness)   vs   formula (its routed token counts)")
+    comm = record["metrics"]["comm_per_step"]
+    for name, got in comm.items():
+        want = formula.get(name, {"calls": 0, "bytes": 0})
+        log.info(f"  {name:<11} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.3f} MiB   vs   "
+                 f"{want['calls']:>4} calls {want['bytes'] / 2**20:8.3f} MiB")
+    dp_only = theory.ddp_bytes(param_count, dp * ep)["bus_bytes"]  # every expert on every rank
+    log.info(f"on the wire per rank and step: {sum(c['bus_bytes'] for c in comm.values()) / 2**20:.2f} MiB; "
+             f"data parallelism alone would all-reduce every expert's gradient: {dp_only / 2**20:.2f} MiB")
+    held = [s["params"] for s in record["metrics"]["model_state_bytes_per_rank"]]
+    log.info(f"parameter bytes held per rank: {held} (whole model: {param_count * 4})")
+
+
 def main():
-    """Build the (dp, ep) mesh, place the experts, train, report the exchanges. One function on purpose:
-    the expert-parallel job reads top to bottom, as the README walks it."""
+    """Build the (dp, ep) mesh, place the experts, train, report the exchanges."""
     args = parse_args()
     with distributed(args) as ctx:
         check_outputs(ctx, args, files=["results", "save"])
@@ -221,13 +269,7 @@ def main():
                  f"per rank, top-{args.top_k}, capacity factor {args.capacity_factor:g} | {param_count:,} parameters "
                  f"({sum(p.numel() for p in dense):,} dense) | global batch {args.global_batch_size}")
 
-        harness = Harness(ctx, "ep", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
-                          param_count=param_count,
-                          model_config={"arch": "gpt_moe", **cfg.to_dict(), "num_experts": args.num_experts,
-                                        "top_k": args.top_k, "capacity_factor": args.capacity_factor},
-                          config={"global_batch_size": args.global_batch_size,
-                                  "precision": "fp32", "mesh": {"dp": dp, "ep": ep}, "aux_weight": args.aux_weight,
-                                  "lr": args.lr, "optimizer": args.optimizer})
+        harness = make_harness(ctx, args, cfg, model, optimizer, param_count, dp, ep)
         task, losses, aux_losses, routing = make_task(cfg, args), [], [], []
         dp_group = mesh["dp"].get_group() if dp > 1 else None
         for step in progress(range(args.steps), ctx.rank, desc="ep"):
@@ -269,33 +311,8 @@ def main():
             for shard in shards:
                 full.update(shard)
             atomic_save({"model": full, "config": record["model"], "strategy": "ep"}, path)
-        log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, load-balancing loss per layer {aux_losses[0]:.3f} -> "
-                 f"{aux_losses[-1]:.3f} (1 = balanced, {args.num_experts} = one expert) after {args.steps} steps")
-        last = [[sum(rank[-1][layer]["sent"][e] for rank in every_rank) for e in range(args.num_experts)]
-                for layer in range(cfg.n_layer)]
-        dropped = sum(rank[-1][layer]["dropped"] for rank in every_rank for layer in range(cfg.n_layer))
-        routed = args.global_batch_size * cfg.seq_len * args.top_k * cfg.n_layer
-        log.info("last step, tokens per expert (all ranks): " + " | ".join(
-            f"layer {layer}: {' '.join(map(str, counts))}" for layer, counts in enumerate(last))
-                 + f" | dropped {dropped} of {routed} choices ({dropped / routed:.1%})")
-        # The instrumented step's routing on rank 0 gives the formula's token counts.
-        instrumented = every_rank[0][args.warmup_steps]
-        sent = [sum(layer["sent"]) for layer in instrumented]
-        received = [sum(map(sum, layer["received"])) for layer in instrumented]
-        formula = theory.expert_parallel_comm(cfg.n_embd, sent, received, args.num_experts, ep, dp,
-                                              dense_numel=sum(p.numel() for p in dense),
-                                              expert_numel=sum(p.numel() for p in experts))
-        log.info("collectives per step on rank 0 (harness)   vs   formula (its routed token counts)")
-        comm = record["metrics"]["comm_per_step"]
-        for name, got in comm.items():
-            want = formula.get(name, {"calls": 0, "bytes": 0})
-            log.info(f"  {name:<11} {got['calls']:>4.0f} calls {got['bytes'] / 2**20:8.3f} MiB   vs   "
-                     f"{want['calls']:>4} calls {want['bytes'] / 2**20:8.3f} MiB")
-        dp_only = theory.ddp_bytes(param_count, ctx.world_size)["bus_bytes"]  # every expert on every rank
-        log.info(f"on the wire per rank and step: {sum(c['bus_bytes'] for c in comm.values()) / 2**20:.2f} MiB; "
-                 f"data parallelism alone would all-reduce every expert's gradient: {dp_only / 2**20:.2f} MiB")
-        held = [s["params"] for s in record["metrics"]["model_state_bytes_per_rank"]]
-        log.info(f"parameter bytes held per rank: {held} (whole model: {param_count * 4})")
+        log_routing(log, args, cfg, every_rank, losses, aux_losses)
+        log_comm_vs_formula(log, args, cfg, record, every_rank, dense, experts, param_count, (dp, ep))
         step_s = record["metrics"]["step_time_s_median"]
         log.info(f"saved {path or 'nothing (--save none)'} | record appended to {args.results}"
                  + (f" | median step {step_s * 1000:.0f} ms" if step_s else ""))

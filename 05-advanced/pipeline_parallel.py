@@ -157,11 +157,9 @@ class LlamaStage(nn.Module):
         return x
 
 
-def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
-    """Train from fresh initial weights with one schedule; return (record, gathered state dict). One
-    function on purpose: split into stages, build the schedule, step it, gather, in the order the
-    README walks them."""
-    pp = ctx.world_size
+def pipeline_shape(args, cfg, schedule_name: str, microbatches: int, pp: int) -> tuple[int, int]:
+    """Stages per rank and stages in all for ``schedule_name`` on ``pp`` ranks, once the model, the
+    batch and the micro-batch count are checked to fit them."""
     per_rank = args.stages_per_rank if schedule_name == "interleaved_1f1b" else 1
     num_stages = pp * per_rank
     if cfg.n_layer < num_stages:
@@ -177,6 +175,14 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
     if schedule_name == "interleaved_1f1b" and microbatches % rounds:
         raise UsageError(f"interleaved 1F1B needs the micro-batch count to be a multiple of "
                          f"{rounds} (micro-batches // stages); got {microbatches}")
+    return per_rank, num_stages
+
+
+def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
+    """Train from fresh initial weights with one schedule; return (record, gathered state dict): split
+    into stages, build the schedule, step it, gather, in the order the README walks them."""
+    pp = ctx.world_size
+    per_rank, num_stages = pipeline_shape(args, cfg, schedule_name, microbatches, pp)
 
     # A clean slate for this run's peak memory: the previous run's stages, optimizer and schedule
     # are unreachable now (gc collects their reference cycles, CUDA's cache is emptied).
@@ -245,23 +251,28 @@ def train_one_run(args, ctx, cfg, schedule_name: str, microbatches: int, log):
             if ctx.is_main and path:
                 atomic_save({"model": state, "config": cfg.to_dict(), "strategy": strategy}, saved_at(path, step + 1))
 
-    # Each rank's measured idle fraction; the schedule's theory for equal stages.
-    # The mean seconds per step inside schedule.step() and inside compute chunks are kept too: their
-    # difference is the idle time, which the README splits into the bubble and per-micro-batch costs.
+    bubble = bubble_of_run(bubbles, spans, pp, microbatches, per_rank)
+    state = gathered_state(stages, pp)
+    record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
+    return record, state
+
+
+def bubble_of_run(bubbles: list, spans: list, pp: int, microbatches: int, per_rank: int) -> dict:
+    """Each rank's measured idle fraction (gathered: collective); the schedule's theory for equal stages.
+
+    The mean seconds per step inside schedule.step() and inside compute chunks are kept too: their
+    difference is the idle time, which the README splits into the bubble and per-micro-batch costs.
+    """
     my_bubble = sum(bubbles) / len(bubbles) if bubbles else None
     my_spans = [sum(s[i] for s in spans) / len(spans) for i in (0, 1)] if spans else [None, None]
     gathered = [None] * pp
     dist.all_gather_object(gathered, (my_bubble, *my_spans))
     all_bubbles = [g[0] for g in gathered]
     measured = [b for b in all_bubbles if b is not None]
-    bubble = {"measured_per_rank": all_bubbles,
-              "measured": sum(measured) / len(measured) if measured else None,
-              "theory": theory.pipeline_bubble(pp, microbatches, per_rank),  # (p-1) / (v m + p-1)
-              "schedule_s_per_rank": [g[1] for g in gathered], "compute_s_per_rank": [g[2] for g in gathered]}
-
-    state = gathered_state(stages, pp)
-    record = harness.finish(args.results, extra={"losses": losses, "bubble": bubble})
-    return record, state
+    return {"measured_per_rank": all_bubbles,
+            "measured": sum(measured) / len(measured) if measured else None,
+            "theory": theory.pipeline_bubble(pp, microbatches, per_rank),  # (p-1) / (v m + p-1)
+            "schedule_s_per_rank": [g[1] for g in gathered], "compute_s_per_rank": [g[2] for g in gathered]}
 
 
 def gathered_state(stages, pp: int) -> dict:

@@ -76,13 +76,6 @@ def is_compiled(modules: torch.nn.Module | Iterable[torch.nn.Module] | None) -> 
     return False
 
 
-def _called_again_at_top(tracker, module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a top-level module running its forward again within the tracked step."""
-    if module not in tracker.memory_tracking or tracker._mod_tracker.is_bw:
-        return False
-    return set(tracker._mod_tracker.parents) - {tracker._mod_tracker.get_known_fqn(module)} == {"Global"}
-
-
 def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                    externals: Iterable[Any] = ()):
     """A ``MemTracker`` for one training step of ``model`` (enter it around the step), with the
@@ -111,25 +104,19 @@ def memory_tracker(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
     return tracker
 
 
-@functools.cache
-def _step_trackers():
-    """torch's two trackers, letting a top-level module run forward again within the step (imported
-    on first use: ``torch.distributed._tools`` takes most of a second to import)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as TOTAL
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _forget_if_called_again(tracker, module: torch.nn.Module) -> None:
+    """Before a top-level forward: if this module already ran forward in the step, drop its
+    per-module statistics (the tracker would refuse the second forward)."""
+    if tracker._mod_tracker.is_bw:
+        return
+    if module in tracker._forwarded and module in tracker.memory_tracking:
+        del tracker.memory_tracking[module]
+    tracker._forwarded.add(module)
+
+
+def _stats_by_name_class() -> type:
+    """A new ``StatsByName`` class (see :func:`_step_trackers` for why each call makes one)."""
     from torch.utils.weak import WeakIdKeyDictionary
-
-    def forget_if_called_again(tracker, module: torch.nn.Module) -> None:
-        """Before a top-level forward: if this module already ran forward in the step, drop its
-        per-module statistics (the tracker would refuse the second forward)."""
-        if tracker._mod_tracker.is_bw:
-            return
-        if module in tracker._forwarded and module in tracker.memory_tracking:
-            del tracker.memory_tracking[module]
-        tracker._forwarded.add(module)
-
-    activation_kinds = MEMORY_CATEGORIES["activations"]
 
     class StatsByName(WeakIdKeyDictionary):
         """torch's per-module statistics (module -> stats), also indexed by the module's name."""
@@ -148,6 +135,16 @@ def _step_trackers():
             self.by_fqn[self[module].mod_fqn].remove(self[module])
             super().__delitem__(module)
 
+    return StatsByName
+
+
+def _step_tracking_class() -> type:
+    """A new ``StepTracking`` mixin class (see :func:`_step_trackers` for why each call makes one)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as TOTAL
+
+    stats_by_name = _stats_by_name_class()
+    activation_kinds = MEMORY_CATEGORIES["activations"]
+
     class StepTracking:
         """What both step trackers add to torch's: the modules already forwarded in the step, and
         the activations' own high-water mark per device (their largest size at any moment of the
@@ -155,12 +152,12 @@ def _step_trackers():
 
         After every op torch's tracker raises the peak of each module running now (the module
         tracker's parents) by walking every module it has seen; here those few are looked up by name
-        instead (:class:`StatsByName`): the same peaks, without a walk over the whole model per op,
+        instead (``StatsByName``): the same peaks, without a walk over the whole model per op,
         which was about a sixth of a small training step's CPU time."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.memory_tracking = StatsByName()
+            self.memory_tracking = stats_by_name()
             self._forwarded = weakref.WeakSet()
             self.activations_high_water: dict = {}
 
@@ -182,17 +179,30 @@ def _step_trackers():
                 if size > self.activations_high_water.get(device, 0):
                     self.activations_high_water[device] = size
 
-    class StepMemTracker(StepTracking, MemTracker):
+    return StepTracking
+
+
+@functools.cache
+def _step_trackers():
+    """torch's two trackers, letting a top-level module run forward again within the step (imported
+    on first use: ``torch.distributed._tools`` takes most of a second to import). Every call after
+    ``cache_clear`` builds new classes, so a test that patches them leaves later trackers intact."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    step_tracking = _step_tracking_class()
+
+    class StepMemTracker(step_tracking, MemTracker):
         def _pre_fw_hook(self, module, inputs):
             if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-                forget_if_called_again(self, module)
+                _forget_if_called_again(self, module)
             super()._pre_fw_hook(module, inputs)
 
-    class StepFSDPMemTracker(StepTracking, FSDPMemTracker):
+    class StepFSDPMemTracker(step_tracking, FSDPMemTracker):
         def __enter__(self):
             # before FSDP's own pre-forward, which FSDPMemTracker wraps
             self._forget_handle = self._root_mod.register_forward_pre_hook(
-                lambda module, args: forget_if_called_again(self, module), prepend=True)
+                lambda module, args: _forget_if_called_again(self, module), prepend=True)
             return super().__enter__()
 
         def __exit__(self, *args):
