@@ -229,10 +229,11 @@ def pytest_xdist_auto_num_workers(config):
 def fork_server(tmp_path_factory):
     """The session's fork server (tests/fork_launcher.py). ``DISTKIT_NO_FORK_SERVER=1`` leaves it out:
     a nested session that launches nothing (collecting the GPU suite, skipping it) would only pay
-    for its imports."""
+    for its imports. ``DISTKIT_FRESH=1`` leaves it out too: every job then starts as a reader starts
+    it, a fresh interpreter under the real torchrun (tests/fork_launcher.py's ``become_fresh``)."""
     from launch import fork_server
 
-    if os.environ.get("DISTKIT_NO_FORK_SERVER") == "1":
+    if os.environ.get("DISTKIT_NO_FORK_SERVER") == "1" or os.environ.get("DISTKIT_FRESH") == "1":
         yield None
         return
     with fork_server(tmp_path_factory.mktemp("fork_server")) as socket_path:

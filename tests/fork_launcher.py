@@ -20,7 +20,9 @@ workers are ``fork_launcher.py --worker script``: a bare interpreter that has th
 script's process with the worker's environment (``RANK`` and the rest, as torchrun or SLURM set
 it), passes SIGTERM, SIGINT and SIGHUP on to it, and ends as it ended, by the same signal if one
 killed it, so the launcher sees what it would see of the script's own interpreter. The reader's
-first command alone runs with fresh interpreters end to end (``launcher="torchrun-fresh"``).
+first command runs with fresh interpreters end to end (``launcher="torchrun-fresh"``); with
+``DISTKIT_FRESH=1`` every launch does: this script then becomes the real torchrun over fresh
+interpreters, or the fresh interpreter itself (:func:`become_fresh`), and no server is started.
 
 Like torchrun: when a rank fails, the others are terminated (SIGTERM, SIGKILL after 30 s) and the
 launcher exits 1 after one summary line; when all succeed it exits 0. No restarts, one node.
@@ -42,6 +44,7 @@ import ast
 import faulthandler
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -57,6 +60,7 @@ from launch import free_port  # tests/launch.py: this script's folder is sys.pat
 
 GRACE_S = 30  # torchrun's: SIGTERM, then SIGKILL after this long
 SERVER_ENV = "FORK_LAUNCHER_SERVER"  # the fork server's socket, set by tests/conftest.py
+FRESH_ENV = "DISTKIT_FRESH"  # "1": every launch a fresh interpreter (become_fresh), no server
 # What the server imports once: torch's distributed packages the chapters use, and distkit.
 SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
                   "torch.distributed.tensor", "torch.distributed.tensor.parallel",
@@ -73,8 +77,10 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
                   "torch.distributed._tools.mem_tracker", "torch.distributed._tools.fsdp2_mem_tracker")
 # Environment read while those import (threads, devices, paths, logging): a job that sets any of
 # these differently from the server imports them itself, so it sees exactly what it asked for.
+# Hugging Face's (HF_HUB_OFFLINE, HF_HOME, TRANSFORMERS_OFFLINE, ...) are read when transformers and
+# huggingface_hub import, which the server does.
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON",
-                        "LD_", "DS_", "DEEPSPEED")
+                        "LD_", "DS_", "DEEPSPEED", "HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 # ... except these, which nothing reads while importing, and which libraries leave in the
 # environment of the process that starts a job: torch sets the inductor cache folder in any process
 # that imported it, accelerate (through peft) leaves PYTORCH_NVML_BASED_CUDA_CHECK behind after
@@ -267,8 +273,8 @@ def _launch_for_client(conn: socket.socket, request: dict, fds: list[int]) -> No
 def _log_cpu(request: dict) -> None:
     """With ``$DISTKIT_JOB_CPU_LOG`` set (in the job's environment): append one JSON line to that file,
     the CPU seconds this job took (this launcher's and its ranks', user + system) with the test that
-    started it, so the suite's time budget can be read per test (tests/README.md, "Where the suite's
-    time goes"). Nothing is written otherwise."""
+    started it, so the suite's time budget can be read per test (CONTRIBUTING.md, "How the
+    test suite works"). Nothing is written otherwise."""
     path = request["env"].get("DISTKIT_JOB_CPU_LOG")
     if not path:
         return
@@ -305,9 +311,28 @@ def _preload_deepspeed(env: dict[str, str]) -> None:
         print(f"fork server: cannot import deepspeed: {exc}", file=sys.stderr, flush=True)
 
 
+def distkit_problem() -> str | None:
+    """None when the ``distkit`` this process would import is the tree under test's (the repository
+    this file is in); else the one line that says which it would import instead. A server started as
+    a script finds ``distkit`` on ``PYTHONPATH`` or through an editable install, which may be another
+    checkout's: its jobs would then run code the tests never read."""
+    spec = importlib.util.find_spec("distkit")
+    tree = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distkit")
+    found = os.path.dirname(os.path.realpath(spec.origin)) if spec and spec.origin else None
+    if found == os.path.realpath(tree):
+        return None
+    return (f"error: the fork server would import distkit from {found}, not from the tree under test "
+            f"({tree}): put the tree first on PYTHONPATH, or install it (pip install -e)")
+
+
 def serve(path: str) -> None:
     """The fork server: listen on ``path``, import torch and distkit once, then fork one launcher
-    per request (see the module docstring). Runs until terminated."""
+    per request (see the module docstring). Runs until terminated; refuses to start, in one line,
+    when its ``distkit`` is not the tree under test's (:func:`distkit_problem`)."""
+    problem = distkit_problem()
+    if problem:
+        print(problem, file=sys.stderr, flush=True)
+        raise SystemExit(2)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)  # before importing: an early client waits in the backlog, not in vain
@@ -447,6 +472,8 @@ def main(argv: list[str]) -> int:
         opts.nproc_per_node = 0
     if opts.nproc_per_node is None or opts.script is None:
         parser.error("--nproc_per_node (or --python, --worker) and a script are required")
+    if os.environ.get(FRESH_ENV) == "1":
+        become_fresh(opts.nproc_per_node, opts.script, opts.args)
     if opts.worker:
         return worker(opts.script, opts.args)
     if os.environ.get(SERVER_ENV):
@@ -454,6 +481,18 @@ def main(argv: list[str]) -> int:
         if code is not None:
             return code
     return run_job(opts.nproc_per_node, opts.script, opts.args)
+
+
+def become_fresh(nproc: int, script: str, args: list[str]) -> None:
+    """``$DISTKIT_FRESH=1``: this process becomes what a reader runs, a fresh interpreter for the script
+    (``--python``, ``--worker``) or the real torchrun over fresh ones; never returns. Nothing a server
+    imported beforehand can then hide a missing import or a teardown that hangs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if nproc:
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc_per_node={nproc}", script, *args])
+    os.execv(sys.executable, [sys.executable, "-u", script, *args])
 
 
 def worker(script: str, args: list[str]) -> int:

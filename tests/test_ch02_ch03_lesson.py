@@ -31,7 +31,7 @@ deepspeed_train.py (ZeRO-2, the script's default config, 2 ranks):
 * ``test_deepspeed_tokens_per_s_is_the_step_times``: as for FSDP. Mutant: one rank's tokens.
 
 Written out here, not imported from the scripts: which rows a rank gets (tests/README.md lists what
-else is pinned and what is not yet).
+else is pinned, and by which control).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ returned (tests/workers/observe.py).
   the micro-batch losses summed. The weights are unchanged by it, so no equivalence test sees it.
 
 Written out here, not imported from the script: the chunk arithmetic (tests/README.md lists what else
-is pinned and what is not yet).
+is pinned, and by which control).
 """
 from __future__ import annotations
 

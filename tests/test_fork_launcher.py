@@ -7,7 +7,8 @@ import-time environment differs from the server's is launched by the client itse
 result; a failing rank ends the job with exit code 1; and when the launching process is killed (a
 test's timeout) the ranks the server forked for it die too, leaving nothing behind. A worker that a
 real launcher (torchrun, srun) starts as ``--worker`` forks from the server, gets its launcher's
-SIGTERM, and ends by the signal that ended the script (each with a control).
+SIGTERM, and ends by the signal that ended the script (each with a control). A server whose
+``distkit`` is not the tree under test's refuses to start.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from launch import FORK_LAUNCHER, forked_from_server, job_env, launcher_argv, python, torchrun
+
+# These pin the fork server's behaviour; with DISTKIT_FRESH=1 nothing launches through it.
+pytestmark = pytest.mark.skipif(os.environ.get("DISTKIT_FRESH") == "1", reason="DISTKIT_FRESH=1: no fork server")
 
 JOB = """\
 import os, sys, time
@@ -266,3 +270,61 @@ def test_a_stop_before_the_server_answers_is_forwarded_and_a_reset_client_is_a_g
     assert fork_launcher._receive(ours) == b""
     with pytest.raises(ConnectionResetError):
         control.recv(2)
+
+
+def test_the_server_refuses_a_distkit_that_is_not_the_tree_under_test(tmp_path):
+    """A server whose ``distkit`` would come from elsewhere (here: a copy first on ``PYTHONPATH``; in
+    life an editable install of another checkout) refuses in one line, exit 2, before it listens or
+    imports anything. Control: this process's distkit, the tree's (the one the session's server was
+    started with), passes the same check."""
+    import shutil
+
+    import fork_launcher
+
+    copy = tmp_path / "other"
+    shutil.copytree(Path(fork_launcher.__file__).resolve().parent.parent / "distkit", copy / "distkit")
+    sock = tmp_path / "s.sock"
+    done = subprocess.run([sys.executable, str(FORK_LAUNCHER), "--serve", str(sock)], capture_output=True, text=True,
+                          env=job_env(tmp_path, PYTHONPATH=str(copy)), timeout=60)
+    tree = Path(fork_launcher.__file__).resolve().parent.parent / "distkit"
+    assert done.returncode == 2 and done.stderr.startswith(
+        f"error: the fork server would import distkit from {copy / 'distkit'}, not from the tree under test ({tree})"
+    ) and done.stderr.count("\n") == 1, done.stderr
+    assert not sock.exists()
+    assert fork_launcher.distkit_problem() is None
+
+
+def test_hugging_face_variables_are_import_time():
+    """transformers and huggingface_hub read their variables when they import, which the server does:
+    a job that sets one differently starts fresh
+    (test_a_job_with_another_import_time_environment_launches_itself shows the rule)."""
+    import fork_launcher
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HUGGINGFACE_HUB_CACHE": "/x", "HOME": "/h"}
+    assert fork_launcher._import_time_env(env) == {k: v for k, v in env.items() if k != "HOME"}
+
+
+FRESH_PROBE = """\
+import sys
+fresh = "torch" not in sys.modules  # a forked rank inherits the server's imported torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+sys.stdout.write(f"rank {dist.get_rank()} {'fresh' if fresh else 'forked'}\\n")
+sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+def test_fresh_mode_starts_every_rank_as_a_fresh_interpreter(fork_server, tmp_path):
+    """``DISTKIT_FRESH=1``: the same launch through the suite's launcher runs the real torchrun over fresh
+    interpreters (nothing imported before the script's first line), as a reader's run is. Control: the
+    launch without it forks both ranks from the session's server."""
+    script = tmp_path / "probe.py"
+    script.write_text(FRESH_PROBE)
+
+    def ranks(**extra) -> list[str]:
+        out = torchrun(script, nproc=2, env=job_env(tmp_path, **extra), timeout=180).stdout
+        return sorted(line for line in out.splitlines() if line.startswith("rank "))
+
+    assert ranks(DISTKIT_FRESH="1") == ["rank 0 fresh", "rank 1 fresh"]
+    assert ranks() == ["rank 0 forked", "rank 1 forked"]
