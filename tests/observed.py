@@ -17,6 +17,10 @@ from typing import Callable
 from launch import WORKERS, job, run_jobs, torchrun
 from workers.observe import digest_rows  # noqa: F401  (the recorder's digest: the tests compare with it)
 
+# the messages of check_tokens_per_s's and check_mfu's decisive assertions (a control matches them)
+TOKENS_PER_STEP = "the recorded tokens per step are not the global batch's"
+MFU_MISMATCH = "the recorded MFU is not the formula's"
+
 
 def observe(script: Path, class_name: str, folder: Path, args: list, nproc: int,
             mutation: tuple[str, str] | None = None, outputs: bool = False, options: tuple[str, ...] = ()):
@@ -41,10 +45,13 @@ def observe_jobs(tmp_path_factory, script: Path, class_name: str, mutations: dic
     return run_jobs({name: functools.partial(launch, name) for name in mutations}, tmp_path_factory)
 
 
-def pinned(runs: dict, check: Callable, *bugs: str, output: bool = False, correct: str = "correct") -> None:
+def pinned(runs: dict, check: Callable, *bugs: str, output: bool = False, correct: str = "correct",
+           match: str | None = None) -> None:
     """A lesson test's shape: ``check(folder)`` (``check(folder, stdout)`` with ``output``) holds on the
-    ``correct`` run of ``runs`` and fails on each mutant in ``bugs``, its negative controls. A mutant
-    launch that failed re-raises here, outside the expected failure: a crash is not a caught bug."""
+    ``correct`` run of ``runs`` and fails on each mutant in ``bugs``, its negative controls. ``match``
+    (a regular expression, searched in the failure's message) names the check's own assertion each
+    mutant must fail; without it any AssertionError of ``check`` counts. A mutant launch that failed
+    re-raises here, outside the expected failure: a crash is not a caught bug."""
     import pytest
 
     def args(name: str) -> tuple:
@@ -54,7 +61,7 @@ def pinned(runs: dict, check: Callable, *bugs: str, output: bool = False, correc
     check(*args(correct))
     for bug in bugs:
         mutant = args(bug)
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=match):
             check(*mutant)
 
 
@@ -89,7 +96,8 @@ def check_tokens_per_s(record: dict, tokens_per_step: int) -> None:
 
     metrics = record["metrics"]
     step_s = slowest_median(metrics)
-    assert metrics["tokens_per_step"] == tokens_per_step
+    assert metrics["tokens_per_step"] == tokens_per_step, \
+        f"{TOKENS_PER_STEP}: recorded {metrics['tokens_per_step']}, the global batch has {tokens_per_step}"
     assert metrics["tokens_per_s"] == pytest.approx(tokens_per_step / step_s, rel=1e-12)
     assert metrics["samples_per_s"] == pytest.approx(metrics["samples_per_step"] / step_s, rel=1e-12)
 
@@ -107,7 +115,8 @@ def check_mfu(record: dict, cfg, tokens_per_step: int) -> None:
     metrics = record["metrics"]
     per_device = tokens_per_step / slowest_median(metrics) / record["world_size"]
     assert metrics["model_flops_per_token"] == flops
-    assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9)
+    assert metrics["mfu"] == pytest.approx(per_device * flops / metrics["peak_flops_per_s"], rel=1e-9), \
+        f"{MFU_MISMATCH}: recorded {metrics['mfu']}, recomputed {per_device * flops / metrics['peak_flops_per_s']}"
 
 
 def rank_rows(cfg, step: int, batch: int, rank: int, world_size: int):

@@ -1,7 +1,8 @@
 """Four more chapter scripts' lessons, observed: what each rank's model was really fed (a global
 forward hook, tests/workers/observe.py) and every number the scripts report, recomputed here. Each
 test runs its check on the script as it is and on a deliberately broken variant (a mutant: one exact
-piece of the script's source replaced), which must fail the same check.
+piece of the script's source replaced), which must fail the same check, with that check's own
+message (``observed.pinned``'s ``match``).
 
 ddp_from_scratch.py (DDP by hand, 2 ranks):
 
@@ -78,6 +79,7 @@ from distkit.harness import read_records
 from distkit.models import model_config
 from launch import REPO, job, job_env, launcher_argv, python, run_jobs
 from observed import (
+    TOKENS_PER_STEP,
     check_tokens_per_s,
     cross_entropy,
     digest_rows,
@@ -93,6 +95,14 @@ W, B, STEPS = 2, 8, 2
 CFG = model_config("gpt", "tiny")
 SPAWN_ENV = "OBSERVE_SPAWN"  # set: this file runs as ddp_spawn.py's observer (see the bottom)
 
+# each check's decisive message: its negative control must fail with it
+NOT_ITS_ROWS = "not its own rows of each step's global batch"
+LOSS_NOT_MEAN = "the recorded losses are not the job's mean cross-entropy"
+NOT_THE_BUCKETS = "the recorded all-reduces are not the buckets'"
+NOT_RANK_0S = "the logged loss is not rank 0's"
+SPEEDUP = "the printed speedup is not the ratio of tokens/s"
+FINAL_LOSS = "the recorded final loss is not rank 0's last cross-entropy"
+
 
 def rows_of(step: int, rank: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) rank ``rank`` trains on at ``step`` (this file's model and world size)."""
@@ -103,7 +113,7 @@ def check_rows(calls: list[dict], rank: int, steps: int = STEPS) -> None:
     """One rank's observed forwards are training forwards of its own rows of steps 0 ... steps-1."""
     assert all(call["training"] and call["grad"] for call in calls), f"rank {rank}: not a training forward"
     assert [call["rows"] for call in calls] == [digest_rows(rows_of(step, rank)[0]) for step in range(steps)], \
-        f"rank {rank}: not its rows"
+        f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def logged(pattern: str, out: str) -> list[tuple[str, ...]]:
@@ -143,7 +153,8 @@ def check_scratch_losses(folder: Path, out: str) -> None:
     calls = [seen_calls(folder, rank) for rank in range(W)]
     expected = [sum(cross_entropy(calls[r][step], rows_of(step, r)[1]) for r in range(W)) / W
                 for step in range(STEPS)]
-    assert record["loss_history"] == pytest.approx(expected, abs=1e-5), (record["loss_history"], expected)
+    assert record["loss_history"] == pytest.approx(expected, abs=1e-5), \
+        f"{LOSS_NOT_MEAN}: recorded {record['loss_history']}, recomputed {expected}"
     assert record["final_loss"] == record["loss_history"][-1]
     printed = {int(step): float(loss) for step, loss in logged(rf"step (\d+)/{STEPS} \| loss ([\d.]+)$", out)}
     assert sorted(printed) == list(range(1, STEPS + 1)), printed
@@ -154,11 +165,11 @@ def check_scratch_losses(folder: Path, out: str) -> None:
 
 
 def test_from_scratch_feeds_each_rank_its_own_rows(scratch_runs):
-    pinned(scratch_runs, check_scratch_rows, "rank0_rows")
+    pinned(scratch_runs, check_scratch_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_from_scratch_losses_are_the_observed_logits(scratch_runs):
-    pinned(scratch_runs, check_scratch_losses, "loss_not_averaged", output=True)
+    pinned(scratch_runs, check_scratch_losses, "loss_not_averaged", output=True, match=LOSS_NOT_MEAN)
 
 
 def bucketed_all_reduces(cap_bytes: int) -> tuple[int, int]:
@@ -182,19 +193,20 @@ def check_scratch_all_reduces(folder: Path, out: str) -> None:
     calls, nbytes = bucketed_all_reduces(int(BUCKET_MIB * 2**20))
     assert calls > 2  # the cap matters: more than one bucket, fewer than one per tensor
     counted = record["metrics"]["comm_per_step"]["all_reduce"]
-    assert (counted["calls"], counted["bytes"]) == (calls, nbytes), (counted, calls, nbytes)
+    assert (counted["calls"], counted["bytes"]) == (calls, nbytes), \
+        f"{NOT_THE_BUCKETS}: recorded {counted}, {calls} buckets of {nbytes} bytes"
     (line,) = logged(r"all-reduce per step: (\d+) calls, ([\d.]+) MiB", out)
     assert (int(line[0]), line[1]) == (calls, f"{nbytes / 2**20:.2f}"), line
 
 
 def test_from_scratch_all_reduces_are_its_buckets(scratch_runs):
-    pinned(scratch_runs, check_scratch_all_reduces, "cap_ignored", output=True)
+    pinned(scratch_runs, check_scratch_all_reduces, "cap_ignored", output=True, match=NOT_THE_BUCKETS)
 
 
 def test_from_scratch_tokens_per_s_and_mfu_are_recomputed(scratch_runs):
     """tokens/s = the global batch's tokens over the slowest rank's median step; MFU from the formula
     (observed.check_tokens_per_s, check_mfu). Mutant: the harness told one rank's tokens."""
-    pinned(scratch_runs, rate_check(B * CFG.seq_len, CFG), "one_ranks_tokens")
+    pinned(scratch_runs, rate_check(B * CFG.seq_len, CFG), "one_ranks_tokens", match=TOKENS_PER_STEP)
 
 
 # ==== ddp_spawn.py =================================================================================
@@ -228,7 +240,7 @@ def check_spawn_rows(folder: Path, out: str) -> None:
 
 
 def test_spawn_feeds_each_rank_its_own_rows(spawn_runs):
-    pinned(spawn_runs, check_spawn_rows, "rank0_rows", output=True)
+    pinned(spawn_runs, check_spawn_rows, "rank0_rows", output=True, match=NOT_ITS_ROWS)
 
 
 SPAWN_LOSS = re.compile(rf"^(\[rank 0\] step (\d+)/{STEPS} \| loss on rank 0's shard )([\d.]+)$", re.MULTILINE)
@@ -245,7 +257,8 @@ def check_spawn_losses(calls: list[list[dict]], out: str) -> None:
     printed = {int(step): float(loss) for _, step, loss in SPAWN_LOSS.findall(out)}
     assert sorted(printed) == list(range(1, STEPS + 1)), printed
     for step, loss in printed.items():  # 4 decimals: half a unit of the last one, and float32's slack
-        assert abs(loss - expected[step - 1]) <= 5e-5 + 1e-5, (step, loss, expected[step - 1])
+        assert abs(loss - expected[step - 1]) <= 5e-5 + 1e-5, \
+            f"step {step}: {NOT_RANK_0S}: logged {loss}, rank 0's {expected[step - 1]}"
 
 
 def test_spawn_logged_losses_are_rank_0s_observed_logits(spawn_runs):
@@ -256,7 +269,7 @@ def test_spawn_logged_losses_are_rank_0s_observed_logits(spawn_runs):
     per_rank = spawn_losses(calls)
     mean = SPAWN_LOSS.sub(lambda m: m[1] + f"{sum(r[int(m[2]) - 1] for r in per_rank) / W:.4f}", done.stdout)
     for calls_seen, out in ((calls, mean), (calls[::-1], done.stdout)):
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=NOT_RANK_0S):
             check_spawn_losses(calls_seen, out)
 
 
@@ -334,12 +347,12 @@ def check_benchmark_table(folder: Path, out: str) -> None:
         # each printed column within half a unit of its last digit (and float slack) of the recomputed value
         assert abs(float(step_s) - slowest_median(by_row[mode, n]["metrics"])) <= 5e-4 + 1e-9, (mode, n, step_s)
         assert abs(float(rate.replace(",", "")) - tokens_per_s[mode, n]) <= 0.5 + 1e-6, (mode, n, rate)
-        assert abs(float(speedup) - expected) <= 5e-3 + 1e-9, (mode, n, speedup, expected)
+        assert abs(float(speedup) - expected) <= 5e-3 + 1e-9, f"{mode} {n}: {SPEEDUP}: {speedup}x vs {expected}"
         assert abs(float(efficiency) - 100 * expected / (n / base)) <= 0.5 + 1e-9, (mode, n, efficiency)
 
 
 def test_benchmark_table_is_recomputed_from_the_step_times(benchmark_runs):
-    pinned(benchmark_runs, check_benchmark_table, "speedup_from_step_times", output=True)
+    pinned(benchmark_runs, check_benchmark_table, "speedup_from_step_times", output=True, match=SPEEDUP)
 
 
 # ==== zero_offload.py ==============================================================================
@@ -383,7 +396,8 @@ def check_offload_losses(folder: Path, out: str) -> None:
     assert sorted(printed) == sorted(CONFIGS), printed
     for c, record in enumerate(offload_records(folder)):
         expected = cross_entropy(calls[(c + 1) * STEPS - 1], rows_of(STEPS - 1, 0)[1])
-        assert record["final_loss"] == pytest.approx(expected, abs=1e-5), (record["strategy"], expected)
+        assert record["final_loss"] == pytest.approx(expected, abs=1e-5), \
+            f"{record['strategy']}: {FINAL_LOSS}: recorded {record['final_loss']}, recomputed {expected}"
         assert abs(float(printed[record["strategy"]]) - expected) <= 5e-5 + 1e-5
 
 
@@ -402,16 +416,16 @@ def check_offload_rates(folder: Path, out: str) -> None:
 
 
 def test_offload_feeds_each_rank_its_own_rows_in_both_configs(offload_runs):
-    pinned(offload_runs, check_offload_rows, "rank0_rows")
+    pinned(offload_runs, check_offload_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_offload_final_losses_are_the_observed_logits(offload_runs):
-    pinned(offload_runs, check_offload_losses, "next_ranks_targets", output=True)
+    pinned(offload_runs, check_offload_losses, "next_ranks_targets", output=True, match=FINAL_LOSS)
     check_offload_rows(job(offload_runs, "next_ranks_targets")[0])  # the inputs were right all along
 
 
 def test_offload_rates_and_step_times_are_the_recorded_times(offload_runs):
-    pinned(offload_runs, check_offload_rates, "per_rank_tokens", output=True)
+    pinned(offload_runs, check_offload_rates, "per_rank_tokens", output=True, match=TOKENS_PER_STEP)
 
 
 if __name__ in ("__main__", "__mp_main__") and SPAWN_ENV in os.environ:

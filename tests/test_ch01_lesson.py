@@ -5,8 +5,9 @@ What is observed: tests/workers/observe.py runs the unchanged script and records
 forward hook, the sha1 of every image that reached the model on each rank (and the logits it
 returned). The test maps those digests back to dataset indices itself.
 
-What each test pins, and a bug that fails it (its negative control, a mutant of the script run the
-same way, is in the same file and must fail the same check):
+What each test pins, and a bug that fails it (its negative control, a mutant of the script run with
+the same flags, on 2 ranks where the unmutated run has the README's 4, is in the same file and must
+fail the same check, with that check's own message):
 
 * ``test_each_rank_trains_on_its_own_slice_of_a_fresh_shuffle``: in epoch e every rank trains on
   positions rank, rank+W, ... of the permutation ``randperm(n, seed + e)`` (DistributedSampler's
@@ -20,13 +21,15 @@ same way, is in the same file and must fail the same check):
   accuracy, and test loss and accuracy, equal what the observed logits and the true labels give over
   all ranks. Fails: per-rank train sums not all-reduced (rank 0's share logged as the job's).
 * ``test_final_accuracy_is_what_one_process_computes_from_the_checkpoint`` (on the quick start's
-  own run): the recorded test accuracy (and the logged test loss) equals one plain process's over
-  the whole test set from the saved checkpoint, the same count of right answers. Fails: the
-  evaluation's all-reduce removed (rank 0's stride reported as the test set).
-* ``test_throughput_is_the_recorded_step_times``: samples per timed step is what the data gives
-  (every rank's batches, the short last one of each epoch included, without the untimed first
-  steps), the step time is the slowest rank's median of its recorded step times, and the rate logged
-  and recorded is their quotient. Fails: the harness told the per-rank batch.
+  own run, and on the unmutated run with the mutants' flags): the recorded test accuracy (and the
+  logged test loss) equals one plain process's over the whole test set from the saved checkpoint,
+  the same count of right answers. Fails: the evaluation's all-reduce removed (rank 0's stride
+  reported as the test set).
+* ``test_throughput_is_the_recorded_step_times`` (the quick start's run, and the unmutated run with
+  the mutants' flags): samples per timed step is what the data gives (every rank's batches, the
+  short last one of each epoch included, without the untimed first steps), the step time is the
+  slowest rank's median of its recorded step times, and the rate logged and recorded is their
+  quotient. Fails: the harness told the per-rank batch.
 
 ddp_training.py (2 ranks, 2 micro-batches per step):
 
@@ -60,7 +63,16 @@ from distkit.data import MNIST_MEAN, MNIST_STD, import_torchvision
 from distkit.harness import read_records
 from distkit.models import MnistCNN, model_config
 from launch import QUICK_START_FILES, REPO, job, quick_start_record
-from observed import check_mfu, check_tokens_per_s, digest_rows, observe_jobs, seen_calls, slowest_median
+from observed import (
+    MFU_MISMATCH,
+    TOKENS_PER_STEP,
+    check_mfu,
+    check_tokens_per_s,
+    digest_rows,
+    observe_jobs,
+    seen_calls,
+    slowest_median,
+)
 
 SCRIPT = REPO / "01-ddp-basics" / "ddp_mnist.py"
 EPOCHS, STEPS, BATCH, SEED = 2, 3, 16, 0
@@ -76,6 +88,13 @@ MUTATIONS = {
     "per_rank_samples": ("samples=len(images) * ctx.world_size", "samples=len(images)"),
 }
 WORLD = {name: 4 if name == "correct" else 2 for name in MUTATIONS}  # the README's 4; mutants on 2
+
+# each check's decisive message: its negative control must fail with it
+NOT_THE_SHUFFLE = "not its slice of that epoch's shuffle"
+NOT_THE_STRIDE = "not its stride of the test set"
+TRAIN_NOT_LOGITS = "the logged train loss and accuracy are not the observed logits'"
+NOT_ONE_PROCESS = "the recorded accuracy is not one process's count from the checkpoint"
+SAMPLES_PER_STEP = "the recorded samples per step are not the data's"
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +184,8 @@ def check_training_slices(seen: Seen, world: int, n: int) -> None:
         for rank in range(world):
             got = [indices for indices, _ in seen.train[rank][epoch - 1]]
             order = expected_order(n, world, rank, epoch)
-            assert got == [order[s * BATCH:(s + 1) * BATCH] for s in range(STEPS)], (rank, epoch)
+            assert got == [order[s * BATCH:(s + 1) * BATCH] for s in range(STEPS)], \
+                f"rank {rank}, epoch {epoch}: {NOT_THE_SHUFFLE}"
             taken += [i for batch in got for i in batch]
         assert len(set(taken)) == len(taken), f"epoch {epoch}: ranks trained on the same samples"
 
@@ -175,7 +195,7 @@ def check_evaluation_strides(seen: Seen, world: int, n: int) -> None:
         scored = []
         for rank in range(world):
             got = [i for indices, _ in seen.test[rank][epoch] for i in indices]
-            assert got == list(range(rank, n, world)), (rank, epoch)
+            assert got == list(range(rank, n, world)), f"rank {rank}, epoch {epoch + 1}: {NOT_THE_STRIDE}"
             scored += got
         assert sorted(scored) == list(range(n)), f"epoch {epoch + 1}: not every test sample scored once"
 
@@ -187,7 +207,8 @@ def check_logged_numbers(seen: Seen, world: int, output: str, datasets) -> None:
     for epoch, (train_loss, train_acc, test_loss, test_acc) in enumerate(logged):
         loss, acc, count = loss_and_accuracy([b for r in range(world) for b in seen.train[r][epoch]], train_labels)
         assert count == world * STEPS * BATCH
-        assert abs(loss - train_loss) <= 6e-5 and abs(100 * acc - train_acc) <= 6e-3, (epoch, loss, acc)
+        assert abs(loss - train_loss) <= 6e-5 and abs(100 * acc - train_acc) <= 6e-3, \
+            f"epoch {epoch + 1}: {TRAIN_NOT_LOGITS}: logged {train_loss} / {train_acc}%, observed {loss} / {100 * acc}%"
         loss, acc, count = loss_and_accuracy([b for r in range(world) for b in seen.test[r][epoch]], test_labels)
         assert count == len(test_labels)
         assert abs(loss - test_loss) <= 6e-5 and abs(100 * acc - test_acc) <= 6e-3, (epoch, loss, acc)
@@ -208,7 +229,8 @@ def check_numbers_from_checkpoint(folder: Path, checkpoint: Path, record: dict, 
     correct = int((logits.argmax(1) == test.targets).sum())
     reported = record["test_accuracy"] * len(test)
     assert abs(reported - round(reported)) < 1e-9, "the accuracy is not a count over the test set"
-    assert abs(round(reported) - correct) <= ambiguous, (round(reported), correct, len(test))
+    assert abs(round(reported) - correct) <= ambiguous, \
+        f"{NOT_ONE_PROCESS}: recorded {round(reported)} right, one process {correct} of {len(test)}"
     loss = F.cross_entropy(logits.double(), test.targets).item()
     assert abs(loss - logged_epochs(output)[-1][2]) <= 6e-5, loss
 
@@ -229,7 +251,8 @@ def samples_in_timed_steps(record: dict, n_train: int, per_rank_batch: int, epoc
 
 def check_throughput(record: dict, output: str, expected_samples_per_step: float) -> None:
     metrics = record["metrics"]
-    assert metrics["samples_per_step"] == pytest.approx(expected_samples_per_step, rel=1e-12)
+    assert metrics["samples_per_step"] == pytest.approx(expected_samples_per_step, rel=1e-12), \
+        f"{SAMPLES_PER_STEP}: recorded {metrics['samples_per_step']}, the data gives {expected_samples_per_step}"
     times = metrics["step_times_s_per_rank"]
     assert len(times) == record["world_size"] and all(len(t) == metrics["timed_steps"] for t in times)
     step_s = slowest_median(metrics)
@@ -254,7 +277,7 @@ def test_each_rank_trains_on_its_own_slice_of_a_fresh_shuffle(runs):
     # the lesson in one line: epoch 2 is a different order than epoch 1 on every rank
     assert all(seen.train[r][0][0][0] != seen.train[r][1][0][0] for r in range(world))
     _, _, world, datasets, seen = observed(runs, "no_set_epoch")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_THE_SHUFFLE):
         check_training_slices(seen, world, len(datasets[0]))
 
 
@@ -262,7 +285,7 @@ def test_each_rank_evaluates_its_own_stride_and_the_test_set_is_counted_once(run
     _, _, world, datasets, seen = observed(runs, "correct")
     check_evaluation_strides(seen, world, len(datasets[1]))
     folder, done, world, datasets, seen = observed(runs, "eval_everything")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_THE_STRIDE):
         check_evaluation_strides(seen, world, len(datasets[1]))
     # the bug that a threshold cannot see: every rank scores everything, and the numbers are right
     check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
@@ -272,7 +295,7 @@ def test_logged_train_and_test_numbers_are_the_observed_logits(runs):
     _, done, world, datasets, seen = observed(runs, "correct")
     check_logged_numbers(seen, world, done.stdout, datasets)
     _, done, world, datasets, seen = observed(runs, "train_not_reduced")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=TRAIN_NOT_LOGITS):
         check_logged_numbers(seen, world, done.stdout, datasets)
 
 
@@ -280,8 +303,10 @@ def test_final_accuracy_is_what_one_process_computes_from_the_checkpoint(first_c
     folder, done = first_command_run
     record = quick_start_record(folder)
     check_numbers_from_checkpoint(folder, folder / QUICK_START_FILES["model"], record, done.stdout)
+    folder, done = job(runs, "correct")  # the script as it is, with the control's flags
+    check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
     folder, done = job(runs, "eval_not_reduced")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_ONE_PROCESS):
         check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
 
 
@@ -291,10 +316,14 @@ def test_throughput_is_the_recorded_step_times(first_command_run, runs):
     n_train = len(mnist(folder)[0])
     # the script's defaults: --batch-size 64, --epochs 3, whole epochs
     check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, 64, 3, None))
+    folder, done = job(runs, "correct")  # the script as it is, with the control's flags
+    (record,) = read_records(folder / "r.jsonl")
+    check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS))
     folder, done = job(runs, "per_rank_samples")
     (record,) = read_records(folder / "r.jsonl")
-    with pytest.raises(AssertionError):
-        check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS))
+    expected = samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS)
+    with pytest.raises(AssertionError, match=SAMPLES_PER_STEP):
+        check_throughput(record, done.stdout, expected)
 
 
 # ==== ddp_training.py: the global batch split over ranks, then over micro-batches ====================
@@ -311,6 +340,8 @@ TRAINING_RUNS = {
     "loss_summed_over_ranks": ("losses.append(step_loss.item() / ctx.world_size)", "losses.append(step_loss.item())"),
     "tokens_per_sequence": ("tokens=args.global_batch_size * gpt.seq_len", "tokens=args.global_batch_size"),
 }
+NOT_ITS_ROWS = "not its micro-batch of its rows"
+LOSS_NOT_MEAN = "the recorded loss is not the job's mean cross-entropy"
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +379,8 @@ def check_training_rows(calls) -> None:
         assert len(calls[rank]) == T_STEPS * T_ACCUM
         for n, call in enumerate(calls[rank]):
             step, i = divmod(n, T_ACCUM)
-            assert call["rows"] == digest_rows(expected[step, rank, i][0]), (step, rank, i)
+            assert call["rows"] == digest_rows(expected[step, rank, i][0]), \
+                f"step {step}, rank {rank}, micro-batch {i}: {NOT_ITS_ROWS}"
 
 
 def check_loss_history(calls, record: dict, output: str) -> None:
@@ -362,7 +394,8 @@ def check_loss_history(calls, record: dict, output: str) -> None:
                 logits = torch.tensor(calls[rank][step * T_ACCUM + i]["outputs"])
                 target = expected[step, rank, i][1]
                 total += F.cross_entropy(logits.flatten(0, 1), target.flatten()).item() / T_ACCUM
-        assert abs(record["loss_history"][step] - total / T_WORLD) <= 1e-5, (step, record["loss_history"][step])
+        assert abs(record["loss_history"][step] - total / T_WORLD) <= 1e-5, \
+            f"step {step}: {LOSS_NOT_MEAN}: recorded {record['loss_history'][step]}, recomputed {total / T_WORLD}"
     assert record["final_loss"] == record["loss_history"][-1]
     assert f"done: loss {record['final_loss']:.4f}" in output
 
@@ -372,7 +405,7 @@ def test_training_feeds_each_rank_its_rows_in_micro_batches(training_runs):
     check_training_rows(training_calls(folder))
     for mutant in ("same_slice", "first_micro_batch_twice"):
         folder, _ = job(training_runs, mutant)
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=NOT_ITS_ROWS):
             check_training_rows(training_calls(folder))
 
 
@@ -380,7 +413,7 @@ def test_training_loss_history_is_the_observed_logits(training_runs):
     folder, done = job(training_runs, "correct")
     check_loss_history(training_calls(folder), read_records(folder / "r.jsonl")[0], done.stdout)
     folder, done = job(training_runs, "loss_summed_over_ranks")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=LOSS_NOT_MEAN):
         check_loss_history(training_calls(folder), read_records(folder / "r.jsonl")[0], done.stdout)
 
 
@@ -392,7 +425,7 @@ def test_training_tokens_per_s_and_mfu_are_the_step_times_and_the_formula(traini
     check_mfu(record, cfg, T_BATCH * cfg.seq_len)
     folder, _ = job(training_runs, "tokens_per_sequence")
     (record,) = read_records(folder / "r.jsonl")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=TOKENS_PER_STEP):
         check_tokens_per_s(record, T_BATCH * cfg.seq_len)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=MFU_MISMATCH):
         check_mfu(record, cfg, T_BATCH * cfg.seq_len)

@@ -177,11 +177,13 @@ def hsdp_bus_bytes(comm: dict, shard: int, replicas: int) -> dict:
 
 
 def check_hsdp_row(record: dict, shard: int = 2, replicas: int = 2) -> None:
-    """The HSDP row's mesh and bus bytes (per collective and the row's total), recomputed here."""
+    """The HSDP row's mesh and bus bytes (per collective and the row's total), recomputed here; the
+    bus bytes' message starts with ``bus bytes:``, so a control can show it broke them."""
     assert record["predicted"]["shard_group_size"] == shard and record["predicted"]["replicas"] == replicas
     comm = record["metrics"]["comm_per_step"]
     expected = hsdp_bus_bytes(comm, shard, replicas)
-    assert {c: v["bus_bytes"] for c, v in comm.items()} == pytest.approx(expected, abs=0.5), (comm, expected)
+    assert {c: v["bus_bytes"] for c, v in comm.items()} == pytest.approx(expected, abs=0.5), \
+        f"bus bytes: recorded {comm}, each collective in its own group {expected}"
 
 
 def test_committed_hsdp_row_is_recomputed():
@@ -194,7 +196,7 @@ def test_committed_hsdp_row_is_recomputed():
     world = hsdp_bus_bytes(record["metrics"]["comm_per_step"], 4, 4)
     wrong = {**record, "metrics": {**record["metrics"], "comm_per_step": {
         c: {**v, "bus_bytes": world[c]} for c, v in record["metrics"]["comm_per_step"].items()}}}
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^bus bytes: "):
         check_hsdp_row(wrong)
 
 

@@ -244,7 +244,7 @@ def test_offload_trains_the_same_model_and_reports_placement(played):
     assert f"model state kept off the accelerator: {20 * psi // n:,} B per rank" in out  # 20Ψ/N, all of it
     check_placement(out, psi, n)
     doctored = out.replace(f"{4 * psi // n:,} B", f"{4 * psi:,} B", 1)  # control: one row not sharded
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=re.escape("placement row 'parameter partition': ")):
         check_placement(doctored, psi, n)
     # The first engine (a reference cycle) was collected before the second config ran.
     assert "still referenced" not in out
@@ -269,7 +269,9 @@ def check_placement(out: str, psi: int, n: int) -> None:
         table = rows[config * len(pieces):(config + 1) * len(pieces)]
         assert [name for name, *_ in table] == list(pieces), table
         for name, size, device, shown in table:
-            assert (int(size.replace(",", "")), device, shown) == (pieces[name] * psi // n, "cpu", side), name
+            want = pieces[name] * psi // n
+            assert (int(size.replace(",", "")), device, shown) == (want, "cpu", side), \
+                f"placement row {name!r}: {size} B on {device} -> {shown}, expected {want:,} B on cpu -> {side}"
     kept = re.findall(r"model state kept off the accelerator: ([\d,]+) B per rank", out)
     assert [int(k.replace(",", "")) for k in kept] == [0, 20 * psi // n], kept
 

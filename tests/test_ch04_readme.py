@@ -19,6 +19,9 @@ from spine import play_chapter
 # busbw/algbw is one multiplication, exact to ~1e-16; the closest wrong factor (1 instead of (n-1)/n,
 # or (n-1)/n instead of 2(n-1)/n) is off by 1/(n-1) or more relative, 14% even at 8 ranks.
 FACTOR_RTOL = 1e-9
+# assert_busbw_is_the_counted_factor's two messages (its controls match them)
+NOT_THE_FACTOR = "busbw/algbw is not the collective's bus factor"
+NOT_S_OVER_TIME = "algbw is not S / time"
 
 
 def check_collective_ops(out: str, folder: Path, clone: Path) -> None:
@@ -72,9 +75,10 @@ def assert_busbw_is_the_counted_factor(records: list[dict]) -> None:
     for record in records:
         factor = NCCL_TESTS_FACTOR[record["collective"]](record["world_size"])
         for row in record["rows"]:
-            assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(factor, rel=FACTOR_RTOL), (
-                record["collective"], row)
-            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9)
+            assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(factor, rel=FACTOR_RTOL), \
+                f"{record['collective']}: {NOT_THE_FACTOR} {factor}: {row}"
+            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=1e-9), \
+                f"{record['collective']}: {NOT_S_OVER_TIME}: {row}"
 
 
 def check_bandwidth(out: str, folder: Path, clone: Path) -> None:
@@ -118,7 +122,7 @@ def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
             if record["collective"] == collective:
                 for row in record["rows"]:
                     row["busbw_GBps"] = row["algbw_GBps"] * wrong_factor
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=f"^{collective}: {re.escape(NOT_THE_FACTOR)}"):
             assert_busbw_is_the_counted_factor(broken)
     # algbw from one rank's input instead of nccl-tests' size S (the gathered output): the factor
     # still matches, the rate does not
@@ -128,7 +132,7 @@ def test_committed_sweep_has_the_counted_factors_and_wrong_factors_fail():
             for row in record["rows"]:
                 row["algbw_GBps"] /= n
                 row["busbw_GBps"] /= n
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=f"^all_gather: {re.escape(NOT_S_OVER_TIME)}"):
         assert_busbw_is_the_counted_factor(broken)
 
 

@@ -331,7 +331,7 @@ def check_overlap_line(trace: dict, out: str) -> None:
     """Rank 0's printed overlap line is its trace's spans, to the printed digits (1 decimal ms, whole %)."""
     ((busy, hidden, percent),) = OVERLAP_LINE.findall(out)
     comm_ms, hidden_ms, fraction = trace_overlap(trace)
-    assert abs(float(busy) - comm_ms) <= 0.05 + 1e-3, (busy, comm_ms)
+    assert abs(float(busy) - comm_ms) <= 0.05 + 1e-3, f"all-reduce busy: printed {busy} ms, the trace's {comm_ms} ms"
     assert abs(float(hidden) - hidden_ms) <= 0.05 + 1e-3, (hidden, hidden_ms)
     assert abs(int(percent) - 100 * fraction) <= 0.5 + 1e-6, (percent, fraction)
 
@@ -350,7 +350,7 @@ def test_overlap_fraction_is_rank_0s_trace(overlap_run):
     last_end = max(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and "dur" in e)
     moved = {**trace, "traceEvents": [e for e in events if e is not first]
              + [{**first, "ts": last_end + 1.0, "dur": first["dur"] + 1000.0}]}
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^all-reduce busy: "):
         check_overlap_line(moved, out)
 
 

@@ -5,6 +5,7 @@ negative control that misses the README's bounds (:func:`test_planner.check_publ
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from distkit import planner
 from distkit.planner import costs
 from launch import REPO
-from test_planner import check_published_bounds
+from test_planner import MEMORY_BOUND, check_published_bounds
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_the_allocator_reserve_is_fitted_on_the_calibration_rows(pc, monkeypatch
     monkeypatch.setattr(pc, "calibrate_reserve", lambda rows=None: 1.0)
     tensors_only = pc.compare()
     assert statistics.median(abs(r["memory_err"]) for r in tensors_only if r["memory_gib"]) > 0.15
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=re.escape(MEMORY_BOUND)):
         check_published_bounds(tensors_only)
 
 
@@ -88,12 +89,16 @@ def _cross_entropy(pred, labels):  # torchtitan's loss: the logits cast to fp32,
     return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+NOT_THE_LOGITS = "the loss saves more than its logits of the vocabulary's width"
+
+
 def check_compiled_loss(loss_fn, dtype, width: int) -> None:
     """A compiled loss saves the logits in their own dtype and nothing else of the vocabulary's
     width (the row's max and log-sum-exp are one float each per token) and hands back a gradient
     in that dtype: the planner's ``vocab_bytes``, the saved logits and the gradient, 2 x width."""
     saved, grad = _saved_vocab_tensors(loss_fn, dtype)
-    assert saved == [(dtype, width)] and grad == dtype, (saved, grad)
+    assert saved == [(dtype, width)] and grad == dtype, \
+        f"{NOT_THE_LOGITS}: saved {saved}, gradient {grad}, not only the {dtype} logits ({width} bytes each)"
     plan = planner.Plan(planner.published_check.MODELS["llama-3.1-8b"], 8, compiled_loss=True,
                         precision="bf16" if width == 2 else "fp32")
     assert costs.vocab_bytes(plan) == width + width
@@ -110,7 +115,7 @@ def test_a_compiled_loss_keeps_the_logits_and_their_gradient(pc, monkeypatch):
     compiled = torch.compile(_cross_entropy, backend="aot_eager_decomp_partition")
     check_compiled_loss(compiled, torch.bfloat16, 2)
     check_compiled_loss(compiled, torch.float32, 4)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_THE_LOGITS):
         check_compiled_loss(_cross_entropy, torch.bfloat16, 2)
     eager = planner.Plan(planner.published_check.MODELS["llama-3.1-8b"], 8)
     assert costs.vocab_bytes(eager) == 12 and costs.vocab_bytes(dataclasses.replace(eager, precision="fp32")) == 16
@@ -122,7 +127,7 @@ def test_a_compiled_loss_keeps_the_logits_and_their_gradient(pc, monkeypatch):
     monkeypatch.setattr(pc, "VALIDATION", tuple(dataclasses.replace(r, compiled_loss=False) for r in VALIDATION))
     eager_loss = pc.compare()
     assert min(r["memory_err"] for r in eager_loss if r["label"].startswith("llama-3.1-8b 32xh200")) > 0.35
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=re.escape(MEMORY_BOUND)):
         check_published_bounds(eager_loss)
 
 

@@ -34,6 +34,11 @@ from launch import REPO, python
 from observed import digest_rows, observe_jobs, pinned, seen_calls
 
 CFG = model_config("llama", "tiny", vocab_size=256)
+# each check's decisive message: its negative controls must fail with it
+NOT_EVERY_WINDOW_ONCE = "a pass is not every window once"
+NOT_A_NEW_ORDER = "the next pass is not a new order"
+NOT_ITS_TEXT_ROWS = "not its rows of the text batches"
+NOT_THE_GREEDY_SAMPLE = "the printed sample is not the checkpoint's greedy continuation"
 
 
 def corpus() -> bytes:
@@ -54,8 +59,8 @@ def check_passes(task: TextTask, batch: int = 64) -> None:
         rows += [bytes(i.tolist()) + bytes([int(t[-1])]) for i, t in zip(inputs, targets)]
     first, second = rows[:len(windows)], rows[len(windows):2 * len(windows)]
     # a multiset: the documentation repeats itself here and there, and equal windows are equal rows
-    assert Counter(first) == Counter(windows), "a pass is not every window once"
-    assert Counter(second) == Counter(windows) and first != second, "the next pass is not a new order"
+    assert Counter(first) == Counter(windows), NOT_EVERY_WINDOW_ONCE
+    assert Counter(second) == Counter(windows) and first != second, NOT_A_NEW_ORDER
     held, _ = task.held_out(8)
     for row in held:
         assert data.find(bytes(row.tolist()), split) >= split
@@ -73,8 +78,8 @@ class OnePassRepeated(TextTask):
 
 def test_every_pass_visits_each_training_window_once():
     check_passes(TextTask(CFG, seed=0))
-    for broken in (WithReplacement, OnePassRepeated):
-        with pytest.raises(AssertionError):
+    for broken, message in ((WithReplacement, NOT_EVERY_WINDOW_ONCE), (OnePassRepeated, NOT_A_NEW_ORDER)):
+        with pytest.raises(AssertionError, match=message):
             check_passes(broken(CFG, seed=0))
 
 
@@ -117,7 +122,7 @@ def check_text_rows(folder: Path) -> None:
     for rank in range(W):
         calls = [c for c in seen_calls(folder, rank) if c["training"]]
         want = [digest_rows(rank_slice(task.global_batch(s, B)[0], rank, W)) for s in range(STEPS)]
-        assert [c["rows"] for c in calls] == want, f"rank {rank}"
+        assert [c["rows"] for c in calls] == want, f"rank {rank}: {NOT_ITS_TEXT_ROWS}"
 
 
 def printed_sample(out: str) -> str:
@@ -140,15 +145,16 @@ def greedy_from_checkpoint(path: Path, prompt: str, new_bytes: int) -> str:
 def check_sample(folder: Path, out: str) -> None:
     sample = printed_sample(out)
     assert sample.startswith("The ") and len(sample.encode("utf-8", errors="replace")) >= 100
-    assert sample == greedy_from_checkpoint(folder / "m.pt", "The ", 120)
+    greedy = greedy_from_checkpoint(folder / "m.pt", "The ", 120)
+    assert sample == greedy, f"{NOT_THE_GREEDY_SAMPLE}: printed {sample!r}, greedy {greedy!r}"
 
 
 def test_a_script_trains_on_the_text_rank_by_rank(runs):
-    pinned(runs, check_text_rows, "flag_ignored", correct="text")
+    pinned(runs, check_text_rows, "flag_ignored", correct="text", match=NOT_ITS_TEXT_ROWS)
 
 
 def test_the_printed_sample_is_the_checkpoints_greedy_continuation(runs):
-    pinned(runs, check_sample, "untrained_model", output=True, correct="text")
+    pinned(runs, check_sample, "untrained_model", output=True, correct="text", match=NOT_THE_GREEDY_SAMPLE)
 
 
 def test_text_with_a_small_vocabulary_is_one_line():
