@@ -45,10 +45,25 @@ from distkit.deepspeed import EVAL_BATCH, EVAL_STEP
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
 from launch import REPO
-from observed import cross_entropy, digest_rows, observe_jobs, pinned, rank_rows, rate_check, seen_calls
+from observed import (
+    TOKENS_PER_STEP,
+    cross_entropy,
+    digest_rows,
+    observe_jobs,
+    pinned,
+    rank_rows,
+    rate_check,
+    seen_calls,
+)
 
 W, B, STEPS = 2, 8, 4
 CFG = model_config("gpt", "tiny")
+
+# the messages of the checks' decisive assertions: each negative control must fail its check's own
+NOT_ITS_ROWS = "not its own rows of each step's global batch"
+LOSS_NOT_MEAN = "the loss is not the job's mean cross-entropy of the observed logits"
+NOT_HELD_OUT = "the evaluation forward is not the held-out batch's, without autograd"
+EVAL_LOSS = "the recorded eval loss is not the held-out batch's cross-entropy"
 
 
 def rows_of(step: int, rank: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +96,7 @@ def check_fsdp_rows(folder: Path) -> None:
         calls = seen_calls(folder, rank)
         assert all(call["training"] and call["grad"] for call in calls)
         got = [call["rows"] for call in calls]
-        assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(STEPS)], f"rank {rank}"
+        assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(STEPS)], f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_fsdp_losses(folder: Path) -> None:
@@ -90,19 +105,19 @@ def check_fsdp_losses(folder: Path) -> None:
     assert [step for step, _ in record["losses"]] == list(range(STEPS))
     for step, loss in record["losses"]:
         expected = sum(cross_entropy(calls[r][step], rows_of(step, r)[1]) for r in range(W)) / W
-        assert abs(loss - expected) <= 1e-5, (step, loss, expected)
+        assert abs(loss - expected) <= 1e-5, f"step {step}: {LOSS_NOT_MEAN}: recorded {loss}, recomputed {expected}"
 
 
 def test_fsdp_feeds_each_rank_its_own_rows(fsdp_runs):
-    pinned(fsdp_runs, check_fsdp_rows, "rank0_rows")
+    pinned(fsdp_runs, check_fsdp_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_fsdp_logged_losses_are_the_observed_logits(fsdp_runs):
-    pinned(fsdp_runs, check_fsdp_losses, "loss_not_averaged")
+    pinned(fsdp_runs, check_fsdp_losses, "loss_not_averaged", match=LOSS_NOT_MEAN)
 
 
 def test_fsdp_tokens_per_s_and_mfu_are_the_step_times_and_the_formula(fsdp_runs):
-    pinned(fsdp_runs, rate_check(B * CFG.seq_len, CFG), "per_rank_tokens")
+    pinned(fsdp_runs, rate_check(B * CFG.seq_len, CFG), "per_rank_tokens", match=TOKENS_PER_STEP)
 
 
 # ==== deepspeed_train.py ===========================================================================
@@ -134,11 +149,12 @@ def check_ds_rows(folder: Path) -> None:
     held_out = TokenTask(CFG, seed=0).global_batch(EVAL_STEP, EVAL_BATCH)[0]
     for rank in range(W):
         training, evaluation = ds_calls(folder, rank)
-        assert [c["rows"] for c in training] == [digest_rows(rows_of(step, rank)[0]) for step in range(STEPS)]
+        assert [c["rows"] for c in training] == [digest_rows(rows_of(step, rank)[0]) for step in range(STEPS)], \
+            f"rank {rank}: {NOT_ITS_ROWS}"
         assert all(c["grad"] for c in training)
         (evaluated,) = evaluation
         assert evaluated["rows"] == digest_rows(held_out) and not evaluated["grad"], \
-            f"rank {rank}: not the held-out batch"
+            f"rank {rank}: {NOT_HELD_OUT}"
 
 
 def check_ds_losses(folder: Path) -> None:
@@ -146,19 +162,22 @@ def check_ds_losses(folder: Path) -> None:
     training, (evaluated,) = ds_calls(folder, 0)
     assert record["final_loss"] == pytest.approx(cross_entropy(training[-1], rows_of(STEPS - 1, 0)[1]), abs=1e-5)
     held_out = TokenTask(CFG, seed=0).global_batch(EVAL_STEP, EVAL_BATCH)[1]
-    assert record["eval_loss"] == pytest.approx(cross_entropy(evaluated, held_out), abs=1e-5)
+    assert record["eval_loss"] == pytest.approx(cross_entropy(evaluated, held_out), abs=1e-5), \
+        f"{EVAL_LOSS}: recorded {record['eval_loss']}, recomputed {cross_entropy(evaluated, held_out)}"
 
 
 def test_deepspeed_feeds_each_rank_its_rows_and_evaluates_the_held_out_batch(ds_runs):
-    pinned(ds_runs, check_ds_rows, "rank0_rows", "eval_on_training_batch")
+    # two controls, two assertions of the check: the training rows, then the evaluated batch
+    pinned(ds_runs, check_ds_rows, "rank0_rows", match=NOT_ITS_ROWS)
+    pinned(ds_runs, check_ds_rows, "eval_on_training_batch", match=NOT_HELD_OUT)
 
 
 def test_deepspeed_reported_losses_are_the_observed_logits(ds_runs):
-    pinned(ds_runs, check_ds_losses, "eval_on_training_batch")
+    pinned(ds_runs, check_ds_losses, "eval_on_training_batch", match=EVAL_LOSS)
 
 
 def test_deepspeed_tokens_per_s_is_the_step_times(ds_runs):
-    pinned(ds_runs, rate_check(B * CFG.seq_len), "per_rank_tokens")
+    pinned(ds_runs, rate_check(B * CFG.seq_len), "per_rank_tokens", match=TOKENS_PER_STEP)
 
 
 # ==== fsdp_basics.py (chapter 02's first script) ===================================================
@@ -184,7 +203,8 @@ def check_basics_rows(folder: Path) -> None:
     """Every step (the traced step 0 included) rank r's model gets its own rows of the global batch."""
     for rank in range(W):
         got = [call["rows"] for call in seen_calls(folder, rank)]
-        assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(BASICS_STEPS)], f"rank {rank}"
+        assert got == [digest_rows(rows_of(step, rank)[0]) for step in range(BASICS_STEPS)], \
+            f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_basics_losses(folder: Path, out: str) -> None:
@@ -194,12 +214,13 @@ def check_basics_losses(folder: Path, out: str) -> None:
     calls = [seen_calls(folder, rank) for rank in range(W)]
     for step, loss in logged.items():
         expected = sum(cross_entropy(calls[r][step], rows_of(step, r)[1]) for r in range(W)) / W
-        assert abs(loss - expected) <= 5e-5 + 1e-6, (step, loss, expected)
+        assert abs(loss - expected) <= 5e-5 + 1e-6, \
+            f"step {step}: {LOSS_NOT_MEAN}: logged {loss}, recomputed {expected}"
 
 
 def test_fsdp_basics_feeds_each_rank_its_own_rows(basics_runs):
-    pinned(basics_runs, check_basics_rows, "rank0_rows")
+    pinned(basics_runs, check_basics_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_fsdp_basics_logged_losses_are_the_observed_logits(basics_runs):
-    pinned(basics_runs, check_basics_losses, "loss_not_averaged", output=True)
+    pinned(basics_runs, check_basics_losses, "loss_not_averaged", output=True, match=LOSS_NOT_MEAN)

@@ -73,6 +73,7 @@ from distkit.harness import read_records
 from distkit.models import model_config
 from launch import REPO, job
 from observed import (
+    TOKENS_PER_STEP,
     check_mfu,
     check_tokens_per_s,
     cross_entropy,
@@ -87,6 +88,14 @@ from observed import (
 W = 2
 GPT = model_config("gpt", "tiny")
 LLAMA = model_config("llama", "tiny")
+
+# the messages of the checks' decisive assertions: each negative control must fail its check's own
+NOT_ITS_ROWS = "not its own rows of each step's global batch"
+NOT_ITS_MICRO_BATCHES = "not its k micro-batches of M rows, in order"
+LOSS_NOT_MEAN = "the loss is not the job's mean cross-entropy of the observed logits"
+NOT_RECOMPUTED = "the attention calls between two steps are not the recomputes then the next forwards"
+SAMPLES_PER_STEP = "the recorded samples per step are not the global batch's"
+NOT_THE_NEXT_BATCHES = "the resumed run's forwards are not its rows of the batches after the saved step"
 
 
 def mine(cfg, step: int, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +146,7 @@ def check_ga_micro_batches(folder: Path) -> None:
             for step in range(GA_STEPS):
                 rows = mine(GPT, step, GA_BATCH, rank)[0]
                 want += [digest_rows(rows[m * GA_M:(m + 1) * GA_M]) for m in range(GA_K)]
-        assert [c["rows"] for c in calls] == want, f"rank {rank}: not its k micro-batches of M rows, in order"
+        assert [c["rows"] for c in calls] == want, f"rank {rank}: {NOT_ITS_MICRO_BATCHES}"
 
 
 def check_ga_rates(folder: Path) -> None:
@@ -149,11 +158,11 @@ def check_ga_rates(folder: Path) -> None:
 
 
 def test_accumulation_feeds_each_rank_its_k_micro_batches_in_order(ga_runs):
-    pinned(ga_runs, check_ga_micro_batches, "batch_without_world_size")
+    pinned(ga_runs, check_ga_micro_batches, "batch_without_world_size", match=NOT_ITS_MICRO_BATCHES)
 
 
 def test_accumulation_tokens_per_s_counts_the_effective_batch(ga_runs):
-    pinned(ga_runs, check_ga_rates, "per_rank_tokens")
+    pinned(ga_runs, check_ga_rates, "per_rank_tokens", match=TOKENS_PER_STEP)
 
 
 # ==== activation_checkpointing.py ===================================================================
@@ -186,7 +195,7 @@ def check_ac_rows(folder: Path) -> None:
     for rank in range(W):
         got = [c["rows"] for c in ac_calls(folder, rank, "TinyGPT")]
         want = [digest_rows(mine(GPT, step, AC_B, rank)[0]) for _ in AC_MODES for step in range(AC_STEPS)]
-        assert got == want, f"rank {rank}"
+        assert got == want, f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_ac_recompute(folder: Path) -> None:
@@ -207,7 +216,9 @@ def check_ac_recompute(folder: Path) -> None:
         forwards = []
         for g, group in enumerate(groups):
             recomputed = layers if g and modes[g - 1] != "none" else 0
-            assert len(group) == recomputed + (layers if g < len(modes) else 0), (rank, g, modes[g - 1:g + 1])
+            assert len(group) == recomputed + (layers if g < len(modes) else 0), \
+                f"rank {rank}, modes {modes[g - 1:g + 1]}: {NOT_RECOMPUTED}: {len(group)} calls, " \
+                f"{recomputed} of them recomputes"
             if recomputed:
                 assert group[:recomputed] == forwards[-1][::-1], f"rank {rank}, step {g - 1}: not its forward's input"
             forwards.append(group[recomputed:])
@@ -221,19 +232,20 @@ def check_ac_losses(folder: Path) -> None:
         assert len(record["losses"]) == AC_STEPS
         for step, loss in enumerate(record["losses"]):
             expected = job_loss(calls, i * AC_STEPS + step, GPT, step, AC_B)
-            assert abs(loss - expected) <= 1e-5, (record["config"]["ac"], step, loss, expected)
+            assert abs(loss - expected) <= 1e-5, \
+                f"{record['config']['ac']} step {step}: {LOSS_NOT_MEAN}: recorded {loss}, recomputed {expected}"
 
 
 def test_checkpointing_feeds_each_rank_its_own_rows(ac_runs):
-    pinned(ac_runs, check_ac_rows, "rank0_rows")
+    pinned(ac_runs, check_ac_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_checkpointed_attention_runs_again_in_backward_on_the_same_input(ac_runs):
-    pinned(ac_runs, check_ac_recompute, "ac_not_installed")
+    pinned(ac_runs, check_ac_recompute, "ac_not_installed", match=NOT_RECOMPUTED)
 
 
 def test_checkpointing_losses_are_the_observed_logits(ac_runs):
-    pinned(ac_runs, check_ac_losses, "loss_not_averaged")
+    pinned(ac_runs, check_ac_losses, "loss_not_averaged", match=LOSS_NOT_MEAN)
 
 
 # ==== communication_overlap.py ======================================================================
@@ -262,14 +274,16 @@ def check_co_rows(folder: Path) -> None:
     for rank in range(W):
         rows = digest_rows(batch[rank * CO_B // W:(rank + 1) * CO_B // W])
         calls = seen_calls(folder, rank)
-        assert [c["rows"] for c in calls] == [rows] * (3 + CO_STEPS), f"rank {rank}"  # 2 warm-up + profiled
+        # 2 warm-up + profiled + the sweep's steps
+        assert [c["rows"] for c in calls] == [rows] * (3 + CO_STEPS), f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_co_rate(folder: Path, out: str) -> None:
     (record,) = read_records(folder / "r.jsonl")
     metrics = record["metrics"]
     step_s = slowest_median(metrics)
-    assert metrics["samples_per_step"] == CO_B
+    assert metrics["samples_per_step"] == CO_B, \
+        f"{SAMPLES_PER_STEP}: recorded {metrics['samples_per_step']}, the global batch has {CO_B}"
     assert metrics["samples_per_s"] == pytest.approx(CO_B / step_s, rel=1e-12)
     (row,) = re.findall(rf"\] +{CO_BUCKET} +(\d+) +(\d+) +([\d.]+)\n", out)
     calls = metrics["comm_per_step"]["all_reduce"]["calls"]
@@ -277,11 +291,11 @@ def check_co_rate(folder: Path, out: str) -> None:
 
 
 def test_overlap_feeds_each_rank_its_share_of_the_batch(co_runs):
-    pinned(co_runs, check_co_rows, "whole_batch_per_rank", "rank0_rows")
+    pinned(co_runs, check_co_rows, "whole_batch_per_rank", "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_overlap_samples_per_s_is_the_step_times(co_runs):
-    pinned(co_runs, check_co_rate, "per_rank_samples", output=True)
+    pinned(co_runs, check_co_rate, "per_rank_samples", output=True, match=SAMPLES_PER_STEP)
 
 
 # ==== fsdp_checkpoint.py ============================================================================
@@ -328,7 +342,8 @@ def check_ck_rows(folder: Path) -> None:
     for rank in range(W):
         calls = seen_calls(folder, rank)
         assert all(c["training"] and c["grad"] for c in calls)
-        assert [c["rows"] for c in calls] == [digest_rows(mine(GPT, s, CK_B, rank)[0]) for s in range(CK_STEPS)]
+        assert [c["rows"] for c in calls] == [digest_rows(mine(GPT, s, CK_B, rank)[0]) for s in range(CK_STEPS)], \
+            f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_ck_losses(folder: Path, out: str) -> None:
@@ -337,15 +352,16 @@ def check_ck_losses(folder: Path, out: str) -> None:
     calls = [seen_calls(folder, rank) for rank in range(W)]
     for step, loss in logged.items():
         expected = job_loss(calls, step, GPT, step, CK_B)
-        assert abs(loss - expected) <= 5e-5 + 1e-6, (step, loss, expected)
+        assert abs(loss - expected) <= 5e-5 + 1e-6, \
+            f"step {step}: {LOSS_NOT_MEAN}: logged {loss}, recomputed {expected}"
 
 
 def test_fsdp_checkpoint_feeds_each_rank_its_own_rows(ck_runs):
-    pinned(ck_runs, check_ck_rows, "rank0_rows")
+    pinned(ck_runs, check_ck_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_fsdp_checkpoint_logged_losses_are_the_observed_logits(ck_runs):
-    pinned(ck_runs, check_ck_losses, "loss_not_averaged", output=True)
+    pinned(ck_runs, check_ck_losses, "loss_not_averaged", output=True, match=LOSS_NOT_MEAN)
 
 
 def check_ck_resumed_rows(folder: Path, out: str) -> None:
@@ -354,11 +370,12 @@ def check_ck_resumed_rows(folder: Path, out: str) -> None:
     for rank in range(W):
         calls = seen_calls(folder, rank)
         assert [c["rows"] for c in calls] == [digest_rows(mine(GPT, s, CK_B, rank)[0])
-                                              for s in range(CK_STEPS, CK_RESUMED_STEPS)]
+                                              for s in range(CK_STEPS, CK_RESUMED_STEPS)], \
+            f"rank {rank}: {NOT_THE_NEXT_BATCHES}"
 
 
 def test_fsdp_checkpoint_resume_goes_on_with_the_next_batches(ck_resume_runs):
-    pinned(ck_resume_runs, check_ck_resumed_rows, "restarts_the_data", output=True)
+    pinned(ck_resume_runs, check_ck_resumed_rows, "restarts_the_data", output=True, match=NOT_THE_NEXT_BATCHES)
 
 
 # ==== fsdp_lora.py ==================================================================================
@@ -386,7 +403,8 @@ def check_lora_rows(folder: Path) -> None:
     for rank in range(W):
         calls = seen_calls(folder, rank)
         assert all(c["training"] and c["grad"] for c in calls)
-        assert [c["rows"] for c in calls] == [digest_rows(mine(LLAMA, s, LORA_B, rank)[0]) for s in range(LORA_STEPS)]
+        want = [digest_rows(mine(LLAMA, s, LORA_B, rank)[0]) for s in range(LORA_STEPS)]
+        assert [c["rows"] for c in calls] == want, f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def check_lora_losses(folder: Path) -> None:
@@ -395,12 +413,12 @@ def check_lora_losses(folder: Path) -> None:
     calls = [seen_calls(folder, rank) for rank in range(W)]
     for step, loss in record["losses"]:
         expected = job_loss(calls, step, LLAMA, step, LORA_B)
-        assert abs(loss - expected) <= 1e-5, (step, loss, expected)
+        assert abs(loss - expected) <= 1e-5, f"step {step}: {LOSS_NOT_MEAN}: recorded {loss}, recomputed {expected}"
 
 
 def test_lora_feeds_each_rank_its_own_rows(lora_runs):
-    pinned(lora_runs, check_lora_rows, "rank0_rows")
+    pinned(lora_runs, check_lora_rows, "rank0_rows", match=NOT_ITS_ROWS)
 
 
 def test_lora_recorded_losses_are_the_observed_logits(lora_runs):
-    pinned(lora_runs, check_lora_losses, "loss_not_averaged")
+    pinned(lora_runs, check_lora_losses, "loss_not_averaged", match=LOSS_NOT_MEAN)

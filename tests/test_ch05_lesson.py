@@ -30,7 +30,16 @@ from ch05_common import QUICK, STEPS
 from distkit.harness import read_records
 from distkit.models import TokenTask, model_config
 from launch import REPO
-from observed import digest_rows, observe_jobs, pinned, rate_check, seen_calls
+from observed import TOKENS_PER_STEP, digest_rows, observe_jobs, pinned, rate_check, seen_calls
+
+# the messages of the checks' decisive assertions: each negative control must fail its check's own
+NOT_ITS_CHUNKS = "the model was fed other tokens than its two chunks"
+NOT_THE_MICRO_BATCHES = "the first stage's forwards are not the micro-batches of each step, in order"
+PP_LOSS_NOT_MEAN = "the recorded loss is not the mean of the last stage's micro-batch cross-entropies"
+NOT_THE_WHOLE_BATCH = "the TP rank was not fed the whole global batch of each step"
+TP_LOSS_NOT_THE_BATCHS = "the recorded loss is not the whole batch's cross-entropy"
+NOT_ITS_ROWS = "not its own rows of each step's global batch"
+NOT_ITS_TOKENS = "the experts computed other rows than the tokens routed to them"
 
 CP_SCRIPT = REPO / "05-advanced" / "context_parallel.py"
 CP = 2
@@ -70,11 +79,11 @@ def check_cp_chunks(folder: Path) -> None:
     for rank in range(CP):
         got = [(call["rows"], call["more"][0]) for call in seen_calls(folder, rank)]
         want = [call for layout in layouts for call in expected_cp_calls(layout, batch, rank)]
-        assert got == want, f"rank {rank}: the model was fed other tokens than its two chunks"
+        assert got == want, f"rank {rank}: {NOT_ITS_CHUNKS}"
 
 
 def test_context_parallel_feeds_each_rank_its_two_chunks(cp_runs):
-    pinned(cp_runs, check_cp_chunks, "zigzag_contiguous")
+    pinned(cp_runs, check_cp_chunks, "zigzag_contiguous", match=NOT_ITS_CHUNKS)
 
 
 # ==== pipeline_parallel.py: micro-batches into the first stage, the loss out of the last =============
@@ -124,7 +133,8 @@ def check_first_stage_rows(folder: Path) -> None:
     (record,) = read_records(folder / "r.jsonl")
     expected = pp_micro_batches(record["config"]["global_batch_size"])
     got = [call["rows"] for call in pp_calls(folder, 0)]
-    assert got == [digest_rows(expected[step, m][0]) for step in range(STEPS) for m in range(MICRO)]
+    assert got == [digest_rows(expected[step, m][0]) for step in range(STEPS) for m in range(MICRO)], \
+        NOT_THE_MICRO_BATCHES
 
 
 def check_pipeline_losses(folder: Path) -> None:
@@ -136,15 +146,16 @@ def check_pipeline_losses(folder: Path) -> None:
     for step in range(STEPS):
         losses = [torch.nn.functional.cross_entropy(torch.tensor(calls[step * MICRO + m]["outputs"]).flatten(0, 1),
                                                     expected[step, m][1].flatten()).item() for m in range(MICRO)]
-        assert abs(record["losses"][step] - sum(losses) / MICRO) <= 1e-5, (step, record["losses"][step], losses)
+        assert abs(record["losses"][step] - sum(losses) / MICRO) <= 1e-5, \
+            f"step {step}: {PP_LOSS_NOT_MEAN}: recorded {record['losses'][step]}, micro-batches {losses}"
 
 
 def test_pipeline_first_stage_gets_each_micro_batch_in_order(pp_runs):
-    pinned(pp_runs, check_first_stage_rows, "previous_batch")
+    pinned(pp_runs, check_first_stage_rows, "previous_batch", match=NOT_THE_MICRO_BATCHES)
 
 
 def test_pipeline_loss_is_the_mean_over_micro_batches_of_the_last_stage(pp_runs):
-    pinned(pp_runs, check_pipeline_losses, "loss_summed")
+    pinned(pp_runs, check_pipeline_losses, "loss_summed", match=PP_LOSS_NOT_MEAN)
 
 
 # ==== tensor_parallel.py: every TP rank the whole batch =============================================
@@ -176,7 +187,8 @@ def check_tp_rows(folder: Path) -> None:
     """Every TP rank's model gets the whole global batch of each step: the ranks split the weights,
     not the data."""
     for rank in range(TP):
-        assert [c["rows"] for c in seen_calls(folder, rank)] == [digest_rows(tp_batch(s)[0]) for s in range(STEPS)]
+        assert [c["rows"] for c in seen_calls(folder, rank)] == [digest_rows(tp_batch(s)[0]) for s in range(STEPS)], \
+            f"rank {rank}: {NOT_THE_WHOLE_BATCH}"
 
 
 def check_tp_losses(folder: Path) -> None:
@@ -188,20 +200,22 @@ def check_tp_losses(folder: Path) -> None:
         for step in range(STEPS):
             logits = torch.tensor(calls[step]["outputs"], dtype=torch.float64)
             expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tp_batch(step)[1].flatten()).item()
-            assert abs(record["losses"][step] - expected) <= 1e-5, (rank, step, record["losses"][step], expected)
+            assert abs(record["losses"][step] - expected) <= 1e-5, \
+                f"rank {rank}, step {step}: {TP_LOSS_NOT_THE_BATCHS}: recorded {record['losses'][step]}, " \
+                f"recomputed {expected}"
 
 
 def test_tensor_parallel_gives_every_rank_the_whole_batch(tp_runs):
-    pinned(tp_runs, check_tp_rows, "batch_per_rank")
+    pinned(tp_runs, check_tp_rows, "batch_per_rank", match=NOT_THE_WHOLE_BATCH)
 
 
 def test_tensor_parallel_loss_is_the_whole_batchs_cross_entropy(tp_runs):
-    pinned(tp_runs, check_tp_losses, "loss_over_ranks")
+    pinned(tp_runs, check_tp_losses, "loss_over_ranks", match=TP_LOSS_NOT_THE_BATCHS)
 
 
 def test_tensor_parallel_tokens_per_s_counts_the_batch_once(tp_runs):
     cfg = model_config("gpt", "tiny")
-    pinned(tp_runs, rate_check(TP_BATCH * cfg.seq_len, cfg), "tokens_per_rank_summed")
+    pinned(tp_runs, rate_check(TP_BATCH * cfg.seq_len, cfg), "tokens_per_rank_summed", match=TOKENS_PER_STEP)
 
 
 # ==== hybrid_parallelism.py --mode 2d: data parallel along dp, the same rows along tp ================
@@ -229,11 +243,11 @@ def check_hybrid_rows(folder: Path) -> None:
     for rank in range(4):
         dp_index = rank // 2
         want = [digest_rows(tp_batch(s)[0][dp_index * half:(dp_index + 1) * half]) for s in range(STEPS)]
-        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}"
+        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def test_fsdp_tp_slices_the_data_along_dp_only(hybrid_runs):
-    pinned(hybrid_runs, check_hybrid_rows, "tp_axis_slices_data")
+    pinned(hybrid_runs, check_hybrid_rows, "tp_axis_slices_data", match=NOT_ITS_ROWS)
 
 
 # ==== hybrid_parallelism.py --mode hsdp: every rank of the (replicate, shard) mesh its own rows ======
@@ -261,11 +275,11 @@ def check_hsdp_rows(folder: Path) -> None:
     quarter = TP_BATCH // 4
     for rank in range(4):
         want = [digest_rows(tp_batch(s)[0][rank * quarter:(rank + 1) * quarter]) for s in range(STEPS)]
-        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}"
+        assert [c["rows"] for c in seen_calls(folder, rank)] == want, f"rank {rank}: {NOT_ITS_ROWS}"
 
 
 def test_hsdp_gives_every_rank_its_own_rows(hsdp_runs):
-    pinned(hsdp_runs, check_hsdp_rows, "sliced_by_replica")
+    pinned(hsdp_runs, check_hsdp_rows, "sliced_by_replica", match=NOT_ITS_ROWS)
 
 
 # ==== expert_parallel.py: each token to the experts it chose, on the ranks that own them =============
@@ -326,8 +340,9 @@ def check_routing(folder: Path) -> None:
         want = expected_expert_rows([moe[rank][i] for rank in range(EP)])
         for rank in range(EP):
             got = [c["rows"] for c in mlp[rank][i * local:(i + 1) * local]]
-            assert got == [want[rank * local + j] for j in range(local)], f"MoE forward {i}, rank {rank}"
+            assert got == [want[rank * local + j] for j in range(local)], \
+                f"MoE forward {i}, rank {rank}: {NOT_ITS_TOKENS}"
 
 
 def test_expert_parallel_sends_each_token_to_its_chosen_experts(ep_runs):
-    pinned(ep_runs, check_routing, "not_regrouped", "capacity_off_by_one")
+    pinned(ep_runs, check_routing, "not_regrouped", "capacity_off_by_one", match=NOT_ITS_TOKENS)
