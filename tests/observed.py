@@ -45,13 +45,14 @@ def observe_jobs(tmp_path_factory, script: Path, class_name: str, mutations: dic
     return run_jobs({name: functools.partial(launch, name) for name in mutations}, tmp_path_factory)
 
 
-def pinned(runs: dict, check: Callable, *bugs: str, output: bool = False, correct: str = "correct",
-           match: str | None = None) -> None:
+def pinned(runs: dict, check: Callable, *bugs: str, match: str, output: bool = False,
+           correct: str = "correct") -> None:
     """A lesson test's shape: ``check(folder)`` (``check(folder, stdout)`` with ``output``) holds on the
     ``correct`` run of ``runs`` and fails on each mutant in ``bugs``, its negative controls. ``match``
     (a regular expression, searched in the failure's message) names the check's own assertion each
-    mutant must fail; without it any AssertionError of ``check`` counts. A mutant launch that failed
-    re-raises here, outside the expected failure: a crash is not a caught bug."""
+    mutant must fail: required, since any other AssertionError (a precondition) would prove nothing.
+    A mutant launch that failed re-raises here, outside the expected failure: a crash is not a caught
+    bug."""
     import pytest
 
     def args(name: str) -> tuple:
