@@ -23,7 +23,7 @@
   bubble, ring attention, expert parallelism, activations, FLOPs per token, bus bytes);
   :mod:`distkit.predictors`: the per-strategy model-state and communication bytes built on them
   (FSDP2's padding, DeepSpeed's partitions, the TP plans; the model-parallel families, TP, PP, CP
-  and EP, in :mod:`distkit.predictors_mp`); :mod:`distkit.compare`: a record next to
+  and EP, in :mod:`distkit.predictors_model_parallel`); :mod:`distkit.compare`: a record next to
   its prediction. The one place chapters and benchmarks take their predictions from.
 * :mod:`distkit.cell_numbers`: one benchmark cell read from its record, which one it is (model,
   device) and its numbers (step time, throughput, memory, bus bytes, MFU, scaling efficiency), for

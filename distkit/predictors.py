@@ -12,7 +12,7 @@ sizes, tensor parallelism splits what the chapter-05 plans (:mod:`distkit.tp_pla
 details are why a prediction can match a measurement to the byte, and why the napkin formula is
 still within a fraction of a percent for models whose shapes divide evenly. :func:`predict` picks
 the family's model from :data:`PREDICTORS`; the model-parallel families (TP, PP, CP, EP) are
-written in :mod:`distkit.predictors_mp`. Bytes, bus bytes and fp32 AdamW as
+written in :mod:`distkit.predictors_model_parallel`. Bytes, bus bytes and fp32 AdamW as
 :mod:`distkit.theory` defines them.
 """
 from __future__ import annotations
@@ -22,14 +22,14 @@ import re
 from typing import Any
 
 from .models import GPTConfig, LlamaModelConfig
-from .predictors_mp import (
-    _adamw_state,
-    _predict_cp,
-    _predict_ep,
-    _predict_pipeline,
-    _predict_tp,
-    _same_on_every_rank,
-    _tp_local_shape,
+from .predictors_model_parallel import (
+    adamw_state,
+    predict_cp,
+    predict_ep,
+    predict_pipeline,
+    predict_tp,
+    same_on_every_rank,
+    tp_local_shape,
 )
 from .strategies import MEASURED, Strategy
 from .theory import (
@@ -55,7 +55,7 @@ def _predict_ddp(strategy, shapes, cfg, n, batch, knobs):
     comm = {"all_reduce": comm_entry(calls, 4 * psi, "all_reduce", n)}
     if strategy == Strategy.DDP and buffer_bytes(cfg):  # DDP broadcasts buffers before each forward (one per step)
         comm["broadcast"] = comm_entry(1, buffer_bytes(cfg), "broadcast", n)
-    return _same_on_every_rank(n, _adamw_state(psi), comm)
+    return same_on_every_rank(n, adamw_state(psi), comm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def deepspeed_prediction(stage: int, shapes: dict, n: int, stage3_window: int | 
 def _predict_zero(strategy, shapes, cfg, n, batch, knobs):
     """ZeRO-1/2/3 (and ZeRO-3 offload, whose bytes are the same): :func:`deepspeed_prediction`."""
     state, comm = deepspeed_prediction(int(strategy[4]), shapes, n, knobs.get("stage3_max_live_parameters"))
-    return _same_on_every_rank(n, state, comm)
+    return same_on_every_rank(n, state, comm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
     held = [sum(chunk_sizes(shape[0], shard)[r] * numel(shape[1:]) if shape else 1
                 for shape in shapes.values()) for r in range(shard)]
     comm = _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
-    return [_adamw_state(h) for h in held], comm
+    return [adamw_state(h) for h in held], comm
 
 
 def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
@@ -196,7 +196,7 @@ def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):
         return states, [comm] * n
     if strategy == Strategy.FSDP_NO_SHARD:
         states, comm = fsdp_prediction(shapes, 1, n, reshard_blocks=False)
-        return _same_on_every_rank(n, states[0], comm)
+        return same_on_every_rank(n, states[0], comm)
     shard = int(knobs.get("shard", 2))
     # Blocks are resharded after forward (HYBRID_SHARD = FULL_SHARD inside a replica); the root
     # never is (ch02 says so; ch05 uses fully_shard's default, which skips the root's reshard).
@@ -212,7 +212,7 @@ def _predict_fsdp_tp(strategy, shapes, cfg, n, batch, knobs):
     dp = n // tp
     states, comms = [], []
     for rank in range(n):
-        local = {k: _tp_local_shape(k, s, tp, rank % tp) for k, s in shapes.items()}
+        local = {k: tp_local_shape(k, s, tp, rank % tp) for k, s in shapes.items()}
         by_dp_rank, comm = fsdp_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
         tp_comm = megatron_tp_bytes(cfg, batch // dp, tp)
         add_comm(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)
@@ -232,11 +232,11 @@ PREDICTORS = {
     Strategy.FSDP_FULL_SHARD: _predict_fsdp, Strategy.FSDP_HYBRID_SHARD: _predict_fsdp, Strategy.HSDP: _predict_fsdp,
     Strategy.ZERO1: _predict_zero, Strategy.ZERO2: _predict_zero, Strategy.ZERO3: _predict_zero,
     Strategy.ZERO3_OFFLOAD: _predict_zero,
-    Strategy.TP: _predict_tp, Strategy.TP_SP: _predict_tp,
-    Strategy.PP_GPIPE: _predict_pipeline, Strategy.PP_1F1B: _predict_pipeline,
-    Strategy.PP_INTERLEAVED_1F1B: _predict_pipeline,
+    Strategy.TP: predict_tp, Strategy.TP_SP: predict_tp,
+    Strategy.PP_GPIPE: predict_pipeline, Strategy.PP_1F1B: predict_pipeline,
+    Strategy.PP_INTERLEAVED_1F1B: predict_pipeline,
     Strategy.FSDP_TP_2D: _predict_fsdp_tp,
-    Strategy.CP: _predict_cp, Strategy.EP: _predict_ep,
+    Strategy.CP: predict_cp, Strategy.EP: predict_ep,
 }
 
 
@@ -281,7 +281,7 @@ def fsdp_rank_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool
         return max(0, min(size, length - rank * size))
 
     held = sum(rows(shape[0]) * numel(shape[1:]) if shape else 1 for shape in shapes.values())
-    return _adamw_state(held), _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
+    return adamw_state(held), _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
 
 
 def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, world_size: int,
@@ -305,7 +305,7 @@ def busiest_rank_prediction(strategy: str, cfg: GPTConfig | LlamaModelConfig, wo
     if strategy == Strategy.FSDP_TP_2D:
         tp = int(knobs.get("tp", 2))
         dp = n // tp
-        local = {k: _tp_local_shape(k, s, tp, 0) for k, s in shapes.items()}
+        local = {k: tp_local_shape(k, s, tp, 0) for k, s in shapes.items()}
         state, comm = fsdp_rank_prediction(shapes, dp, 1, reshard_blocks=True, local_shapes=local)
         tp_comm = megatron_tp_bytes(cfg, global_batch_size // dp, tp)
         add_comm(comm, "all_reduce", tp_comm["all_reduce"]["calls"], tp_comm["all_reduce"]["bytes"], tp)

@@ -69,7 +69,7 @@ SERVER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dist
                   "distkit.comm_counter", "distkit.data", "distkit.errors", "distkit.flags",
                   "distkit.harness", "distkit.logs", "distkit.models", "distkit.provenance",
                   "distkit.records", "distkit.runtime", "distkit.theory", "distkit.predictors",
-                  "distkit.predictors_mp", "distkit.compare",
+                  "distkit.predictors_model_parallel", "distkit.compare",
                   # torch's reference ops import the compiler stack on first use (1-2 s per rank): a model
                   # built on the meta device to predict bytes reaches it through nn.init.normal_
                   "torch._dynamo",

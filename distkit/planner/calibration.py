@@ -67,7 +67,7 @@ CPU = GPU("CPU rank (calibrated)", 0.0, {"fp32": 0.0}, 10e9, Link(1e9, 1e-3), Li
           "calibrated from this machine's records")
 
 
-def _base_arch(arch: str) -> str:
+def base_arch(arch: str) -> str:
     """The dense architecture a record's model is built on: ``gpt_moe`` -> ``gpt``."""
     return arch.removesuffix("_moe")
 
@@ -82,7 +82,7 @@ def _model_speed(records: list[dict], base: Cluster, arch: str | None, ranks: in
     None when no such cell exists."""
     cells = [r for r in records if r["strategy"] in calibration and r.get("model")
              and r.get("metrics", {}).get("step_time_s_median")
-             and (arch is None or _base_arch(r["model"]["arch"]) == _base_arch(arch))]
+             and (arch is None or base_arch(r["model"]["arch"]) == base_arch(arch))]
     if not cells:
         return None
     nearest = min({r["world_size"] for r in cells}, key=lambda w: (abs(w - ranks), w))
@@ -148,7 +148,7 @@ def cpu_cluster(records: list[dict], ranks: int, arch: str | None = None,
     for rec in train:
         if rec["strategy"] in calibration:
             continue
-        key = (_base_arch(rec["model"]["arch"]), rec["world_size"])
+        key = (base_arch(rec["model"]["arch"]), rec["world_size"])
         if key not in speeds:
             speeds[key] = _model_speed(train, base, *key, calibration) or speed or 0.1
         own = speeds[key]

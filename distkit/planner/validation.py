@@ -7,7 +7,7 @@ from typing import Iterable
 
 from .. import compare, predictors
 from ..strategies import Strategy
-from .calibration import _base_arch, cpu_cluster
+from .calibration import base_arch, cpu_cluster
 from .choose import estimate_record
 from .inputs import Cluster
 
@@ -37,8 +37,8 @@ def validate(records: list[dict], cl: Cluster | None = None,
     rows = []
     if cl is None:
         cells = [r for r in records if r.get("model")]
-        by_arch = len({_base_arch(r["model"]["arch"]) for r in cells}) > 1
-        key = (lambda r: _base_arch(r["model"]["arch"])) if by_arch else (lambda r: r["world_size"])
+        by_arch = len({base_arch(r["model"]["arch"]) for r in cells}) > 1
+        key = (lambda r: base_arch(r["model"]["arch"])) if by_arch else (lambda r: r["world_size"])
         measured = [r for r in cells if (r.get("metrics") or {}).get("step_time_s_median")]
         one_arch = {s for s in {r["strategy"] for r in measured}
                     if len({key(r) for r in measured if r["strategy"] == s}) == 1} if by_arch else set()

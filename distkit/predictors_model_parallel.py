@@ -30,14 +30,14 @@ from .tp_plans import TP_PLANS
 # How a prediction is written down: fp32 AdamW state per rank, collectives per rank
 # ----------------------------------------------------------------------------------------------
 
-def _adamw_state(param_elems: float, grad_elems: float | None = None, bytes_per: int = 4) -> dict:
+def adamw_state(param_elems: float, grad_elems: float | None = None, bytes_per: int = 4) -> dict:
     """fp32 AdamW: 4 bytes of weight, 4 of gradient and 8 of moments per element held."""
     grad_elems = param_elems if grad_elems is None else grad_elems
     return {"params": param_elems * bytes_per, "grads": grad_elems * bytes_per,
             "optimizer": 2 * param_elems * bytes_per}
 
 
-def _same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
+def same_on_every_rank(n: int, state: dict, comm: dict) -> tuple[list[dict], list[dict]]:
     return [dict(state) for _ in range(n)], [comm for _ in range(n)]
 
 
@@ -89,7 +89,7 @@ def _tp_local_numel(name: str, shape: tuple[int, ...], tp: int, rank: int, seque
     return chunk_sizes(shape[dim], tp)[rank] * numel(shape) // shape[dim]
 
 
-def _tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[int, ...]:
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[int, ...]:
     held = _tp_local_numel(name, shape, tp, rank, sequence_parallel=False)
     if held == numel(shape):
         return shape
@@ -127,12 +127,12 @@ def _tp_sp_extras(comm: dict, shapes: dict, cfg: GPTConfig, batch: int, tp: int)
     add_comm(comm, "reduce_scatter", 1, act, tp)
 
 
-def _predict_tp(strategy, shapes, cfg, n, batch, knobs):
+def predict_tp(strategy, shapes, cfg, n, batch, knobs):
     """Megatron tensor parallelism over all n ranks (:func:`~distkit.theory.megatron_tp_bytes`), with sequence
     parallelism for ``tp_sp``. With SP the embedding tables are row-sharded, but their gradients
     arrive as full replicated tensors (measured: DTensor's embedding backward returns Replicate)."""
     sp = strategy == Strategy.TP_SP
-    states = [_adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
+    states = [adamw_state(sum(_tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()),
                            sum(numel(s) if sp and k.split(".")[-2] in _TP_EMBEDDINGS
                                else _tp_local_numel(k, s, n, r, sp) for k, s in shapes.items()))
               for r in range(n)]
@@ -166,7 +166,7 @@ def _pp_stage_names(shapes: dict, stage: int, num_stages: int, n_layer: int) -> 
     return names
 
 
-def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
+def predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
     """Each rank holds its stages' parameters and, per micro-batch and stage boundary, sends one
     activation of a micro-batch forward and receives its gradient backward; interleaved 1F1B gives
     each rank ``stages_per_rank`` stages (r, r + n, ...)."""
@@ -178,7 +178,7 @@ def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
     for rank in range(n):
         mine = [s for s in range(num_stages) if s % n == rank]
         names = [k for s in mine for k in _pp_stage_names(shapes, s, num_stages, cfg.n_layer)]
-        states.append(_adamw_state(sum(numel(shapes[k]) for k in names)))
+        states.append(adamw_state(sum(numel(shapes[k]) for k in names)))
         comm: dict = {}
         for s in mine:  # activations forward, their gradients backward, one per micro-batch
             if s < num_stages - 1:
@@ -195,7 +195,7 @@ def _predict_pipeline(strategy, shapes, cfg, n, batch, knobs):
 # Context and expert parallelism
 # ----------------------------------------------------------------------------------------------
 
-def _predict_cp(strategy, shapes, cfg, n, batch, knobs):
+def predict_cp(strategy, shapes, cfg, n, batch, knobs):
     """Context parallelism (``05-advanced/context_parallel.py --impl ring``): every rank a full fp32
     AdamW replica (16 bytes per parameter, as DDP), a ring of ``cp`` ranks (default: all n) per
     group of sequences, and the gradients all-reduced over all n ranks. With n / cp > 1 replicas
@@ -209,10 +209,10 @@ def _predict_cp(strategy, shapes, cfg, n, batch, knobs):
     comm = ring_attention_bytes(batch // (n // cp), cfg.seq_len, kv_width(cfg), cfg.n_layer, cp)
     psi = sum(numel(shape) for shape in shapes.values())
     comm["all_reduce"] = comm_entry(1, 4 * psi, "all_reduce", n)
-    return _same_on_every_rank(n, _adamw_state(psi), comm)
+    return same_on_every_rank(n, adamw_state(psi), comm)
 
 
-def _predict_ep(strategy, shapes, cfg, n, batch, knobs):
+def predict_ep(strategy, shapes, cfg, n, batch, knobs):
     """Expert parallelism (``05-advanced/expert_parallel.py``) on a (dp, ep) mesh, rank = dp index x
     ep + ep index: each rank holds the dense parameters and the num_experts / ep experts of its ep
     index (fp32 AdamW, 16 bytes per parameter held); collectives from :func:`~distkit.theory.expert_parallel_comm`
@@ -234,7 +234,7 @@ def _predict_ep(strategy, shapes, cfg, n, batch, knobs):
     states, comms = [], []
     for rank in range(n):
         sent, received = zip(*routing[rank])
-        states.append(_adamw_state(dense + held[rank % ep]))
+        states.append(adamw_state(dense + held[rank % ep]))
         comms.append(expert_parallel_comm(cfg.n_embd, list(sent), list(received), cfg.num_experts, ep, dp,
                                           dense_numel=dense, expert_numel=held[rank % ep]))
     return states, comms
