@@ -6,8 +6,9 @@ forward hook, the sha1 of every image that reached the model on each rank (and t
 returned). The test maps those digests back to dataset indices itself.
 
 What each test pins, and a bug that fails it (its negative control, a mutant of the script run with
-the same flags, on 2 ranks where the unmutated run has the README's 4, is in the same file and must
-fail the same check, with that check's own message):
+the same flags on 2 ranks, is in the same file and must fail the same check, with that check's own
+message; the unmutated script runs with those flags twice, on the README's 4 ranks and, like for like
+with its mutants, on 2, and must pass it both times):
 
 * ``test_each_rank_trains_on_its_own_slice_of_a_fresh_shuffle``: in epoch e every rank trains on
   positions rank, rank+W, ... of the permutation ``randperm(n, seed + e)`` (DistributedSampler's
@@ -81,6 +82,7 @@ FLAGS = ["--offline", "--epochs", str(EPOCHS), "--max-steps", str(STEPS), "--bat
 # name -> mutation or None; each mutant is the script with one realistic DDP bug
 MUTATIONS = {
     "correct": None,
+    "correct_2ranks": None,  # the mutants' world size: each check holds here too, like for like
     "no_set_epoch": ("sampler.set_epoch(epoch)", "None"),
     "eval_everything": ("range(ctx.rank, len(test_set), ctx.world_size)", "range(len(test_set))"),
     "train_not_reduced": ("dist.all_reduce(totals)  # per-rank sums", "None  #"),
@@ -88,6 +90,7 @@ MUTATIONS = {
     "per_rank_samples": ("samples=len(images) * ctx.world_size", "samples=len(images)"),
 }
 WORLD = {name: 4 if name == "correct" else 2 for name in MUTATIONS}  # the README's 4; mutants on 2
+CORRECT = ("correct", "correct_2ranks")
 
 # each check's decisive message: its negative control must fail with it
 NOT_THE_SHUFFLE = "not its slice of that epoch's shuffle"
@@ -272,18 +275,20 @@ def observed(runs, name: str):
 # ---- the tests ----------------------------------------------------------------------------------
 
 def test_each_rank_trains_on_its_own_slice_of_a_fresh_shuffle(runs):
-    folder, _, world, datasets, seen = observed(runs, "correct")
-    check_training_slices(seen, world, len(datasets[0]))
-    # the lesson in one line: epoch 2 is a different order than epoch 1 on every rank
-    assert all(seen.train[r][0][0][0] != seen.train[r][1][0][0] for r in range(world))
+    for name in CORRECT:
+        _, _, world, datasets, seen = observed(runs, name)
+        check_training_slices(seen, world, len(datasets[0]))
+        # the lesson in one line: epoch 2 is a different order than epoch 1 on every rank
+        assert all(seen.train[r][0][0][0] != seen.train[r][1][0][0] for r in range(world))
     _, _, world, datasets, seen = observed(runs, "no_set_epoch")
     with pytest.raises(AssertionError, match=NOT_THE_SHUFFLE):
         check_training_slices(seen, world, len(datasets[0]))
 
 
 def test_each_rank_evaluates_its_own_stride_and_the_test_set_is_counted_once(runs):
-    _, _, world, datasets, seen = observed(runs, "correct")
-    check_evaluation_strides(seen, world, len(datasets[1]))
+    for name in CORRECT:
+        _, _, world, datasets, seen = observed(runs, name)
+        check_evaluation_strides(seen, world, len(datasets[1]))
     folder, done, world, datasets, seen = observed(runs, "eval_everything")
     with pytest.raises(AssertionError, match=NOT_THE_STRIDE):
         check_evaluation_strides(seen, world, len(datasets[1]))
@@ -292,8 +297,9 @@ def test_each_rank_evaluates_its_own_stride_and_the_test_set_is_counted_once(run
 
 
 def test_logged_train_and_test_numbers_are_the_observed_logits(runs):
-    _, done, world, datasets, seen = observed(runs, "correct")
-    check_logged_numbers(seen, world, done.stdout, datasets)
+    for name in CORRECT:
+        _, done, world, datasets, seen = observed(runs, name)
+        check_logged_numbers(seen, world, done.stdout, datasets)
     _, done, world, datasets, seen = observed(runs, "train_not_reduced")
     with pytest.raises(AssertionError, match=TRAIN_NOT_LOGITS):
         check_logged_numbers(seen, world, done.stdout, datasets)
@@ -303,8 +309,9 @@ def test_final_accuracy_is_what_one_process_computes_from_the_checkpoint(first_c
     folder, done = first_command_run
     record = quick_start_record(folder)
     check_numbers_from_checkpoint(folder, folder / QUICK_START_FILES["model"], record, done.stdout)
-    folder, done = job(runs, "correct")  # the script as it is, with the control's flags
-    check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
+    for name in CORRECT:  # the script as it is, with the control's flags
+        folder, done = job(runs, name)
+        check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
     folder, done = job(runs, "eval_not_reduced")
     with pytest.raises(AssertionError, match=NOT_ONE_PROCESS):
         check_numbers_from_checkpoint(folder, folder / "m.pt", read_records(folder / "r.jsonl")[0], done.stdout)
@@ -316,9 +323,10 @@ def test_throughput_is_the_recorded_step_times(first_command_run, runs):
     n_train = len(mnist(folder)[0])
     # the script's defaults: --batch-size 64, --epochs 3, whole epochs
     check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, 64, 3, None))
-    folder, done = job(runs, "correct")  # the script as it is, with the control's flags
-    (record,) = read_records(folder / "r.jsonl")
-    check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS))
+    for name in CORRECT:  # the script as it is, with the control's flags
+        folder, done = job(runs, name)
+        (record,) = read_records(folder / "r.jsonl")
+        check_throughput(record, done.stdout, samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS))
     folder, done = job(runs, "per_rank_samples")
     (record,) = read_records(folder / "r.jsonl")
     expected = samples_in_timed_steps(record, n_train, BATCH, EPOCHS, STEPS)

@@ -4,7 +4,9 @@ shapes; its fits/doesn't-fit answer flips where the bytes say; its recommendatio
 worked out by hand; the CLI's JSON has the documented schema and bad input is one line; and its
 predictions for the committed CPU matrix are within the stated bounds. No job is launched."""
 from __future__ import annotations
+import __future__
 
+import inspect
 import json
 import math
 import os
@@ -18,6 +20,7 @@ from benchmarks_common import BENCH, COMMITTED_RESULTS, PLANNER_LOOKUPS
 from distkit import planner, predictors, theory
 from distkit.errors import UsageError
 from distkit.models import LlamaModelConfig, model_config, with_experts
+from distkit.mutation import mutate
 from distkit.strategies import MEASURED, PLANNED
 from launch import assert_one_line_error, load_script, parse_args_result, python
 from spine import play_chapter
@@ -467,18 +470,37 @@ def test_the_decision_matrix_picks_are_the_planners(capsys, monkeypatch):
     text = capsys.readouterr().out
     check_matrix_picks(text)
     assert "LLaMA-70B: the guide's 3D (TP x PP x DP) as nd: fits" in text and "ResNet-50: not expressible" in text
+    check_matrix_verdicts(text)
+
+    monkeypatch.setattr(planner.decision, "AC", "selective")
+    plan.main(["--decision-matrix"])
+    with pytest.raises(AssertionError, match=NOT_THE_PLANNERS_PICK):
+        check_matrix_picks(capsys.readouterr().out)
+    # the verdict's control: a matrix that forgets ties (verdict's tie branch removed) says "no" where
+    # a guide strategy fits within the planner's error
+    monkeypatch.undo()
+    source = inspect.getsource(planner.decision.verdict)
+    namespace = dict(vars(planner.decision))
+    exec(compile(mutate(source, "    if rec.tie and", "    if False and", "verdict"), "decision.py", "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
+    monkeypatch.setattr(planner.decision, "verdict", namespace["verdict"])
+    plan.main(["--decision-matrix"])
+    with pytest.raises(AssertionError, match=NOT_THE_VERDICT):
+        check_matrix_verdicts(capsys.readouterr().out)
+
+
+NOT_THE_VERDICT = "the agrees column is not the verdict the estimates give"
+
+
+def check_matrix_verdicts(text: str) -> None:
+    """Each row's agrees column is :func:`matrix_verdict`'s, and a row that disagrees or ties says why."""
     for row in planner.decision.ROWS:
         agrees = row.name + " " * (31 - len(row.name))
         line = next(ln for ln in text.splitlines() if ln.startswith(agrees))
         if line.endswith((" no", " tie")):
             assert f"  {row.name}: " in text, row.name
         if line.endswith((" yes", " no", " tie")) and row.model is not None:
-            assert line.split()[-1] == matrix_verdict(row), (row.name, line)
-
-    monkeypatch.setattr(planner.decision, "AC", "selective")
-    plan.main(["--decision-matrix"])
-    with pytest.raises(AssertionError, match=NOT_THE_PLANNERS_PICK):
-        check_matrix_picks(capsys.readouterr().out)
+            assert line.split()[-1] == matrix_verdict(row), f"{row.name}: {NOT_THE_VERDICT}: {line}"
 
 
 def matrix_verdict(row) -> str:
