@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -30,12 +31,26 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from distkit import verdict
 from distkit.mutation import mutated_source
 from launch import REPO, job_env, load_script, readme_command
 
 GPU_CHECK = "benchmarks/gpu_check.py"
+
+
+def unused_plugins() -> list[str]:
+    """pyproject.toml's ``-p no:NAME`` options: the plugins of this environment no test uses. The pytest
+    runs below start outside the repository (no addopts there), and each would spend about 1.5 CPU-s
+    loading them."""
+    pytest_options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    addopts = shlex.split(pytest_options["addopts"])
+    return [word for i, word in enumerate(addopts) if word.startswith("no:") and addopts[i - 1] == "-p"
+            for word in ("-p", word)]
+
+
+PYTEST = [sys.executable, "-m", "pytest", *unused_plugins()]
 
 
 gpu_check = load_script(REPO / GPU_CHECK)
@@ -111,7 +126,7 @@ def boxed_run(tmp_path: Path, conftest_dir: Path) -> tuple[subprocess.CompletedP
     env = job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1",
                   PYTHONPATH=os.pathsep.join([str(conftest_dir), str(REPO / "tests")]))
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
+    done = subprocess.run([*PYTEST, "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
                            "-n", "0", "--time-box", str(BOX_S), "--min-test-start", "1", "--junitxml", str(junit),
                            "-q", "-rs", str(project)], cwd=project, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -170,7 +185,7 @@ def test_every_way_a_suite_run_fails_is_a_problem(case, tmp_path):
     if conftest:
         (tmp_path / "conftest.py").write_text(conftest)
     junit, log = tmp_path / "case.xml", tmp_path / "case.log"
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(junit),
+    command = [*PYTEST, "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(junit),
                "-q", *extra, str(tmp_path)]
     env = {k: v for k, v in job_env(tmp_path).items() if k != "PYTHONPATH"}
     step = verdict.run_pytest("first", command, junit, log, 4 if case == "a cut run" else 60, tmp_path, env,
@@ -208,7 +223,7 @@ def test_the_preflight_names_what_compile_lacks_and_the_check_skips_only_that(tm
     (project / "test_compiles.py").write_text("import pytest\n\npytestmark = pytest.mark.gpu\n\n\n"
                                               "@pytest.mark.compiles\ndef test_compiles():\n    pass\n\n\n"
                                               "def test_eager():\n    pass\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
+    run = subprocess.run([*PYTEST, "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu",
                           "-n", "0", "-rs", "-q", str(project)], cwd=project, capture_output=True, text=True,
                          env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", PYTHONPATH=str(REPO / "tests"),
                                      DISTKIT_NO_COMPILER=gpu_check.job_env(False, node)["DISTKIT_NO_COMPILER"]),
@@ -331,7 +346,7 @@ def planned_order(tmp_path: Path, **env: str) -> list[str]:
     project.mkdir(exist_ok=True)
     (project / "test_order.py").write_text(IN_PROCESS_FIRST)
     plan = tmp_path / "plan.jsonl"
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu", "-n", "0",
+    subprocess.run([*PYTEST, "-p", "conftest", "-p", "no:cacheprovider", "-m", "gpu", "-n", "0",
                     "--collect-only", "-q", "--gpu-plan", str(plan), str(project)], cwd=project, timeout=120,
                    env=job_env(tmp_path, DISTKIT_NO_FORK_SERVER="1", PYTHONPATH=str(REPO / "tests"), **env),
                    capture_output=True, check=True)
