@@ -30,6 +30,7 @@ from distkit import ArgumentParser, UsageError, add_runtime_args, distributed, r
 from distkit.checkpoint import atomic_save
 from distkit.flags import (
     add_checkpoint_args,
+    add_optimizer_arg,
     add_training_args,
     check_global_batch,
     make_optimizer,
@@ -73,7 +74,8 @@ def parse_args(argv=None):
                         help="keep sharded params, grads and optimizer state in CPU memory (CPUOffloadPolicy)")
     add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, warmup_steps=2,
                       results="runs/fsdp_transformer.jsonl",
-                      helps={"steps": "optimizer steps per strategy", "lr": "AdamW learning rate"})
+                      helps={"steps": "optimizer steps per strategy", "lr": "learning rate"})
+    add_optimizer_arg(parser)
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="log the loss every N steps (default: 50)")
     add_checkpoint_args(parser, save="none", save_every=True)
@@ -143,8 +145,8 @@ def predicted_bytes(cfg, strategy, args, world_size):
     """What the textbook formulas predict per rank (distkit.predictors, FSDP2's dim-0 padding included).
 
     P = parameter bytes (fp32), s = shard-group size, r = replicas. Sharded state is P/s each for
-    params and grads and 2P/s for AdamW's two moments. Communication payloads per step:
-    all-gather = P (x2 for units resharded after forward: gathered in forward and again in
+    params and grads, and 2P/s for AdamW's two moments (none for plain SGD). Communication payloads
+    per step: all-gather = P (x2 for units resharded after forward: gathered in forward and again in
     backward), reduce-scatter = P, all-reduce across replicas = P/s; DDP all-reduces P.
     NO_SHARD is a shard group of one on a (world x 1) mesh, DDP the same state with no mesh.
     """
@@ -156,7 +158,8 @@ def predicted_bytes(cfg, strategy, args, world_size):
         shards, replicas = world_size, 1
     shapes = param_shapes(cfg)
     states, comm = fsdp_prediction(shapes, shards, replicas, strategy in ("full_shard", "hybrid_shard"),
-                                   gather_bytes=2 if args.mixed_precision == "bf16" else 4, wrap=args.wrap)
+                                   gather_bytes=2 if args.mixed_precision == "bf16" else 4, wrap=args.wrap,
+                                   optimizer=args.optimizer)
     comm_bytes = {name: int(stat["bytes"]) for name, stat in comm.items()}
     if strategy in ("ddp", "no_shard", "hybrid_shard") and "all_reduce" not in comm_bytes:
         # theory counts no all-reduce over one replica, but DDP all-reduces even alone and FSDP2
@@ -195,12 +198,12 @@ def train_one(strategy, args, ctx, task, cfg, log, meshes):
         mesh = build_mesh(mesh_shape(strategy, ctx, args.hsdp_shard_size), ctx, meshes)
         shard_model(model, strategy, mesh, args, ctx)
     # Created after sharding, the optimizer sees the DTensor shards: its state is sharded too.
-    # torch.optim.AdamW, its foreach kernels chosen for any device (distkit.flags.make_optimizer)
-    optimizer = make_optimizer("adamw", model.parameters(), args.lr)
+    # torch.optim.AdamW (or plain SGD), its foreach kernels chosen for any device (distkit.flags)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     # The model's configuration and parameter count go into the record's own fields (the harness
     # reads them from the model's cfg), not into config.
     config = {"global_batch_size": args.global_batch_size,
-              "precision": args.mixed_precision, "lr": args.lr, "wrap": args.wrap,
+              "precision": args.mixed_precision, "optimizer": args.optimizer, "lr": args.lr, "wrap": args.wrap,
               "activation_checkpointing": args.activation_checkpointing,
               "cpu_offload": args.cpu_offload, "sharding": strategy,
               "hsdp_shard_size": args.hsdp_shard_size if strategy == "hybrid_shard" else None}

@@ -30,6 +30,7 @@ PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
 # param_count); read_records puts it in the record's `model` field, so those keys are left out too.
 PER_STRATEGY = {"sharding", "hsdp_shard_size"}
 MODEL_IN_OLD_CONFIG = {"model_size", "gpt", "param_count"}
+OPTIMIZER_NAME = {"adamw": "AdamW", "sgd": "SGD"}  # config's `optimizer` (--optimizer) as captions name it
 
 
 def parse_args(argv=None):
@@ -80,6 +81,11 @@ def model_label(record):
     return "GPT (" + ", ".join(f"{k} {v}" for k, v in model.items()) + ")"
 
 
+def optimizer_label(record):
+    """The optimizer the run trained with; records written before --optimizer existed trained AdamW."""
+    return OPTIMIZER_NAME[record["config"].get("optimizer", "adamw")]
+
+
 def peak_label(record):
     """The peak-memory column's header for what this record measured (GPU allocator vs process RSS)."""
     kind = record["metrics"].get("peak_memory_kind")
@@ -119,7 +125,7 @@ def caption(records, source="records/fsdp_strategies.jsonl"):
     return (f"Measured on {machine_label(first['machine'], first['backend'])}, {first['world_size']} ranks, "
             f"torch {first['torch_version']}, {first['timestamp'][:10]} ([{source}]({source})): "
             f"{model_label(first)} ({first['param_count']:,} parameters), global batch "
-            f"{cfg['global_batch_size']}, {cfg['precision']}, AdamW, {cfg['wrap']}-wise wrapping, "
+            f"{cfg['global_batch_size']}, {cfg['precision']}, {optimizer_label(first)}, {cfg['wrap']}-wise wrapping, "
             f"{first['metrics']['timed_steps']} timed steps. KiB on rank 0 as **measured (predicted)**; "
             "communication is the payload per step (nccl-tests convention), bus = bytes each rank "
             "sends on the wire.")
@@ -188,7 +194,7 @@ def plot(records, out_dir):
              for kind in STATE],
             [sum(r["predicted"][k] for k in STATE) / 1024 for r in records],
             "model state on rank 0 (KiB)",
-            f"Params + grads + AdamW state held by rank 0, {first['world_size']} ranks "
+            f"Params + grads + {optimizer_label(first)} state held by rank 0, {first['world_size']} ranks "
             f"({model_label(first).replace('`', '')}, fp32)", where)
     fig.tight_layout()
     save_figure(fig, out_dir / "strategies_memory.png")

@@ -5,7 +5,8 @@ with DeepSpeed, and records with the shared harness the bytes of parameters, gra
 state each rank holds. Rank 0 then writes one record (``--record``: command, machine, torch
 version, date) holding a table that sets those measurements next to
 
-* the formula for fp32 training with AdamW as DeepSpeed runs it (``distkit.theory.zero_fp32_state_bytes``),
+* the formula for fp32 training with the run's optimizer (``--optimizer``: AdamW, or plain SGD) as
+  DeepSpeed runs it (``distkit.theory.zero_fp32_state_bytes``),
 * the ZeRO paper's mixed-precision formula (2Ψ + 2Ψ + KΨ, K = 12; ``distkit.theory.zero_paper_bytes``), and
 * DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``),
@@ -41,7 +42,14 @@ from distkit.deepspeed import (
     zero_harness,
     zero_stage,
 )
-from distkit.flags import add_checkpoint_args, add_training_args, save_path
+from distkit.flags import (
+    OPTIMIZER_CLASSES,
+    add_checkpoint_args,
+    add_optimizer_arg,
+    add_training_args,
+    make_optimizer,
+    save_path,
+)
 from distkit.logs import setup_logging
 from distkit.models import add_model_args, build_model, lm_loss, model_config_from_args, rank_slice
 from distkit.paths import check_outputs
@@ -66,7 +74,8 @@ def parse_args():
                         help="config names in 03-deepspeed/configs (<name>_config.json) or JSON paths "
                              f"(default: {' '.join(DEFAULT_CONFIGS)})")
     add_training_args(parser, steps=8, global_batch_size=32, lr=3e-3, results="runs/ch03_results.jsonl",
-                      helps={"steps": "optimizer steps per config", "lr": "AdamW learning rate"})
+                      helps={"steps": "optimizer steps per config", "lr": "learning rate"})
+    add_optimizer_arg(parser)
     parser.add_argument("--record", default="runs/ch03_zero_memory.jsonl", metavar="FILE",
                         help="the run's record (JSON Lines; the record named zero_memory in it is replaced). "
                              "The README's tables and plot are drawn from the committed "
@@ -105,11 +114,17 @@ def train_one_config(deepspeed, ctx, args, cfg, task, path: Path):
     model = build_model(cfg)
     param_count = sum(p.numel() for p in model.parameters())
     resolve_auto(ds_config, ctx.device, param_count, ctx.world_size)  # buckets sized Ψ / N, not 2 GB
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.optimizer == "sgd":
+        # ZeRO (stages 1-3) refuses a client optimizer outside DeepSpeed's tested list (Adam, AdamW,
+        # Adagrad, ...) unless the config allows it. Plain SGD asks nothing of ZeRO that AdamW does
+        # not: it updates this rank's fp32 partition with lr x its gradient, and has no state to shard.
+        ds_config["zero_allow_untested_optimizer"] = True
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     harness = zero_harness(ctx, engine, optimizer, ds_config, path, param_count=param_count,
                            warmup_steps=args.warmup_steps, lr=args.lr)
+    harness.config["optimizer"] = args.optimizer  # beside zero_harness's lr
     batch = args.global_batch_size
     for step in range(args.steps):
         inputs, targets = task.global_batch(step, batch)
@@ -131,7 +146,7 @@ def largest_layer_params(model: torch.nn.Module) -> int:
     return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
 
-def build_rows(records, weights_by_strategy, cfg, world_size):
+def build_rows(records, weights_by_strategy, cfg, world_size, optimizer):
     """Table rows: measured bytes next to the formulas and DeepSpeed's estimators."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -146,7 +161,7 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
         offloaded = record["strategy"].endswith("offload")
         per_rank = record["metrics"]["model_state_bytes_per_rank"]
         measured = {key: max(r[key] for r in per_rank) for key in ("params", "grads", "optimizer")}
-        predicted = theory.zero_fp32_state_bytes(stage, psi, world_size)
+        predicted = theory.zero_fp32_state_bytes(stage, psi, world_size, optimizer)
         estimator = None
         if stage == 2:
             estimator = estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=False)[1]
@@ -177,7 +192,7 @@ def build_rows(records, weights_by_strategy, cfg, world_size):
         })
     return {"param_count": psi, "world_size": world_size, "largest_layer_params": largest,
             "reference": reference_name, "machine": records[0]["machine"]["device_name"],
-            "backend": records[0]["backend"], "rows": rows}
+            "backend": records[0]["backend"], "optimizer": optimizer, "rows": rows}
 
 
 MIB = 2**20
@@ -227,6 +242,12 @@ def comm_table(table) -> str:
     return "\n".join(lines)
 
 
+def optimizer_name(table) -> str:
+    """The optimizer the table's run trained with, as torch names it (a table without the field was
+    recorded by a command without ``--optimizer``: the default, AdamW)."""
+    return OPTIMIZER_CLASSES[table.get("optimizer", "adamw")]
+
+
 def plot(table, path: Path, where: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -248,7 +269,7 @@ def plot(table, path: Path, where: str) -> None:
     ax.set_xticks(list(x), names)
     ax.set_ylabel("model-state MiB per rank")
     ax.set_title(f"ZeRO model state per rank: Ψ = {table['param_count']:,}, N = {table['world_size']}, "
-                 f"fp32 AdamW ({where})", fontsize=9)
+                 f"fp32 {optimizer_name(table)} ({where})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
@@ -267,7 +288,7 @@ def render_record(record_path: Path, out_dir: Path) -> str:
     state = [row["measured_total"] / MIB for row in table["rows"]]
     source = f"`{record['command']}`, {where}, torch {record['torch']}, {record['date']}"
     return "\n".join([
-        f"Ψ = {table['param_count']:,} parameters, N = {table['world_size']} ranks, fp32, AdamW, "
+        f"Ψ = {table['param_count']:,} parameters, N = {table['world_size']} ranks, fp32, {optimizer_name(table)}, "
         f"{record['steps']} steps. Model-state bytes per rank in MiB (the largest rank); step time = median "
         f"timed step of the slowest rank, on a machine shared with other work.",
         "",
@@ -328,7 +349,7 @@ def main():
                     atomic_save(weights, out)
         dist.barrier()
         if ctx.is_main:
-            table = build_rows(records, weights_by_strategy, cfg, ctx.world_size)
+            table = build_rows(records, weights_by_strategy, cfg, ctx.world_size, args.optimizer)
             command = launch_command(ctx.world_size)
             # The machine as this run used it: a --device cpu run on a GPU host is labelled a CPU run.
             upsert(args.record, {"name": "zero_memory", **provenance(command, device=ctx.device),

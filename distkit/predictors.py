@@ -159,7 +159,7 @@ def _fsdp_comm(blocks: list[list[str]], root: list[str], padded: dict[str, int],
 
 def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
                     local_shapes: dict | None = None, gather_bytes: int = 4,
-                    wrap: str = "block") -> tuple[list[dict], dict]:
+                    wrap: str = "block", optimizer: str = "adamw") -> tuple[list[dict], dict]:
     """FSDP2 per block + root: state held by each rank of a shard group, and collectives per step.
 
     Each unit all-gathers its padded parameters before forward and, when resharded after forward,
@@ -173,8 +173,11 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
     parameters before the all-gather; gradients are still reduced in fp32). ``wrap="root"``: one
     unit for the whole model (``fully_shard(model)`` alone), gathered once per step.
     ``local_shapes``: the shapes this rank's FSDP sees when they differ from ``shapes`` (a TP shard
-    in a 2-D mesh).
+    in a 2-D mesh). ``optimizer``: ``"adamw"`` holds two fp32 moments per element held, plain
+    ``"sgd"`` (no momentum) no state at all.
     """
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     shapes = local_shapes or shapes
     blocks, root = _units(shapes)
     if wrap == "root":
@@ -185,7 +188,10 @@ def fsdp_prediction(shapes, shard: int, replicas: int, reshard_blocks: bool,
     held = [sum(chunk_sizes(shape[0], shard)[r] * numel(shape[1:]) if shape else 1
                 for shape in shapes.values()) for r in range(shard)]
     comm = _fsdp_comm(blocks, root, padded, shard, replicas, reshard_blocks, gather_bytes)
-    return [adamw_state(h) for h in held], comm
+    states = [adamw_state(h) for h in held]
+    if optimizer == "sgd":
+        states = [{**state, "optimizer": 0} for state in states]
+    return states, comm
 
 
 def _predict_fsdp(strategy, shapes, cfg, n, batch, knobs):

@@ -205,18 +205,26 @@ def zero_paper_bytes(psi: float, n: int, stage: int, k: float = 12) -> dict[str,
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
-def zero_fp32_state_bytes(stage: int, psi: float, n: int) -> dict[str, float]:
-    """Per-rank model-state bytes for fp32 training with AdamW the way DeepSpeed does it (chapter 03).
+def zero_fp32_state_bytes(stage: int, psi: float, n: int, optimizer: str = "adamw") -> dict[str, float]:
+    """Per-rank model-state bytes for fp32 training the way DeepSpeed does it (chapter 03), with
+    ``optimizer`` (``--optimizer``: ``adamw``, or plain ``sgd``) as the client optimizer.
 
     The ZeRO paper counts mixed precision (:func:`zero_paper_bytes`). In fp32 the weights and
-    gradients take 4 bytes each; DeepSpeed's ZeRO optimizer (stages 1-3) still keeps a separate
-    fp32 master partition, so K stays 12. Stage 0 wraps nothing: AdamW updates the weights in
-    place, K = 8. (:func:`distkit.predictors.deepspeed_prediction` adds DeepSpeed's padding, parameter by parameter.)
+    gradients take 4 bytes each. The optimizer keeps its moments per element (AdamW: ``exp_avg`` and
+    ``exp_avg_sq``, 8 bytes; SGD without momentum: none), and DeepSpeed's ZeRO optimizer (stages
+    1-3) adds a separate fp32 master partition even in fp32 training: K = 12 for AdamW, 4 for SGD,
+    over N. Stage 0 wraps nothing: the optimizer updates the weights in place and holds only its
+    moments, K = 8 or 0. (:func:`distkit.predictors.deepspeed_prediction` adds DeepSpeed's padding,
+    parameter by parameter.)
     """
+    moment_bytes = {"adamw": 8, "sgd": 0}  # per element; torch's SGD keeps no state at momentum 0
+    if optimizer not in moment_bytes:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(moment_bytes)}")
+    moments = moment_bytes[optimizer]
     if stage == 0:
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": moments * psi}
     return {"params": 4 * psi / (n if stage >= 3 else 1), "grads": 4 * psi / (n if stage >= 2 else 1),
-            "optimizer": 12 * psi / n}
+            "optimizer": (4 + moments) * psi / n}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,4 +39,5 @@ PLAY = {"distributed_benchmarks.py --quick": Form(("--launcher", FORK_CELLS)),
         **{lookup: Form(("--dry-run",)) for lookup in [("distributed_benchmarks.py", f"--results runs/{name}.jsonl")
                                                          for name in ("full_cpu", "gpu", "one_gpu")]},
         "benchmarks/parity.py": Form(("--steps", str(PARITY_STEPS), "--held-out-every", str(PARITY_EVERY))),
-        "harness_overhead.py": Form(("--rounds", "1", "--steps", "2"))}
+        # a fresh interpreter, as the reader's python starts it (no module the fork server imported)
+        "harness_overhead.py": Form(("--rounds", "1", "--steps", "2"), launcher="torchrun-fresh")}

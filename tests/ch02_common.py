@@ -1,14 +1,29 @@
-"""What chapter 02's test files share: tolerances, the tiny model's flags, the single-process
-reference, the independent byte formulas, and a way to run several launches at once.
+"""What chapter 02's test files share: the tolerances and the equivalence checks that apply them, the
+tiny model's flags, the single-process reference, the independent byte formulas, and a way to run
+several launches at once.
 
-Tolerances (fp32, AdamW lr 3e-3, a handful of steps): a parameter may differ from single-process
-training by at most FP32_ATOL = 2e-4 (about 7% of one Adam step; what remains is summation order,
-amplified by Adam where a gradient is near zero: DDP itself lands at 4e-5). bf16 mixed precision
-cannot be judged by a max-abs bound: its largest difference from the fp32 reference (1.1e-2) is as
-large as what 4 training steps move the weights (1.2e-2), so untrained weights would pass. It is
-judged by the L2 error as a fraction of the L2 movement (untrained weights score 1) under
-BF16_RELATIVE = 0.15: measured 5.4e-2 for correct bf16 and 0.54 with one rank's gradient shard
-dropped, on 4 ranks (test_ch02_negative.py proves both tolerances fail for the bugs they must catch).
+The strategies sweep and the knob commands train with plain SGD (SGD_LR 0.5, STEPS 4; the play's
+forms below): SGD moves a weight by lr x gradient, so a gradient N times too large moves it N times
+as far, where AdamW's g / sqrt(v) would normalise the scale away and a sum over the ranks instead of
+a mean would pass. Measured on 2-core CPU, gloo, 4 ranks, max |run - single-process SGD| (training
+moves the weights by up to 1.2e-1): every strategy, and root wrap + activation checkpointing + CPU
+offload, 1.2e-7 (summation order); the bugs, made in fsdp_transformer.py itself
+(test_ch02_negative.py): gradients summed over the ranks instead of averaged 3.1e-1 (3.0e-1 on 2
+ranks), rank 1 never stepping its shard 7.3e-2, HSDP without its all-reduce across the replicas
+1.2e-1 (no gradient reaches the weights). FP32_ATOL = 2e-4 sits 1,700x above the correct runs and
+360x below the smallest bug.
+
+The scripts' default, AdamW at LR 3e-3, trains the basics, checkpoint and Hugging Face commands and
+the GPU suite's runs, under the same FP32_ATOL: there what remains of a correct run is summation
+order amplified by Adam where a gradient is near zero (DDP lands at 4e-5, 2e-4 is about 7% of one
+Adam step; a correct resume lands at 2.3e-5), and a resume that reads the weights without the Adam
+state lands 70x away (test_ch02_negative.py).
+
+bf16 mixed precision is judged by the L2 error as a fraction of the L2 movement (untrained weights
+score exactly 1) under BF16_RELATIVE = 0.15: with SGD the correct bf16 run scores 8.5e-3 and the
+summed-gradient mutant 3.4 (22x the bound); with AdamW (the GPU suite) correct bf16 scores 5.4e-2,
+and no max-abs bound could judge it there, its largest difference (1.1e-2) being as large as what 4
+AdamW steps move the weights (1.2e-2).
 """
 from __future__ import annotations
 
@@ -28,7 +43,9 @@ CHAPTER = REPO / "02-fsdp"
 README = CHAPTER / "README.md"
 FP32_ATOL = 2e-4
 BF16_RELATIVE = 0.15
-LR = 3e-3
+LR = 3e-3  # AdamW's, the scripts' optimizer by default (basics, checkpoints, Hugging Face, the GPU suite)
+SGD_LR = 0.5  # plain SGD's, in the sweep and the knobs: each step moves a weight by lr x gradient
+SGD = ("--optimizer", "sgd", "--lr", str(SGD_LR))
 # vocab 65 is not a multiple of 2 or 4: tok_emb and lm_head get padded rows, so the byte checks
 # prove the padding is modelled.
 TINY = ("--model-size", "tiny", "--vocab-size", "65", "--global-batch-size", "8")
@@ -53,16 +70,19 @@ TEXT = ("--data text",)  # test_text_data.py
 LOOKUPS = [BASICS, SWEEP, TABLE, OFFLOAD, BF16, SAVE, RESUME_LATEST, RESUME_FULL, HF_CHECKPOINT, LORA, TEXT]
 
 # How the reader's play (tests/spine.py) runs the commands tests/test_ch02_fsdp.py checks there: the
-# tiny GPT with a vocabulary of 65, 4 AdamW steps, the trained weights saved under the command's own
-# folder; the strategies sweep into the README's records, which the table command then reads; the three
-# checkpoint commands in the README's folder, each resume dumping what it loaded (test_ch02_fsdp.py's
-# `checkpoints` says what each leaves there); the Hugging Face job for 4 steps, dumping its logits
-# (tests/test_ch02_hf.py); the LoRA fine-tune for 4 steps (tests/test_ch02_lora.py).
-_KNOB = Form((*TINY, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
+# tiny GPT with a vocabulary of 65, 4 steps (plain SGD in the sweep and the knobs, AdamW elsewhere),
+# the trained weights saved under the command's own folder; the strategies sweep into the README's
+# records, which the table command then reads; the three checkpoint commands in the README's folder,
+# each resume dumping what it loaded (test_ch02_fsdp.py's `checkpoints` says what each leaves there);
+# the Hugging Face job for 4 steps, dumping its logits (tests/test_ch02_hf.py); the LoRA fine-tune for
+# 4 steps (tests/test_ch02_lora.py). test_ch02_negative.py runs broken copies of the scripts with the
+# same forms.
+_KNOB = Form((*TINY, *SGD, "--steps", str(STEPS), "--results", "{out}/r.jsonl", "--save", "{out}/{strategy}.pt"))
 LORA_STEPS, LORA_BATCH = 4, 8  # tests/test_ch02_lora.py's run of the README's LoRA command
 HF_STEPS = 4  # tests/test_ch02_hf.py's run of the README's Hugging Face command
-PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt")),
-        SWEEP: Form((*TINY, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
+PLAY = {BASICS: Form((*TINY, "--steps", "4", "--results", "{out}/b.jsonl", "--save", "{out}/basics.pt"),
+                     launcher="torchrun-fresh"),  # fresh interpreters: no module the fork server imported
+        SWEEP: Form((*TINY, *SGD, "--steps", str(STEPS), "--log-every", "1", "--save", "{out}/params/{strategy}.pt")),
         TABLE: Form(), OFFLOAD: _KNOB, BF16: _KNOB,
         SAVE: Form((*TINY, "--steps", "3", "--log-every", "1")),
         RESUME_LATEST: Form((*TINY, "--steps", "6", "--log-every", "1", "--checkpoint-format", "full",
@@ -111,13 +131,32 @@ def check_ok(result) -> str:
 
 
 @functools.lru_cache(maxsize=None)  # several tests compare against the same run; nobody mutates it
-def reference_state(steps: int, batch: int = 8, vocab: int = 65, arch: str = "gpt") -> tuple[dict, dict]:
-    """Single-process AdamW training on the same global batches: (initial, final) state dicts of the
-    tiny model of ``arch``."""
+def reference_state(steps: int, batch: int = 8, vocab: int = 65, arch: str = "gpt",
+                    optimizer: str = "adamw") -> tuple[dict, dict]:
+    """Single-process training on the same global batches, AdamW at LR or plain SGD at SGD_LR
+    (``optimizer``): (initial, final) state dicts of the tiny model of ``arch``."""
     cfg = model_config(arch, "tiny", vocab_size=vocab)
     torch.manual_seed(0)
     model = build_model(cfg)
-    return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), steps, batch)
+    opt = (torch.optim.SGD(model.parameters(), lr=SGD_LR) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=LR))
+    return train_one_process(model, opt, steps, batch)
+
+
+def check_like_one_process(trained: dict, reference: dict, what: str, optimizer: str = "SGD",
+                           atol: float = FP32_ATOL) -> None:
+    """Chapter 02's equivalence check of an fp32 run: every weight of ``trained`` within ``atol``
+    (FP32_ATOL; a negative control passes a multiple of it) of single-process training."""
+    diff = max_diff(trained, reference)
+    assert diff <= atol, f"{what} differs from single-process {optimizer} by {diff:.2e} > {atol:.1e}"
+
+
+def check_bf16_like_one_process(trained: dict, reference: dict, initial: dict, what: str,
+                                bound: float = BF16_RELATIVE) -> None:
+    """The same check for a bf16 run: its L2 error over the L2 movement of single-process SGD training
+    (:func:`relative_error`) at most ``bound`` (BF16_RELATIVE)."""
+    error = relative_error(trained, reference, initial)
+    assert error <= bound, f"{what} differs from single-process SGD by {error:.3f} of the training movement > {bound}"
 
 
 def dcp_weights(folder, like: dict) -> dict:
@@ -143,7 +182,7 @@ def relative_error(state: dict, expected: dict, initial: dict) -> float:
 
 
 def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int = 4, cfg=None,
-                   pad: bool = True, block_gathers: int | None = None) -> dict:
+                   pad: bool = True, block_gathers: int | None = None, optimizer: str = "adamw") -> dict:
     """Textbook FSDP traffic and state per rank for the tiny GPT, written independently of the script
     (and of distkit.theory, which the script prints its predictions from).
 
@@ -153,7 +192,8 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     Reduce-scatter payload = all padded gradients. All-reduce = the shard across replicas (P/s),
     issued by DDP and by every 2D (replicate, shard) mesh even when a group is one rank (world 1).
     ``cfg`` (default: the tests' tiny GPT, vocab 65) is the model; ``pad=False`` and ``block_gathers``
-    give the deliberately wrong formulas of the negative control.
+    give the deliberately wrong formulas of the negative control. Optimizer state: AdamW's two fp32
+    moments per element held (2P/s), plain SGD's (``optimizer="sgd"``, no momentum) nothing.
     """
     model = TinyGPT(cfg or gpt_config("tiny", vocab_size=65))
     s = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": shard_size}.get(strategy, 1)
@@ -174,7 +214,8 @@ def expected_bytes(strategy: str, world: int, shard_size: int, gather_bytes: int
     if strategy in ("ddp", "no_shard", "hybrid_shard"):
         comm["all_reduce"] = every // s * 4
     state = every // s * 4
-    return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": 2 * state}}
+    moments = {"adamw": 2, "sgd": 0}[optimizer]
+    return {"comm": comm, "state": {"params": state, "grads": state, "optimizer": moments * state}}
 
 
 def shard_bytes(strategy: str, rank: int, world: int, shard_size: int) -> int:

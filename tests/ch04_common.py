@@ -29,10 +29,12 @@ LOOKUPS = {
 
 # How the reader's play (tests/spine.py) runs each command, so that tests/test_ch04_readme.py can check
 # what it printed and wrote: quick sizes and short timeouts; the debug lab under the real torchrun
-# (what torchrun shows when a job fails is its lesson), its logs under the command's own folder
+# (what torchrun shows when a job fails is its lesson), its logs under the command's own folder; the
+# chapter's first command with fresh interpreters end to end, as a reader's torchrun starts them (the
+# fork server's pre-imported modules would hide an import the script forgot)
 LAB = ("--log-dir", "{out}/lab")
 PLAY = {
-    LOOKUPS["collective_ops"]: Form(),
+    LOOKUPS["collective_ops"]: Form(launcher="torchrun-fresh"),
     LOOKUPS["collective_ops:only"]: Form(),
     LOOKUPS["point_to_point"]: Form(("--numel", "10001", "--deadlock-timeout-s", "2")),
     LOOKUPS["bandwidth_test"]: Form(("--max-bytes", "16K", "--iters", "2", "--warmup-iters", "1", "--p2p-matrix",

@@ -51,14 +51,16 @@ AC_FLAGS = (*QUICK, "--warmup-steps", 2, "--global-batch-size", 8)
 OUT_RESULTS = ("--results", "{out}/r.jsonl")  # for the commands whose README line names no --results
 
 
-def _form(*flags, nproc=None) -> Form:
-    return Form(tuple(map(str, flags)), nproc=nproc)
+def _form(*flags, nproc=None, launcher="fork") -> Form:
+    return Form(tuple(map(str, flags)), nproc=nproc, launcher=launcher)
 
 
 # How the reader's play (tests/spine.py) runs each README command, so that the chapter's tests check
 # what it printed and wrote: the equivalence settings (QUICK: plain SGD, 3 steps), the weights saved
 # under the command's own folder. The activation-checkpointing command runs FSDP2 on 2 ranks, full AC,
 # eager and compiled (one graph: tests/test_ch05_ac.py says why), instead of three AC modes compiled.
+# The 2-rank pipeline runs with fresh interpreters end to end, as a reader's torchrun starts them
+# (the fork server's pre-imported torch.distributed.pipelining would hide an import the script forgot).
 PLAY = {LOOKUPS["tp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{strategy}.pt"),
         LOOKUPS["tp_sp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{strategy}.pt"),
         LOOKUPS["tp_llama_sp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS,
@@ -66,7 +68,7 @@ PLAY = {LOOKUPS["tp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "-
         LOOKUPS["pipeline"]: _form(*QUICK, "--n-layer", 8, "--global-batch-size", 16, "--microbatches", 4,
                                    "--save", "{out}/{schedule}_m{microbatches}.pt"),
         LOOKUPS["pipeline_2ranks"]: _form(*QUICK, "--global-batch-size", 16, "--microbatches", 2, 4,
-                                          "--save", "{out}/{schedule}_m{microbatches}.pt"),
+                                          "--save", "{out}/{schedule}_m{microbatches}.pt", launcher="torchrun-fresh"),
         LOOKUPS["2d"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
         LOOKUPS["hsdp"]: _form(*QUICK, "--global-batch-size", 16, *OUT_RESULTS, "--save", "{out}/{mode}.pt"),
         LOOKUPS["mesh_error"]: Form(),  # refused before any work: as written

@@ -111,7 +111,7 @@ CPU_FILE_SECONDS = {
     "test_ddp_mnist.py": 49, "test_ch01_ddp.py": 48, "test_ch05_cp_ep.py": 41, "test_ch02_ch05_more_lessons.py": 39,
     "test_ch01_ch03_more_lessons.py": 38, "test_ch02_hf.py": 38, "test_notebooks.py": 36, "test_reader_play.py": 35,
     "test_ch05_negative.py": 33, "test_planner.py": 32,
-    "test_ch02_negative.py": 32, "test_ch05_lesson.py": 26, "test_gpu_check.py": 55, "test_jobs.py": 21,
+    "test_ch02_negative.py": 32, "test_ch05_lesson.py": 26, "test_gpu_check.py": 25, "test_jobs.py": 21,
     "test_step_peak.py": 10, "test_llama_equivalence.py": 22,
     "test_bad_input.py": 21, "test_ch02_ch03_lesson.py": 17, "test_records.py": 17, "test_ch05_ac.py": 16,
     "test_text_data.py": 13, "test_output_paths.py": 9, "test_data_and_harness.py": 9, "test_ch02_lora.py": 8,

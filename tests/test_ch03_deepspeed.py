@@ -1,18 +1,29 @@
 """Chapter 03 (DeepSpeed ZeRO): every README command runs (with small flags appended), and what it
 produces is checked against single-process training.
 
-Tolerance: ZeRO stages 0-3 and ZeRO-3 + CPU offload must end within ``WEIGHT_TOL`` = 5e-5 (absolute,
-per weight) of single-process AdamW on the same global batches after a few steps at lr 3e-3. The
-distributed runs sum gradients in another order (per-rank means, then all-reduce / reduce-scatter),
-so fp32 rounding differs by about 1e-7 relative per step and Adam's normalisation can magnify it
-for near-zero gradients; observed differences are 1e-6 to 1e-5, a weight moves up to 3e-3 per step.
+Tolerances. zero_memory.py (ZeRO 0, 1, 2, 3 and ZeRO-3 + CPU offload, one after another in one
+job) is played with plain SGD at lr 0.5 (``--optimizer sgd``, ch03_common's SGD_LR), and every
+config's weights must end within ``SGD_TOL`` = 1e-5 (absolute, per weight) of one process training
+with torch's SGD on the same global batches (:func:`check_trains_like_one_process`). SGD's update is
+lr x the gradient, so a gradient N times too large moves every weight N times as far; AdamW's
+m / sqrt(v) would divide the N out, and a comparison with one AdamW process would pass. Measured on
+2-core CPU, gloo (the tiny GPT with one block, 3 steps, global batch 16; training moves a weight by
+up to 4.3e-2): the correct run lands 1.2e-7 from one process at every config on 4 ranks (one ulp of
+the weights near 1: the gradient summed in another order; 1.5e-8 on 2 ranks), 80x below SGD_TOL; its
+mutant whose loss is multiplied by the world size (what a reduction that sums instead of averaging
+leaves) lands 3.8e-1 away on 4 ranks and 1.2e-1 on 2, at every config: 12,000x SGD_TOL and more.
+:func:`test_summed_gradients_fail_the_equivalence_check` runs those mutants of the script with the
+play's own flags and requires the check's own assertion to name every config even at 100x SGD_TOL.
+There is no accumulation mutant: neither zero_memory.py nor deepspeed_train.py splits a step into
+micro-batches (every config has ``gradient_accumulation_steps`` 1, and the 1/k would be DeepSpeed's
+own, inside ``engine.backward``); chapters 01 and 05 mutate their scripts' ``/ k``.
 
-What this comparison cannot see: AdamW's update is nearly scale-invariant (m / sqrt(v)), so gradients
-N times too large (summed over the ranks instead of averaged, or accumulated micro-batch losses not
-divided by the accumulation steps) train almost the same weights and would pass. The same comparison
-with plain SGD, where such a bug multiplies every update by N (2 ranks: differences of 6.6e-2 against
-1.2e-7 for correct ZeRO 0-3), is in ``test_ch03_negative.py``, which proves that this tolerance fails
-for those bugs.
+deepspeed_train.py trains with AdamW (its resume test proves Adam's moments are restored), and its
+weights must be single-process AdamW's within ``WEIGHT_TOL`` = 5e-5 after 3 or 6 steps at lr 3e-3:
+fp32 rounding of the other summation order, about 1e-7 relative per step, which Adam's normalisation
+magnifies for near-zero gradients to 1e-6-1e-5. A lost or repeated step shows (a weight moves up to
+3e-3 per step: the consolidation test's control); a gradient of the wrong scale would not, which is
+what the SGD comparison above is for.
 
 Every played job runs with ``TORCH_EXTENSIONS_DIR`` in an empty folder of the clone, and the tests
 assert that it stays empty: no DeepSpeed op was JIT-compiled (a fresh CI machine would spend 30-60 s
@@ -32,6 +43,7 @@ The GPU versions of these checks are in ``test_ch03_gpu.py``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -45,9 +57,13 @@ from ch03_common import (
     CHAPTER,
     INFERENCE,
     MEMORY,
+    MEMORY_LAYERS,
     OFFLOAD,
+    PLAY,
     README,
     RESUME,
+    SGD_LR,
+    SGD_TOL,
     STRATEGIES,
     TRAIN,
     WEIGHT_TOL,
@@ -61,13 +77,18 @@ from distkit.checkpoint import load_model_state, safe_load
 from distkit.harness import describe_model, read_records
 from distkit.models import TinyGPT, TokenTask, gpt_config, lm_loss
 from launch import (
+    WORKERS,
     assert_one_line_error,
     assert_readme_covered,
+    command_argv,
     free_port,
+    job,
     job_env,
     load_script,
     python,
+    readme_command,
     run,
+    run_jobs,
 )
 from spine import EXTENSIONS, flag_path, play_chapter
 
@@ -96,26 +117,89 @@ def zero_memory(played, tmp_path_factory):
             "records": read_records(flag_path(run, "--results")), "record_file": flag_path(run, "--record")}
 
 
+NOT_ONE_PROCESS = "zero_memory.py's weights are not one SGD process's"
+WIDE = 100  # a negative control must miss by at least this factor of the tolerance
+
+
+@functools.cache
+def sgd_reference() -> dict[str, torch.Tensor]:
+    """One process with plain SGD on the play's zero_memory.py run (3 steps, global batch 16, SGD_LR)."""
+    return reference_weights(steps=3, batch=16, lr=SGD_LR, optimizer="sgd", n_layer=MEMORY_LAYERS)
+
+
+def check_trains_like_one_process(params: Path, tolerance: float = SGD_TOL, strategies=STRATEGIES) -> None:
+    """Each config's saved weights (``params/{strategy}.pt``) within ``tolerance`` of one process
+    (the module docstring argues SGD_TOL); the message names each config that is not, in order."""
+    reference = sgd_reference()
+    diffs = {strategy: max_diff(safe_load(params / f"{strategy}.pt"), reference) for strategy in strategies}
+    off = [f"{strategy} {diff:.1e}" for strategy, diff in diffs.items() if not diff < tolerance]
+    assert not off, f"{NOT_ONE_PROCESS} (max |w - w_single| over {tolerance:.0e}): {', '.join(off)}"
+
+
 def test_zero_stages_train_the_single_process_model(zero_memory):
+    """The played zero_memory.py (4 ranks, plain SGD): every config ends with one process's weights;
+    its negative controls are test_summed_gradients_fail_the_equivalence_check's."""
     assert "still referenced" not in zero_memory["output"]  # every engine was freed before the next config ran
-    reference = reference_weights(steps=4, batch=16)
-    for strategy in STRATEGIES:
-        diff = max_diff(safe_load(zero_memory["params"] / f"{strategy}.pt"), reference)
-        assert diff < WEIGHT_TOL, f"{strategy}: max |w - w_single| = {diff:.2e}"
+    check_trains_like_one_process(zero_memory["params"])
+
+
+# The bug the check exists for, made in the script: each rank's loss multiplied by the world size,
+# the gradient that summing over the ranks instead of averaging leaves (N x the global batch's).
+SUMMED = ("loss = lm_loss(engine(inputs), targets)", "loss = lm_loss(engine(inputs), targets) * ctx.world_size")
+
+
+def launch_mutant(folder: Path, nproc: int, configs: list[str], old: str, new: str):
+    """zero_memory.py's README command on ``nproc`` ranks with the play's flags (ch03_common.PLAY, its
+    outputs in ``folder``), the script replaced by its mutant (tests/workers/ch05_mutant.py); ``--configs``
+    only for fewer than the default ones, STRATEGIES."""
+    argv = command_argv(readme_command(README, MEMORY), nproc)
+    at = argv.index(f"{CHAPTER.name}/{MEMORY}")
+    flags = [flag.replace("{out}", str(folder)) for flag in PLAY[MEMORY].flags]
+    subset = ["--configs", *configs] if configs != STRATEGIES else []
+    env = job_env(folder, TORCH_EXTENSIONS_DIR=str(folder / "torch_extensions"))
+    return run([*argv[:at], str(WORKERS / "ch05_mutant.py"), str(CHAPTER / MEMORY), old, new, "--",
+                *argv[at + 1:], *flags, *subset, "--record", str(folder / "zero_memory.jsonl")], env=env, timeout=400)
+
+
+# The play's run on its 4 ranks, every config; and on 2 ranks (a factor of 2, the smallest), every
+# ZeRO stage once (zero3_offload is stage 3 again, which the 4-rank mutant covers).
+MUTANT_CONFIGS = {4: STRATEGIES, 2: STRATEGIES[:4]}
+
+
+@pytest.fixture(scope="module")
+def summed(tmp_path_factory):
+    """The SUMMED mutant at both world sizes of MUTANT_CONFIGS, two at a time."""
+    old, new = SUMMED
+    return run_jobs({f"summed_{n}_ranks": functools.partial(launch_mutant, nproc=n, configs=configs, old=old, new=new)
+                     for n, configs in MUTANT_CONFIGS.items()}, tmp_path_factory)
+
+
+def test_summed_gradients_fail_the_equivalence_check(summed):
+    """The check of test_zero_stages_train_the_single_process_model fails its own assertion for the
+    summed mutant on 4 and on 2 ranks, naming each config it ran, even at 100x SGD_TOL."""
+    for nproc, configs in MUTANT_CONFIGS.items():
+        folder, _ = job(summed, f"summed_{nproc}_ranks")
+        named = ", ".join(rf"{name} \S+" for name in configs)
+        every_config = re.escape(NOT_ONE_PROCESS) + rf".*: {named}(?:\n|$)"  # each config, and no other
+        with pytest.raises(AssertionError, match=every_config):
+            check_trains_like_one_process(folder / "params", tolerance=WIDE * SGD_TOL, strategies=configs)
 
 
 def test_zero_stages_hold_the_formulas_bytes(zero_memory):
-    """Bytes per rank as distkit.theory derives them for fp32 AdamW the way DeepSpeed runs it."""
+    """Bytes per rank as ch03_common.expected_state writes out DeepSpeed's fp32 layout for the play's
+    plain SGD: no moments, so the optimizer column is ZeRO's fp32 master partition alone (4Ψ/N at
+    stages 1-3, nothing at stage 0). The AdamW layout is the Llama's test's and the notebook's."""
     records = zero_memory["records"]
     assert [r["strategy"] for r in records] == STRATEGIES
-    cfg = gpt_config("tiny")
+    cfg = gpt_config("tiny", n_layer=MEMORY_LAYERS)
     psi, n = sum(p.numel() for p in TinyGPT(cfg).parameters()), 4
     assert psi % n == 0  # no padding of the flat partitions for this model: the bytes are exact
     for record in records:
         assert record["param_count"] == psi
         assert record["model"] == {"arch": "gpt", **cfg.to_dict()}
         assert "model_size" not in record["config"] and "param_count" not in record["config"]
-        expected = expected_state(record["config"]["zero_stage"], psi, n)
+        assert (record["config"]["optimizer"], record["config"]["lr"]) == ("sgd", SGD_LR)
+        expected = expected_state(record["config"]["zero_stage"], psi, n, "sgd")
         for rank, measured in enumerate(record["metrics"]["model_state_bytes_per_rank"]):
             for key, value in expected.items():
                 assert abs(measured[key] - value) <= 0.05 * value, (record["strategy"], rank, key, measured)
@@ -146,13 +230,15 @@ def test_zero_memory_record_renders_the_readme_section(zero_memory):
     assert all(row["peak_memory_kind"] == "cpu_mem_tracker" and row["peak_memory_bytes_max"] > 0
                for row in table["rows"])
     psi, n = table["param_count"], table["world_size"]
-    for row in table["rows"]:  # the formula columns come from distkit.theory
-        assert row["predicted"] == theory.zero_fp32_state_bytes(row["stage"], psi, n)
+    assert table["optimizer"] == "sgd"
+    for row in table["rows"]:  # the formula columns come from distkit.theory, for the run's optimizer
+        assert row["predicted"] == theory.zero_fp32_state_bytes(row["stage"], psi, n, "sgd")
     out = zero_memory["tmp"] / "render"
     out.mkdir()
     section = load_script(CHAPTER / "zero_memory.py").render_record(record_file, out)
     assert (out / "zero_memory.png").stat().st_size > 10_000
     assert "| zero3_offload |" in section and ", gloo, torch" in section  # caption: where it ran
+    assert f"N = {n} ranks, fp32, SGD, 3 steps." in section  # and with what
 
 
 # ------------------------------------------------------------------------------------------------

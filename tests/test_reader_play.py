@@ -12,16 +12,22 @@ tests/spine.py); this file asks for every chapter, the top README last, and chec
 * the clone's ``git status`` is empty afterwards: every output lies where git ignores it;
 * no two chapters wrote the same file, so playing them side by side equals playing them in order;
 * the top README's ``python -m distkit.records check``, played after every other command, passed in
-  the clone: the committed records, tables and plots still match after everything the reader ran.
+  the clone: the committed records, tables and plots still match after everything the reader ran;
+* every chapter ran at least one command fresh, every process a new interpreter as the reader's
+  launcher starts it, nothing forked from the suite's fork server (whose pre-imported torch,
+  FSDP, pipelining and DeepSpeed would hide an import a script forgot): chapter 01's quick start,
+  the deepspeed launcher's resume in chapter 03, and one form per other chapter
+  (``launcher="torchrun-fresh"``).
 
 Each chapter's notebook executes in the clone after its chapter's commands (tests/test_notebooks.py).
 ``pytest -m reader`` runs the play with these checks and the notebooks alone (about 4 minutes on 2
 cores).
 
-Negative controls: a command that ends in a traceback from a repository file fails the check a played
-command must pass (:func:`test_a_command_ending_in_a_traceback_is_seen`); two chapters keeping the same
-``--results`` are seen; a file the reader's run left where git does not ignore it shows in the
-clone's status (tests/test_reader_path.py).
+Negative controls: a chapter whose commands all ran through the fork launcher is seen; a command
+that ends in a traceback from a repository file fails the check a played command must pass
+(:func:`test_a_command_ending_in_a_traceback_is_seen`); two chapters keeping the same ``--results``
+are seen; a file the reader's run left where git does not ignore it shows in the clone's status
+(tests/test_reader_path.py).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, changed_files, chapter_commands
+from launch import FORK_LAUNCHER, REPO, changed_files, chapter_commands
 from spine import CHAPTERS, LEFT_OUT, Played, ended_well, exports, play_chapter
 from test_reader_path import outputs, parsed_flags, script_and_args
 
@@ -90,6 +96,28 @@ def test_no_two_chapters_write_the_same_file(whole_play):
     overlap = "torchrun --nproc_per_node=4 05-advanced/communication_overlap.py --results runs/r.jsonl"
     assert shared_outputs({"02-fsdp": played("02-fsdp", sweep), "05-advanced": played("05-advanced", overlap)}) == {
         "runs/r.jsonl": ["02-fsdp", "05-advanced"]}
+
+
+def ran_fresh(run: dict) -> bool:
+    """A played command that ended well with no fork launcher in its argv: torchrun over fresh workers,
+    a fresh ``python``, or a launcher of its own (the deepspeed runner, bash)."""
+    return run["returncode"] == 0 and not any(FORK_LAUNCHER.name in str(word) for word in run["argv"])
+
+
+def assert_one_fresh(played: Played) -> None:
+    assert any(ran_fresh(run) for run in played.runs), f"{played.chapter}: no README command ran fresh"
+
+
+@pytest.mark.reader
+def test_every_chapter_runs_one_command_fresh(whole_play):
+    """Negative control: chapter 05's play without its fresh command."""
+    for played in whole_play.values():
+        assert_one_fresh(played)
+    chapter = whole_play["05-advanced"]
+    forked = Played(chapter.chapter, chapter.clone, [run for run in chapter.runs if not ran_fresh(run)])
+    assert len(forked.runs) == len(chapter.runs) - 1  # the pipeline's 2-rank command alone ran fresh
+    with pytest.raises(AssertionError, match="no README command ran fresh"):
+        assert_one_fresh(forked)
 
 
 @pytest.mark.reader
