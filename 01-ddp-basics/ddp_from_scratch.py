@@ -28,7 +28,9 @@ from distkit.checkpoint import atomic_save
 from distkit.flags import (
     add_bucket_arg,
     add_checkpoint_args,
+    add_optimizer_arg,
     add_training_args,
+    make_optimizer,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -49,7 +51,8 @@ def parse_args():
     add_model_args(parser)
     train = add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, helps={
         "global_batch_size": "sequences per step over all ranks; each rank takes 1/world size",
-        "lr": "peak AdamW learning rate"})
+        "lr": "peak learning rate"})
+    add_optimizer_arg(train)
     train.add_argument("--lr-warmup-steps", type=non_negative_int, default=10,
                        help="linear LR warm-up, then cosine decay to 10%% (default: 10)")
     train.add_argument("--weight-decay", type=non_negative_float, default=0.01,
@@ -111,7 +114,7 @@ def main():
                              f"size {ctx.world_size}")
         model = build_model(gpt).to(ctx.device)
         broadcast_parameters(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr, weight_decay=args.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, args.lr_warmup_steps, args.steps))
         param_count = sum(p.numel() for p in model.parameters())
@@ -121,7 +124,8 @@ def main():
         harness = Harness(ctx, "ddp_from_scratch", model=model, optimizer=optimizer,
                           warmup_steps=args.warmup_steps,
                           config={"global_batch_size": args.global_batch_size,
-                                  "precision": "fp32", "bucket_cap_mb": args.bucket_cap_mb})
+                                  "precision": "fp32", "optimizer": args.optimizer,
+                                  "bucket_cap_mb": args.bucket_cap_mb})
         task = make_task(gpt, args)
         losses = []
         for step in progress(range(args.steps), ctx.rank, desc="train"):

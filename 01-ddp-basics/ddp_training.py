@@ -34,8 +34,10 @@ from distkit.checkpoint import atomic_save, load_model_state, remove_stale_tempo
 from distkit.flags import (
     add_bucket_arg,
     add_checkpoint_args,
+    add_optimizer_arg,
     add_training_args,
     check_value,
+    make_optimizer,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -60,7 +62,8 @@ def build_parser() -> ArgumentParser:
     train = add_training_args(parser, steps=200, global_batch_size=32, lr=3e-3, grad_accum_steps=1, helps={
         "global_batch_size": "sequences per optimizer step, summed over all ranks and micro-batches",
         "grad_accum_steps": "micro-batches per optimizer step; all but the last skip the all-reduce",
-        "lr": "peak AdamW learning rate (before --lr-scaling)"})
+        "lr": "peak learning rate (before --lr-scaling)"})
+    add_optimizer_arg(train)
     for flag, kind, default, text in [
             ("--base-batch-size", positive_int, 32, "the global batch --lr was tuned for"),
             ("--lr-warmup-steps", non_negative_int, 10, "linear LR warm-up steps, then cosine decay to 10%%"),
@@ -273,7 +276,7 @@ def accumulate_gradients(model: DDP, inputs: torch.Tensor, targets: torch.Tensor
 
     All but the last run under ``no_sync()``: gradients accumulate locally and DDP all-reduces once, in
     the last backward. Each loss is divided by k, so the sum is the gradient of the mean loss over the
-    share (without it k times too large; tests/test_ch01_negative.py checks both).
+    share (without it k times too large: tests/test_ch01_negative.py runs this script without it).
     """
     step_loss = torch.zeros((), device=inputs.device)
     chunks = list(zip(inputs.chunk(k), targets.chunk(k)))
@@ -302,7 +305,7 @@ def train(args: argparse.Namespace) -> None:
         model = DDP(model, device_ids=ctx.device_ids, bucket_cap_mb=args.bucket_cap_mb,
                     static_graph=args.static_graph, find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=args.gradient_as_bucket_view)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=scaled_lr(args), weight_decay=args.weight_decay)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), scaled_lr(args), weight_decay=args.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, args.lr_warmup_steps, args.steps))
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.precision == "fp16")
@@ -312,7 +315,8 @@ def train(args: argparse.Namespace) -> None:
         start_step, losses = resume(args, ctx, log, model, optimizer, scheduler, scaler)
         harness = Harness(ctx, "ddp", model=model, optimizer=optimizer, warmup_steps=args.warmup_steps,
                           config={"global_batch_size": args.global_batch_size,
-                                  "precision": args.precision, "grad_accum_steps": args.grad_accum_steps,
+                                  "precision": args.precision, "optimizer": args.optimizer,
+                                  "grad_accum_steps": args.grad_accum_steps,
                                   "bucket_cap_mb": args.bucket_cap_mb, "static_graph": args.static_graph,
                                   "gradient_as_bucket_view": args.gradient_as_bucket_view})
         task = make_task(gpt, args, num_sequences=args.num_sequences)

@@ -127,9 +127,10 @@ for name, r in (("DDP (buckets, overlap)", ddp), ("from scratch (per tensor)", s
 # %% [markdown]
 # What must hold whatever the machine: both versions move exactly the fp32 gradients once per step
 # (4 bytes per parameter); by hand that takes one call per parameter tensor, DDP one per 25 MiB
-# bucket (the tiny model fits in one); and both end with the same weights (tolerance 5e-5, as in
-# `tests/test_ch01_ddp.py`: different summation order, amplified by AdamW; summed-not-averaged
-# gradients are 1,300x further away, see `tests/test_ch01_negative.py`). What the number of calls
+# bucket (the tiny model fits in one); and both end with the same weights (within 5e-5: a different
+# summation order, amplified by AdamW). The tests train the same scripts with plain SGD, which no
+# gradient scale escapes: summed-not-averaged gradients land about 1,000x that tolerance away
+# (`tests/test_ch01_negative.py`). What the number of calls
 # costs in time depends on the machine and its load: section 3 plots it from the committed records.
 
 # %%

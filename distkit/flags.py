@@ -136,9 +136,10 @@ def add_optimizer_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
                              "so an equivalence test also sees gradient-scale mistakes AdamW normalises away")
 
 
-def make_optimizer(name: str, params, lr: float):
+def make_optimizer(name: str, params, lr: float, weight_decay: float | None = None):
     """The optimizer ``name`` (``--optimizer``) over ``params`` at learning rate ``lr``, torch's defaults
-    otherwise, except its implementation, chosen here for both devices.
+    otherwise, except its implementation, chosen here for both devices. ``weight_decay`` is AdamW's
+    (decoupled) decay; plain SGD ignores it and stays plain, its update the gradient times lr.
 
     ``foreach`` (one multi-tensor kernel per update op) is what torch picks on CUDA, and on CPU it
     saves a dispatch per tensor, which DTensor parameters make costly. But a foreach op over a list
@@ -151,7 +152,8 @@ def make_optimizer(name: str, params, lr: float):
 
     params = list(params)
     kinds = {isinstance(p, DTensor) for p in params}
-    return getattr(torch.optim, OPTIMIZER_CLASSES[name])(params, lr=lr, foreach=len(kinds) == 1)
+    options = {"weight_decay": weight_decay} if name == "adamw" and weight_decay is not None else {}
+    return getattr(torch.optim, OPTIMIZER_CLASSES[name])(params, lr=lr, foreach=len(kinds) == 1, **options)
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, save: str | None | object = _UNSET,

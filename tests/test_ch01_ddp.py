@@ -5,6 +5,13 @@ Every job is launched from the command the chapter README shows (so the README c
 small flags appended (argparse keeps the last value of a repeated flag): four of them are the
 README's own commands, which the reader's play runs once (tests/spine.py); the two agents run here.
 Each test asserts on the jobs it names.
+
+The equivalence runs train plain SGD (ch01_common.SGD), under which a gradient of the wrong scale
+moves every weight by that factor (AdamW and clipping would hide it); the check's negative controls
+are the mutants of both scripts in test_ch01_negative.py. The restarts and the two agents train the
+scripts' default, AdamW, with the same flags (ch01_common.training_flags): an exact resume must
+restore Adam's moments, which plain SGD does not have, and the two agents' job is the uninterrupted
+4-rank run the restarted ones must end at.
 """
 from __future__ import annotations
 
@@ -21,9 +28,10 @@ import torch
 from ch01_common import (
     CHAPTER,
     README,
+    SGD_STEPS,
     STEPS,
-    TINY,
     TOLERANCE,
+    check_like_one_process,
     final_params,
     max_diff,
     readme_argv,
@@ -35,16 +43,6 @@ from distkit.checkpoint import safe_load
 from distkit.harness import read_records
 from launch import forked_workers, free_port, job, job_env, load_script, readme_command, run, run_jobs
 from spine import play_chapter
-
-
-def uninterrupted(folder: Path) -> subprocess.CompletedProcess:
-    """ddp_training.py with 4 ranks, 2 micro-batches per step, checkpoints every 2 steps, no faults."""
-    return run([*readme_argv("--config"), *training_flags(folder)], env=job_env(folder), timeout=900)
-
-
-def scratch(folder: Path) -> subprocess.CompletedProcess:
-    return run([*readme_argv("ddp_from_scratch.py"), *TINY, "--save", str(folder / "scratch.pt"),
-                "--results", str(folder / "scratch.jsonl")], env=job_env(folder), timeout=900)
 
 
 def killed_rank(folder: Path) -> subprocess.CompletedProcess:
@@ -60,8 +58,9 @@ def torn_checkpoint(folder: Path) -> subprocess.CompletedProcess:
 
 
 def two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
-    """Two torchrun agents x 2 workers rendezvous over c10d on loopback, as two nodes would. (Not
-    command_argv: it would add --standalone, and each agent would rendezvous alone.)"""
+    """Two torchrun agents x 2 workers rendezvous over c10d on loopback, as two nodes would: 4 ranks,
+    2 micro-batches per step, checkpoints every 2 steps, no faults. (Not command_argv: it would add
+    --standalone, and each agent would rendezvous alone.)"""
     command = readme_command(README, "--nnodes=2").replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}")
     argv = forked_workers([sys.executable, "-m", "torch.distributed.run", *command.split()[1:],
                            *training_flags(folder)])
@@ -78,11 +77,12 @@ def two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory, reader) -> dict[str, tuple[Path, object]]:
     """Every job of this file: ``{name: (folder, result or the exception it raised)}``. The README's
-    own commands as the reader's play ran them (tests/spine.py; ch01_common.PLAY: the same flags as
-    the functions above), the two agents here."""
+    own commands as the reader's play ran them (tests/spine.py; ch01_common.PLAY: the equivalence
+    runs ``equivalence`` and ``scratch``, the restarts with the flags of the functions above), the
+    two agents here."""
     played = play_chapter("01-ddp-basics", reader)
     found = {}
-    for name, lookup in (("uninterrupted", "--config"), ("scratch", "ddp_from_scratch.py"),
+    for name, lookup in (("equivalence", "--config"), ("scratch", "ddp_from_scratch.py"),
                          ("killed_rank", "--crash-at-step"), ("torn_checkpoint", "--crash-in-checkpoint-at-step")):
         done = played.completed(lookup)
         found[name] = played.of(lookup)["out"], (done if done.returncode == 0 else AssertionError(
@@ -91,15 +91,14 @@ def jobs(tmp_path_factory, reader) -> dict[str, tuple[Path, object]]:
 
 
 def test_ddp_and_ddp_from_scratch_match_single_process(jobs):
-    clean, out = job(jobs, "uninterrupted")
+    """The played runs (4 ranks, plain SGD; DDP with 2 micro-batches per step) end with one SGD
+    process's weights."""
+    clean, out = job(jobs, "equivalence")
     assert "done: loss" in out.stdout
     folder, scratch_run = job(jobs, "scratch")
-    reference = single_process_params()
-    ddp = final_params(clean)
-    by_hand = safe_load(folder / "scratch.pt")["model"]
-    assert max_diff(ddp, reference) < TOLERANCE
-    assert max_diff(by_hand, reference) < TOLERANCE
-    assert max_diff(by_hand, ddp) < TOLERANCE
+    reference = single_process_params(optimizer="sgd")
+    check_like_one_process(final_params(clean, SGD_STEPS), reference, "ddp_training.py")
+    check_like_one_process(safe_load(folder / "scratch.pt")["model"], reference, "ddp_from_scratch.py")
 
     # Communication, as the harness counted it from the collectives that really ran.
     grad_bytes = sum(t.numel() * 4 for t in reference.values())
@@ -108,14 +107,13 @@ def test_ddp_and_ddp_from_scratch_match_single_process(jobs):
     assert ddp_record["strategy"] == "ddp" and scratch_record["strategy"] == "ddp_from_scratch"
     for rec in (ddp_record, scratch_record):  # the model lives in the record's model field only
         assert rec["model"]["arch"] == "gpt" and rec["model"]["n_layer"] == 2 and rec["param_count"] > 0
-        assert {"global_batch_size", "precision"} <= rec["config"].keys()
+        assert {"global_batch_size", "precision"} <= rec["config"].keys() and rec["config"]["optimizer"] == "sgd"
         assert not {"model_size", "param_count", "model", "gpt"} & rec["config"].keys()
         assert rec["world_size"] == 4
-    # The fp32 gradients exactly once per step: no_sync() skipped the first micro-batch's all-reduce.
-    # With --find-unused-parameters DDP also all-reduces one int32 "was it used" flag per parameter.
+    # The fp32 gradients exactly once per step: no_sync() skipped the first micro-batch's all-reduce,
+    # and one 25 MiB bucket holds every gradient.
     ddp_comm = ddp_record["metrics"]["comm_per_step"]["all_reduce"]
-    assert ddp_comm["bytes"] == grad_bytes + 4 * len(reference)
-    assert ddp_comm["calls"] == 2  # one 25 MiB bucket holds every gradient, plus the flags
+    assert (ddp_comm["bytes"], ddp_comm["calls"]) == (grad_bytes, 1)
     scratch_comm = scratch_record["metrics"]["comm_per_step"]["all_reduce"]
     assert scratch_comm["bytes"] == grad_bytes and scratch_comm["calls"] == len(reference)
     assert "37 calls" in scratch_run.stdout
@@ -123,8 +121,8 @@ def test_ddp_and_ddp_from_scratch_match_single_process(jobs):
 
 def test_killed_rank_restarts_and_ends_identical(jobs):
     """Rank 2 killed at step 5: the restart resumes from the step-4 checkpoint and finishes bit-for-bit
-    equal to the uninterrupted run."""
-    clean, _ = job(jobs, "uninterrupted")
+    equal to the uninterrupted run (the two agents': the same 4 global ranks, flags and data)."""
+    clean, _ = job(jobs, "two_agents")
     folder, out = job(jobs, "killed_rank")
     assert "rank 2 sends itself SIGKILL at step 5" in out.stdout
     assert f"resumed from {folder / 'ck' / 'step_000004.pt'} at step 4" in out.stdout
@@ -159,7 +157,7 @@ def test_killed_rank_restarts_and_ends_identical(jobs):
 def test_kill_while_writing_checkpoint_keeps_previous_one(jobs):
     """The torn temp file never takes the real name, the restart removes it (its writer is dead),
     resumes from step 4, and training still ends at the right weights."""
-    clean, _ = job(jobs, "uninterrupted")
+    clean, _ = job(jobs, "two_agents")
     folder, out = job(jobs, "torn_checkpoint")
     killed_line = next(line for line in out.stdout.splitlines() if "rank 0 killed while writing" in line)
     torn = Path(killed_line.split("killed while writing ")[1].strip())
@@ -173,9 +171,13 @@ def test_kill_while_writing_checkpoint_keeps_previous_one(jobs):
 
 
 def test_two_agents_as_two_nodes_match_one_agent(jobs):
-    clean, _ = job(jobs, "uninterrupted")
+    """The two agents' job trains what one AdamW process trains, and exactly what one 4-rank agent
+    does: the killed-rank job's, whose restart test_killed_rank_restarts_and_ends_identical proves
+    exact."""
     folder, results = job(jobs, "two_agents")
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     assert any("world size 4" in r.stdout for r in results)
+    check_like_one_process(final_params(folder), single_process_params(), "the two agents' job", optimizer="AdamW")
     # Same 4 global ranks, same data per rank, same gloo reduction: identical to one 4-rank agent.
-    assert max_diff(final_params(folder), final_params(clean)) == 0.0
+    one_agent, _ = job(jobs, "killed_rank")
+    assert max_diff(final_params(folder), final_params(one_agent)) == 0.0

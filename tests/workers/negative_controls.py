@@ -1,17 +1,18 @@
 """Worker: negative controls for the equivalence tests of chapters 01, 02 and 05.
 
 Each case trains the tiny GPT from the same seed-0 weights with a distributed strategy, built from
-the chapter script's own functions where it has them (``average_gradients``, ``shard_model``,
-``apply_tensor_parallel``, ``make_stage_module``), once correctly and once with a deliberate bug
+the chapter script's own functions where it has them (``shard_model``, ``apply_tensor_parallel``,
+``make_stage_module``), once correctly and once with a deliberate bug
 (gradients summed instead of averaged, one rank's shard dropped, a micro-batch skipped, the loss not
 scaled by 1/k). Rank 0 compares each result with a single-process reference trainer written here,
 independently of the scripts, and writes ``{case: {variant: max |distributed - reference|}}`` to
 ``--out`` (and prints it). The test then asserts: correct under the tolerance, broken far above it.
 
 SGD (lr 0.5, 3 steps): SGD moves a weight by lr x gradient, so a gradient twice too large moves it
-twice as far. AdamW would hide that (its update is g / sqrt(v)). Chapter 02's own controls are
-mutants of its script (tests/test_ch02_negative.py); its one case here, ``ch02_full_shard``, is the
-tiny Llama's (tests/test_llama_equivalence.py).
+twice as far. AdamW would hide that (its update is g / sqrt(v)). Chapters 01 and 02's own controls
+are mutants of their scripts (tests/test_ch01_negative.py, tests/test_ch02_negative.py); their cases
+here, ``ch01_ddp`` and ``ch02_full_shard``, are the tiny Llama's (tests/test_llama_equivalence.py),
+and ``accumulation`` is chapter 05's no_sync loop (tests/test_ch05_negative.py).
 """
 from __future__ import annotations
 
@@ -96,24 +97,6 @@ def full_state(model) -> dict:
 
 
 # ---------------------------------------------------------------- chapter 01
-
-def case_scratch(ctx, variant):
-    """ddp_from_scratch.py's average_gradients (per tensor and bucketed) vs summing only."""
-    scratch = load("01-ddp-basics/ddp_from_scratch.py")
-    model = new_model()
-    scratch.broadcast_parameters(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in batches(ctx, model):
-        optimizer.zero_grad()
-        lm_loss(model(x), y).backward()
-        if variant == "summed":  # bug: the division by the world size deleted
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-        else:
-            scratch.average_gradients(model, ctx.world_size, 4096 if variant == "bucketed" else 0)
-        optimizer.step()
-    return model.state_dict()
-
 
 def summing_hook(state, bucket):
     """Bug as a DDP comm hook: all-reduce the bucket, never divide by the world size."""
@@ -248,7 +231,6 @@ def case_pp(ctx, variant, microbatches=4):
 
 
 CASES = {
-    "ch01_scratch": (case_scratch, ["correct", "bucketed", "summed"], {}),
     "ch01_ddp": (case_ddp, ["correct", "summed"], {}),
     "accumulation": (case_ddp, ["accumulated", "unscaled_loss", "skipped_micro_batch"], {}),
     "ch02_full_shard": (lambda c, v: case_fsdp(c, v, "full_shard"), ["correct", "summed", "dropped_shard"], {}),
