@@ -7,13 +7,16 @@ One 4-rank launch of the worker; each strategy is built from the chapter script'
 pipeline_parallel.make_stage_module with GPipe) and compared with a reference trainer in the worker.
 Bugs: accumulation without the 1/k loss scaling and with one of k=2 micro-batches skipped (the
 DDP + no_sync loop of gradient_accumulation.py); rank 1's gradient shard dropped (TP, TP+SP, 2-D,
-HSDP); gradients summed over the data-parallel ranks instead of averaged (2-D, HSDP); one of 4
-pipeline micro-batches' loss lost.
+HSDP); one of 4 pipeline micro-batches' loss lost.
 
 Measured on 2-core CPU, gloo (max |distributed - single|; training moves weights by up to 7.1e-2,
 4.7e-2 for the 4-layer pipeline model): every correct variant 6e-8 to 1.2e-7; the bugs 3.6e-2 (2-D
-dropped shard) to 3.0e-1 (HSDP summed over 4 ranks). TOLERANCE sits ~100x above the correct runs
-and ~3,600x below the smallest bug.
+dropped shard) to 8.3e-2. TOLERANCE sits ~100x above the correct runs and ~3,600x below the
+smallest bug.
+
+Gradients summed over the data-parallel ranks instead of averaged are made in the scripts themselves
+(the last test): hybrid_parallelism.py's 2-D and HSDP layouts, gradient_accumulation.py on 4 ranks
+and on 2.
 
 The accumulation cases above use the worker's own copy of the no_sync loop. The last test mutates
 gradient_accumulation.py itself (tests/workers/ch05_mutant.py deletes its ``/ k``) and runs the
@@ -23,17 +26,19 @@ measured 1.6e-1 on 2-core CPU, gloo (both sync modes), 16,000x the tolerance.
 """
 import json
 
+import pytest
 import torch
 
-from ch05_common import QUICK, TOLERANCE, readme_command, reference
-from launch import REPO, WORKERS, torchrun
+from ch05_common import LOOKUPS, PLAY, QUICK, TOLERANCE, readme_command, reference
+from launch import REPO, WORKERS, job, run_jobs, torchrun
+from test_ch05_advanced import assert_matches
 
 WIDE = 100  # a bug must exceed the tolerance by at least this factor
 CASES = {"accumulation": ("accumulated", ["unscaled_loss", "skipped_micro_batch"]),
          "ch05_tp": ("correct", ["dropped_shard"]),
          "ch05_tp_sp": ("correct", ["dropped_shard"]),
-         "ch05_2d": ("correct", ["summed", "dropped_shard"]),
-         "ch05_hsdp": ("correct", ["summed", "dropped_shard"]),
+         "ch05_2d": ("correct", ["dropped_shard"]),
+         "ch05_hsdp": ("correct", ["dropped_shard"]),
          "ch05_pp": ("correct", ["skipped_micro_batch"])}
 
 
@@ -107,3 +112,49 @@ def test_llama_bugs_fail_the_equivalence_tests(tmp_path):
         diff = max((state[n] - expected[n]).abs().max().item() for n in expected)
         print(f"{name}: max |distributed - single| = {diff:.2e}")
         assert diff > WIDE * TOLERANCE, (name, diff)
+
+
+# Gradients summed over the data-parallel ranks instead of averaged, made in the scripts themselves
+# (each rank's loss times the data-parallel size, so the mean the reduction takes becomes the sum),
+# run with exactly the flags the reader's play gives the correct commands (ch05_common.PLAY) and
+# judged by test_ch05_advanced's own check (assert_matches): hybrid_parallelism.py's 2-D and HSDP
+# layouts on the README's 4 ranks, and gradient_accumulation.py's DDP on 4 and on 2, beside the
+# unmutated script on 2 (the played run is the 4-rank twin), which must pass. Measured on 2-core CPU,
+# gloo (max |distributed - single|): 2-D 6.2e-2, HSDP 1.9e-1, accumulation 1.6e-1 on 4 ranks and
+# 6.2e-2 on 2: over 6,000x TOLERANCE.
+DP_SUM = ("loss = lm_loss(model(inputs), targets)", "loss = lm_loss(model(inputs), targets) * dp_size")
+ACCUMULATION_SUM = ("lm_loss(model(x), y) / k", "lm_loss(model(x), y) / k * ctx.world_size")
+SUMMED = {  # name: (lookup, the one replacement or None, ranks (None: the README's), the weights file)
+    "2d_summed": ("2d", DP_SUM, None, "2d.pt"),
+    "hsdp_summed": ("hsdp", DP_SUM, None, "hsdp.pt"),
+    "accumulation_summed_4": ("accumulation", ACCUMULATION_SUM, 4, "no_sync.pt"),
+    "accumulation_summed_2": ("accumulation", ACCUMULATION_SUM, 2, "no_sync.pt"),
+    "accumulation_2": ("accumulation", None, 2, "no_sync.pt"),
+}
+
+
+def launch_summed(folder, name: str):
+    lookup, mutation, ranks, _ = SUMMED[name]
+    nproc, script, args = readme_command(*LOOKUPS[lookup][0], without=LOOKUPS[lookup][1])
+    flags = [flag.replace("{out}", str(folder)) for flag in PLAY[LOOKUPS[lookup]].flags]
+    mutant = () if mutation is None else (WORKERS / "ch05_mutant.py",)
+    return torchrun(*mutant, REPO / script, *(mutation or ()), *(["--"] if mutation else []), *args, *flags,
+                    nproc=ranks or nproc, tmp_path=folder, timeout=400)
+
+
+def test_gradients_summed_over_the_data_parallel_ranks_fail_the_equivalence_test(tmp_path_factory):
+    runs = run_jobs({name: (lambda folder, name=name: launch_summed(folder, name)) for name in SUMMED},
+                    tmp_path_factory)
+    for name, (lookup, mutation, ranks, weights) in SUMMED.items():
+        folder, _ = job(runs, name)
+        global_batch = 2 * 4 * ranks if lookup == "accumulation" else 16  # micro 2 x k 4 x ranks, as played
+        expected, _ = reference(global_batch)
+        if mutation is None:
+            assert_matches(folder / weights, expected)
+            continue
+        state = torch.load(folder / weights, weights_only=True)["model"]
+        diff = max((state[n] - expected[n]).abs().max().item() for n in expected)
+        print(f"{name}: max |distributed - single| = {diff:.2e}")
+        assert diff > WIDE * TOLERANCE, (name, diff)
+        with pytest.raises(AssertionError, match=r"max \|distributed - single\| = "):
+            assert_matches(folder / weights, expected)
