@@ -30,7 +30,6 @@ PEAK_LABEL = {"cpu_peak_rss": "peak RSS MiB (max rank)",
 # param_count); read_records puts it in the record's `model` field, so those keys are left out too.
 PER_STRATEGY = {"sharding", "hsdp_shard_size"}
 MODEL_IN_OLD_CONFIG = {"model_size", "gpt", "param_count"}
-OPTIMIZER_NAME = {"adamw": "AdamW", "sgd": "SGD"}  # config's `optimizer` (--optimizer) as captions name it
 
 
 def parse_args(argv=None):
@@ -83,7 +82,9 @@ def model_label(record):
 
 def optimizer_label(record):
     """The optimizer the run trained with; records written before --optimizer existed trained AdamW."""
-    return OPTIMIZER_NAME[record["config"].get("optimizer", "adamw")]
+    from distkit.flags import OPTIMIZER_CLASSES  # --optimizer's names -> torch's, as captions name them
+
+    return OPTIMIZER_CLASSES[record["config"].get("optimizer", "adamw")]
 
 
 def peak_label(record):

@@ -129,27 +129,27 @@ def trained(folder: Path, strategy: str) -> dict:
     return torch.load(path if path.exists() else folder / f"{strategy}.pt", weights_only=True)
 
 
-def test_summed_gradients_fail_the_equivalence_check(mutants):
-    """Gradients summed over the ranks instead of averaged: every strategy on 4 ranks, FULL_SHARD and
-    DDP on 2, and under root wrap + activation checkpointing + CPU offload."""
+def assert_each_fails_the_check(mutants, cases: list[tuple[str, str]]) -> None:
+    """Each (mutant, strategy) run fails check_like_one_process's own message, even at WIDE x FP32_ATOL."""
     _, reference = reference_state(STEPS, optimizer="sgd")
-    cases = [("summed", s) for s in STRATEGIES] + [("summed_2_ranks", s) for s in ("full_shard", "ddp")]
-    for name, strategy in [*cases, ("offload_summed", "full_shard")]:
-        state = trained(mutants[name], strategy)
-        print(f"{name} {strategy}: {max_diff(state, reference):.2e}")
-        with pytest.raises(AssertionError, match=f"^{name} {strategy} differs from single-process SGD by "):
-            check_like_one_process(state, reference, f"{name} {strategy}", atol=WIDE * FP32_ATOL)
-
-
-def test_dropped_shards_and_unreduced_replicas_fail_the_equivalence_check(mutants):
-    """Rank 1's shard never stepped (FULL_SHARD, HSDP), HSDP's replicas never all-reduced."""
-    _, reference = reference_state(STEPS, optimizer="sgd")
-    cases = [("dropped_shard", s) for s in DROPPED_IN] + [("replicas_not_reduced", "hybrid_shard")]
     for name, strategy in cases:
         state = trained(mutants[name], strategy)
         print(f"{name} {strategy}: {max_diff(state, reference):.2e}")
         with pytest.raises(AssertionError, match=f"^{name} {strategy} differs from single-process SGD by "):
             check_like_one_process(state, reference, f"{name} {strategy}", atol=WIDE * FP32_ATOL)
+
+
+def test_summed_gradients_fail_the_equivalence_check(mutants):
+    """Gradients summed over the ranks instead of averaged: every strategy on 4 ranks, FULL_SHARD and
+    DDP on 2, and under root wrap + activation checkpointing + CPU offload."""
+    cases = [("summed", s) for s in STRATEGIES] + [("summed_2_ranks", s) for s in ("full_shard", "ddp")]
+    assert_each_fails_the_check(mutants, [*cases, ("offload_summed", "full_shard")])
+
+
+def test_dropped_shards_and_unreduced_replicas_fail_the_equivalence_check(mutants):
+    """Rank 1's shard never stepped (FULL_SHARD, HSDP), HSDP's replicas never all-reduced."""
+    assert_each_fails_the_check(mutants, [("dropped_shard", s) for s in DROPPED_IN]
+                                + [("replicas_not_reduced", "hybrid_shard")])
 
 
 def test_summed_gradients_under_bf16_fail_the_relative_check(mutants):
